@@ -1,0 +1,321 @@
+"""One typed config tree, loaded from YAML, overridden from the command line, validated at load.
+
+    cfg = load_config("configs/models/tiny.yaml", ["model.num_layers=4", "copy.mix=joint"])
+
+A YAML file may start from another with `base: <path or name>` (resolved next to the file, then
+in the shipped `configs/`); its own keys override the base's. Every error is a `ConfigError`
+whose message is one line naming the field, the value and what would be valid; entry points turn
+it into exit code 2.
+
+The tree grows with the project (data, train, ... sections join as they land); each section is a
+dataclass and `Config` is their root. Parallel sizes that depend on the launch (dp = world / tp)
+are checked when the world is known, in `cplm_dist.parallel`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Mapping, Sequence
+
+import yaml
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+MixMode = Literal["gate", "joint", "sentinel"]
+PasteMode = Literal["next", "self"]
+
+
+class ConfigError(ValueError):
+    """A bad config: the message is one line naming the field, the value and what is valid."""
+
+
+# ---------------------------------------------------------------------------------------------
+# The tree
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ModelConfig:
+    """Llama-style decoder shapes (SmolLM / Llama tables in DESIGN.md)."""
+
+    name: str = "tiny"
+    num_layers: int = 2
+    hidden_size: int = 128
+    num_heads: int = 8
+    num_kv_heads: int = 4
+    ffn_hidden_size: int = 256
+    vocab_size: int = 512
+    max_seq_len: int = 2048
+    tie_embeddings: bool = True
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+    # Output projections (attention out, MLP down) start at init_std / sqrt(2 * num_layers).
+    scaled_init: bool = True
+    # Megatron pads the vocabulary to a multiple of this times tp; padded ids never get mass.
+    make_vocab_size_divisible_by: int = 128
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+
+@dataclass
+class CopyConfig:
+    """The Copy-Paste head (DESIGN.md, "The copy head")."""
+
+    enabled: bool = True
+    num_heads: int = 1  # H_c
+    head_dim: int = 64  # d_c
+    paste: PasteMode = "next"
+    mix: MixMode = "gate"
+    rope: bool = False  # rotary position on the copy q/k
+    init_std: float = 0.02
+    gate_bias_init: float = 0.0  # gate mix: sigmoid(0) = half the mass to the LM head at init
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1  # tensor-parallel size; dp = world_size / tp
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    copy: CopyConfig = field(default_factory=CopyConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    seed: int = 1234
+
+
+# ---------------------------------------------------------------------------------------------
+# Derived sizes
+# ---------------------------------------------------------------------------------------------
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
+    """Megatron's padding: the smallest multiple of divisible_by * tp not below vocab_size."""
+    multiple = divisible_by * tp
+    return int(math.ceil(vocab_size / multiple) * multiple)
+
+
+def vocab_padding_note(cfg: Config) -> str | None:
+    """One line describing the vocabulary padding at this tp, or None when there is none."""
+    m = cfg.model
+    padded = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, cfg.parallel.tp)
+    if padded == m.vocab_size:
+        return None
+    return (
+        f"model.vocab_size={m.vocab_size} padded to {padded} (+{padded - m.vocab_size} ids, a "
+        f"multiple of {m.make_vocab_size_divisible_by}*tp={m.make_vocab_size_divisible_by * cfg.parallel.tp}); "
+        "padded ids are masked out of every softmax"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+# ---------------------------------------------------------------------------------------------
+
+
+def resolve_config_path(name: str | Path, relative_to: Path | None = None) -> Path:
+    """A path as given, next to `relative_to`, or a shipped config by name (`tiny`, `cplm-135m`)."""
+    name = str(name)
+    candidates = [Path(name)]
+    if relative_to is not None:
+        candidates.append(relative_to / name)
+    for sub in ("", "models"):
+        base = CONFIG_DIR / sub
+        candidates += [base / name, base / f"{name}.yaml"]
+    for c in candidates:
+        if c.is_file():
+            return c
+    shipped = sorted(p.stem for p in CONFIG_DIR.rglob("*.yaml"))
+    raise ConfigError(f"config '{name}' not found: give a YAML path or one of {shipped}")
+
+
+def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
+    path = path.resolve()
+    if path in seen:
+        raise ConfigError(f"config {path}: 'base' chain loops back to itself")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"config {path}{where}: not valid YAML ({getattr(e, 'problem', e)})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config {path}: top level must be a mapping, got {type(data).__name__}")
+    base = data.pop("base", None)
+    if base is None:
+        return data
+    return _merge(_read_yaml(resolve_config_path(base, path.parent), seen + (path,)), data)
+
+
+def _merge(base: dict, over: Mapping) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, Mapping) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`model.num_layers=4` -> (["model", "num_layers"], 4); the value is parsed as YAML."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override '{text}' must look like section.field=value (e.g. model.num_layers=4)")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.split("."), value
+
+
+def apply_overrides(data: dict, overrides: Sequence[str]) -> dict:
+    data = _merge({}, data)
+    for text in overrides:
+        path, value = parse_override(text)
+        node = data
+        for part in path[:-1]:
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise ConfigError(f"override '{text}': '{part}' is a value, not a section")
+            node = child
+        node[path[-1]] = value
+    return data
+
+
+def load_config(path_or_name: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
+    """Read YAML (or start from the defaults when None), apply dotted overrides, validate."""
+    data = {} if path_or_name is None else _read_yaml(resolve_config_path(path_or_name))
+    cfg = from_dict(apply_overrides(data, overrides))
+    validate(cfg)
+    return cfg
+
+
+def from_dict(data: Mapping, cls: type = Config, prefix: str = "") -> Any:
+    """Build a dataclass tree from plain data, refusing unknown keys and wrongly typed values."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        if key not in known:
+            close = difflib.get_close_matches(str(key), known, n=1)
+            hint = f" (did you mean '{prefix}{close[0]}'?)" if close else f"; valid keys: {sorted(known)}"
+            raise ConfigError(f"unknown key '{prefix}{key}'{hint}")
+        hint = hints[key]
+        if dataclasses.is_dataclass(hint):
+            kwargs[key] = from_dict(value if value is not None else {}, hint, f"{prefix}{key}.")
+        else:
+            kwargs[key] = _check_type(f"{prefix}{key}", value, hint)
+    return cls(**kwargs)
+
+
+def _check_type(name: str, value: Any, hint: Any) -> Any:
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        if value not in typing.get_args(hint):
+            raise ConfigError(f"{name}={value!r} is not valid: choose one of {list(typing.get_args(hint))}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(hint)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _check_type(name, value, arg)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if errors else f"{name}={value!r} has the wrong type")
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{name}={value!r} must be a list")
+        (item,) = typing.get_args(hint)[:1] or (Any,)
+        return [_check_type(f"{name}[{i}]", v, item) for i, v in enumerate(value)]
+    if hint is Any:
+        return value
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{name}={value!r} must be true or false")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{name}={value!r} must be an integer")
+        return value
+    if hint is float:
+        if isinstance(value, str):  # YAML 1.1 reads 1e-6 (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{name}={value!r} must be a number")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{name}={value!r} must be a string")
+        return value
+    return value
+
+
+def to_dict(cfg: Any) -> dict:
+    """The resolved tree as plain data (for checkpoints, logs and `--print-config`)."""
+    return dataclasses.asdict(cfg)
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation
+# ---------------------------------------------------------------------------------------------
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def validate(cfg: Config) -> None:
+    """Cross-field checks; each failure is one line naming the field, the value and the fix."""
+    m, c, tp = cfg.model, cfg.copy, cfg.parallel.tp
+    positive = {
+        "model.num_layers": m.num_layers, "model.hidden_size": m.hidden_size,
+        "model.num_heads": m.num_heads, "model.num_kv_heads": m.num_kv_heads,
+        "model.ffn_hidden_size": m.ffn_hidden_size, "model.vocab_size": m.vocab_size,
+        "model.max_seq_len": m.max_seq_len, "model.make_vocab_size_divisible_by": m.make_vocab_size_divisible_by,
+        "copy.num_heads": c.num_heads, "copy.head_dim": c.head_dim, "parallel.tp": tp,
+    }
+    for name, value in positive.items():
+        if value < 1:
+            raise ConfigError(f"{name}={value} must be a positive integer")
+    for name, value in {"model.norm_eps": m.norm_eps, "model.init_std": m.init_std,
+                        "model.rope_theta": m.rope_theta, "copy.init_std": c.init_std}.items():
+        if not value > 0:
+            raise ConfigError(f"{name}={value} must be > 0")
+    if m.hidden_size % m.num_heads:
+        raise ConfigError(
+            f"model.hidden_size={m.hidden_size} must be divisible by model.num_heads={m.num_heads} "
+            f"(valid head counts: {_divisors(m.hidden_size)[:12]}...)"
+        )
+    if m.head_dim % 2:
+        raise ConfigError(f"model.hidden_size/num_heads = {m.head_dim} must be even for rotary embeddings")
+    if c.rope and c.head_dim % 2:
+        raise ConfigError(f"copy.head_dim={c.head_dim} must be even when copy.rope=true")
+    if m.num_heads % m.num_kv_heads:
+        raise ConfigError(
+            f"model.num_kv_heads={m.num_kv_heads} must divide model.num_heads={m.num_heads} "
+            f"(valid: {_divisors(m.num_heads)})"
+        )
+    for name, value in (("model.num_heads", m.num_heads), ("model.num_kv_heads", m.num_kv_heads),
+                        ("model.ffn_hidden_size", m.ffn_hidden_size)):
+        if value % tp:
+            valid = [d for d in _divisors(m.num_kv_heads) if m.ffn_hidden_size % d == 0]
+            raise ConfigError(f"{name}={value} is not divisible by parallel.tp={tp} (valid tp for this model: {valid})")

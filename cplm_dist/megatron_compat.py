@@ -1,0 +1,21 @@
+"""The one import of megatron-core, without its import-time noise.
+
+megatron-core warns on import that Transformer Engine and Apex are absent (they are optional for
+us: our block uses torch SDPA and torch optimizers), once per process and per rank. Everything in
+cplm_dist takes megatron from here so that the warning filter is in place first.
+"""
+
+import warnings
+
+with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
+    warnings.filterwarnings("ignore", message=".*Apex is not installed.*")
+    from megatron.core import ModelParallelConfig, parallel_state, tensor_parallel
+    from megatron.core.tensor_parallel.cross_entropy import VocabParallelCrossEntropy
+
+__all__ = [
+    "ModelParallelConfig",
+    "VocabParallelCrossEntropy",
+    "parallel_state",
+    "tensor_parallel",
+]

@@ -1,0 +1,49 @@
+"""Grouped-query self-attention from megatron-core tensor-parallel linears and torch SDPA.
+
+QKV is one ColumnParallelLinear whose rows are laid out per kv group, Megatron's way:
+[q_1 .. q_(nh/nkv), k, v] for each kv group, so an even split over tp hands every rank whole
+groups (num_kv_heads % tp == 0). The output projection is a RowParallelLinear whose all-reduce
+ends the tensor-parallel region.
+"""
+
+import torch
+import torch.nn.functional as F
+
+from cplm_dist.config import ModelConfig
+from cplm_dist.megatron_compat import ModelParallelConfig, tensor_parallel
+from cplm_dist.model.initialization import deferred_init
+from cplm_dist.model.rotary import apply_rope
+from cplm_dist.model.sharding import mark_split
+
+
+class Attention(torch.nn.Module):
+    def __init__(self, cfg: ModelConfig, mp: ModelParallelConfig, tp_group, tp_size: int):
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.heads = cfg.num_heads // tp_size  # local query heads
+        self.kv_heads = cfg.num_kv_heads // tp_size  # local kv heads
+        self.group = cfg.num_heads // cfg.num_kv_heads  # query heads per kv head
+        qkv_out = (cfg.num_heads + 2 * cfg.num_kv_heads) * self.head_dim
+        self.qkv = tensor_parallel.ColumnParallelLinear(
+            cfg.hidden_size, qkv_out, config=mp, init_method=deferred_init, bias=False, gather_output=False,
+            tp_group=tp_group,
+        )
+        self.proj = tensor_parallel.RowParallelLinear(
+            cfg.num_heads * self.head_dim, cfg.hidden_size, config=mp, init_method=deferred_init, bias=False,
+            input_is_parallel=True, skip_bias_add=False, tp_group=tp_group,
+        )
+        mark_split(self.qkv.weight, dim=0)
+        mark_split(self.proj.weight, dim=1)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        qkv, _ = self.qkv(x)  # (B, T, kv_heads * (group + 2) * hd)
+        qkv = qkv.view(B, T, self.kv_heads, self.group + 2, self.head_dim)
+        q = qkv[:, :, :, : self.group].reshape(B, T, self.heads, self.head_dim).transpose(1, 2)  # (B, nh, T, hd)
+        k = qkv[:, :, :, self.group].transpose(1, 2)  # (B, nkv, T, hd)
+        v = qkv[:, :, :, self.group + 1].transpose(1, 2)  # (B, nkv, T, hd)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.group > 1)  # (B, nh, T, hd)
+        y = y.transpose(1, 2).reshape(B, T, self.heads * self.head_dim)
+        out, _ = self.proj(y)  # (B, T, D), all-reduced over tp
+        return out

@@ -1,0 +1,22 @@
+"""One pre-norm transformer layer: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+import torch
+
+from cplm_dist.config import ModelConfig
+from cplm_dist.megatron_compat import ModelParallelConfig
+from cplm_dist.model.attention import Attention
+from cplm_dist.model.mlp import SwiGLUMLP
+from cplm_dist.model.norm import RMSNorm
+
+
+class TransformerLayer(torch.nn.Module):
+    def __init__(self, cfg: ModelConfig, mp: ModelParallelConfig, tp_group, tp_size: int, device=None):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, device=device, dtype=mp.params_dtype)
+        self.attention = Attention(cfg, mp, tp_group, tp_size)
+        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, device=device, dtype=mp.params_dtype)
+        self.mlp = SwiGLUMLP(cfg, mp, tp_group, tp_size)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attn_norm(x), cos, sin)
+        return x + self.mlp(self.mlp_norm(x))

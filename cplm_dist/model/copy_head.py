@@ -1,0 +1,151 @@
+"""The Copy-Paste head (DESIGN.md, "The copy head"), replicated on every tp rank.
+
+H_c heads of width d_c score every context position j for every position t:
+    q_t = W_q h_t,  k_j = W_k h_j,  s_tj = q_t . k_j / sqrt(d_c)          (optional RoPE on q, k)
+over the candidates C_t of the paste mode (`next`: j < t pastes x_{j+1}; `self`: j <= t pastes
+x_j), summarised per token by two log-sum-exps, never a T x V tensor:
+    A_t = logsumexp_{j in C_t} s_tj,   M_t = logsumexp_{j in C_t, src_j = y_t} s_tj.
+
+Several heads are combined into one (A_t, M_t) so that the loss interface stays per-token:
+  - gate: the heads' copy distributions are averaged, p_copy = mean_h softmax(s_h); returned as
+    A_t = 0 and M_t = log mean_h exp(M_h - A_h) (so M - A = log p_copy(y)), A_t = -inf if C_t empty;
+  - joint, sentinel: the heads' candidates join one pool with weight 1/H_c each:
+    A_t = log mean_h exp(A_h), M_t = log mean_h exp(M_h), and the sentinel score likewise.
+With one head both reduce to the formulas above.
+
+This is the dense path: it forms the (B, H_c, T, T) scores and is the reference every faster
+path (chunked, flex_attention) is tested against.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from cplm_dist.config import CopyConfig, ModelConfig
+from cplm_dist.model.rotary import apply_rope, rope_tables
+
+NEG_INF = float("-inf")
+
+
+def masked_logsumexp(x: torch.Tensor, mask: torch.Tensor | None, dim: int) -> torch.Tensor:
+    """logsumexp over `dim` of the entries where mask is True; -inf with zero gradient where none.
+
+    torch.logsumexp gives -inf forward but nan backward on an all -inf row; the where() guards
+    keep those rows' gradients at exactly zero.
+    """
+    if mask is not None:
+        x = x.masked_fill(~mask, NEG_INF)
+    m = x.detach().amax(dim=dim, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    total = torch.exp(x - m).sum(dim=dim, keepdim=True)
+    nonempty = total > 0
+    out = torch.where(nonempty, m + torch.log(torch.where(nonempty, total, torch.ones_like(total))), NEG_INF)
+    return out.squeeze(dim)
+
+
+@dataclass
+class CopyTerms:
+    """Per-token summary of the copy side, each (B, T) float32."""
+
+    copy_all: torch.Tensor  # A_t, -inf where no candidate
+    copy_match: torch.Tensor | None  # M_t, -inf where no candidate pastes the label (None without labels)
+    gate: torch.Tensor | None  # gate logit (gate), sentinel score (sentinel), None (joint)
+
+
+class CopyHead(torch.nn.Module):
+    def __init__(self, model_cfg: ModelConfig, cfg: CopyConfig, *, device=None, dtype=None):
+        super().__init__()
+        self.cfg = cfg
+        self.heads, self.head_dim = cfg.num_heads, cfg.head_dim
+        self.rope_theta = model_cfg.rope_theta
+        width = cfg.num_heads * cfg.head_dim
+        self.q = torch.nn.Linear(model_cfg.hidden_size, width, bias=False, device=device, dtype=dtype)
+        self.k = torch.nn.Linear(model_cfg.hidden_size, width, bias=False, device=device, dtype=dtype)
+        if cfg.mix == "gate":
+            self.gate = torch.nn.Linear(model_cfg.hidden_size, 1, bias=True, device=device, dtype=dtype)
+        elif cfg.mix == "sentinel":
+            self.sentinel = torch.nn.Parameter(torch.empty(cfg.num_heads, cfg.head_dim, device=device, dtype=dtype))
+
+    # --- pieces ---------------------------------------------------------------------------------
+
+    def candidate_mask(self, T: int, device) -> torch.Tensor:
+        """(T, T) bool, [t, j] = j in C_t."""
+        offset = -1 if self.cfg.paste == "next" else 0  # next: j < t; self: j <= t
+        return torch.ones(T, T, dtype=torch.bool, device=device).tril(diagonal=offset)
+
+    def source_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """(B, T) id pasted from position j; -1 where position j pastes nothing."""
+        if self.cfg.paste == "self":
+            return input_ids
+        return torch.cat([input_ids[:, 1:], torch.full_like(input_ids[:, :1], -1)], dim=1)
+
+    def project(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q, k of shape (B, H, T, d) in float32."""
+        B, T, _ = h.shape
+        q = self.q(h).view(B, T, self.heads, self.head_dim).transpose(1, 2).float()  # (B, H, T, d)
+        k = self.k(h).view(B, T, self.heads, self.head_dim).transpose(1, 2).float()  # (B, H, T, d)
+        if self.cfg.rope:
+            cos, sin = rope_tables(T, self.head_dim, self.rope_theta, device=h.device)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return q, k
+
+    def gate_logit(self, h: torch.Tensor, q: torch.Tensor) -> torch.Tensor | None:
+        """(B, T): the gate logit (gate mix), the sentinel score (sentinel mix), None (joint)."""
+        if self.cfg.mix == "gate":
+            return self.gate(h).squeeze(-1).float()
+        if self.cfg.mix == "sentinel":
+            sent = torch.einsum("bhtd,hd->bht", q, self.sentinel.float()) / math.sqrt(self.head_dim)  # (B, H, T)
+            return torch.logsumexp(sent, dim=1) - math.log(self.heads)
+        return None
+
+    def _combine(self, per_head: torch.Tensor, a_heads: torch.Tensor) -> torch.Tensor:
+        """(B, H, T) per-head log-sum-exps -> (B, T) as the module docstring defines."""
+        if self.cfg.mix == "gate":
+            safe_a = torch.where(torch.isfinite(a_heads), a_heads, torch.zeros_like(a_heads))
+            per_head = per_head - safe_a
+        return masked_logsumexp(per_head, None, dim=1) - math.log(self.heads)
+
+    # --- training: per-token terms ----------------------------------------------------------------
+
+    def forward(self, h: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tensor | None) -> CopyTerms:
+        """h (B, T, D) final-norm states, input_ids (B, T), labels (B, T) global ids or -100."""
+        T = h.shape[1]
+        q, k = self.project(h)
+        scores = q @ k.transpose(-1, -2) / math.sqrt(self.head_dim)  # (B, H, T, T)
+        cand = self.candidate_mask(T, h.device)  # (T, T)
+        a_heads = masked_logsumexp(scores, cand, dim=-1)  # (B, H, T)
+        if self.cfg.mix == "gate":
+            copy_all = torch.where(torch.isfinite(a_heads[:, 0]), 0.0, NEG_INF)  # (B, T)
+        else:
+            copy_all = self._combine(a_heads, a_heads)
+        copy_match = None
+        if labels is not None:
+            src = self.source_ids(input_ids)  # (B, T)
+            match = cand & (src.unsqueeze(1) == labels.unsqueeze(2))  # (B, T, T): j pastes y_t
+            m_heads = masked_logsumexp(scores, match.unsqueeze(1), dim=-1)  # (B, H, T)
+            copy_match = self._combine(m_heads, a_heads)
+        return CopyTerms(copy_all, copy_match, self.gate_logit(h, q))
+
+    # --- evaluation: the copy distribution over positions ------------------------------------------
+
+    @torch.no_grad()
+    def position_weights(self, h: torch.Tensor, input_ids: torch.Tensor):
+        """(weights (B, T, T) over context positions, rows summing to 1 or 0 when empty,
+        src_ids (B, T), CopyTerms without copy_match)."""
+        T = h.shape[1]
+        q, k = self.project(h)
+        scores = q @ k.transpose(-1, -2) / math.sqrt(self.head_dim)  # (B, H, T, T)
+        cand = self.candidate_mask(T, h.device)
+        scores = scores.masked_fill(~cand, NEG_INF)
+        a_heads = masked_logsumexp(scores, None, dim=-1)  # (B, H, T)
+        if self.cfg.mix == "gate":
+            norm = torch.where(torch.isfinite(a_heads), a_heads, torch.zeros_like(a_heads))  # per head
+            copy_all = torch.where(torch.isfinite(a_heads[:, 0]), 0.0, NEG_INF)
+        else:
+            copy_all = self._combine(a_heads, a_heads)
+            norm = torch.where(torch.isfinite(copy_all), copy_all, torch.zeros_like(copy_all)).unsqueeze(1)
+        weights = torch.exp(scores - norm.unsqueeze(-1)).mean(dim=1)  # (B, T, T)
+        return weights, self.source_ids(input_ids), CopyTerms(copy_all, None, self.gate_logit(h, q))

@@ -1,0 +1,160 @@
+"""The Copy-Paste LM: a Llama-style decoder from megatron-core tp layers, its vocab-parallel LM
+head, and the copy head beside it, mixed without gathering the vocabulary.
+
+    model = build_model(cfg)                  # tp from the initialised parallel state
+    out = model(input_ids, labels)            # out.nll (B, T), out.copy_share (B, T)
+    logp = model.next_token_logprobs(ids)     # (B, T, V) full mixed distribution (evaluation)
+
+Data flow of a forward, per tp rank:
+    ids -> VocabParallelEmbedding -> L x TransformerLayer -> RMSNorm -> h (B, T, D), replicated
+    h -> LM head (ColumnParallelLinear) -> logits (B, T, V/tp), this rank's vocabulary shard
+    h -> CopyHead (replicated) -> A_t, M_t, gate (B, T)
+    vocab_parallel: (logits shard, A, M, gate, labels) -> nll (B, T)
+The model never calls torch.distributed itself: collectives live in the megatron layers and in
+cplm_dist.vocab_parallel, on the tp group handed in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from cplm_dist import vocab_parallel
+from cplm_dist.config import Config, padded_vocab_size
+from cplm_dist.megatron_compat import ModelParallelConfig, parallel_state, tensor_parallel
+from cplm_dist.model.block import TransformerLayer
+from cplm_dist.model.copy_head import CopyHead
+from cplm_dist.model.initialization import deferred_init, init_parameters
+from cplm_dist.model.norm import RMSNorm
+from cplm_dist.model.rotary import rope_tables
+from cplm_dist.model.sharding import mark_split
+
+
+@dataclass
+class CPLMOutput:
+    nll: torch.Tensor  # (B, T) float32 per-token loss of the mixture, 0 where labels = -100
+    lm_nll: torch.Tensor  # (B, T) the LM head alone, -log softmax(z)_y (detached statistic)
+    copy_share: torch.Tensor  # (B, T) copy side's share of the next-token mass (detached; 0 copy off)
+
+
+def megatron_config(tp_size: int, device: torch.device, dtype: torch.dtype) -> ModelParallelConfig:
+    return ModelParallelConfig(
+        tensor_model_parallel_size=tp_size,
+        use_cpu_initialization=device.type == "cpu",
+        perform_initialization=False,  # cplm_dist.model.initialization fills weights, tp-independently
+        params_dtype=dtype,
+        sequence_parallel=False,
+        gradient_accumulation_fusion=False,
+    )
+
+
+class CPLM(torch.nn.Module):
+    def __init__(self, cfg: Config, tp_group: dist.ProcessGroup | None, *, device=None, dtype=torch.float32):
+        super().__init__()
+        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.cfg, self.tp_group = cfg, tp_group
+        self.tp_rank, self.tp_size = vocab_parallel.tp_rank_size(tp_group)
+        m = cfg.model
+        self.vocab_size = m.vocab_size
+        self.padded_vocab_size = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, self.tp_size)
+        self.v_local = self.padded_vocab_size // self.tp_size
+        start, _ = vocab_parallel.vocab_range(self.v_local, tp_group)
+        self.real_local = max(0, min(self.v_local, m.vocab_size - start))  # shard columns before the padding
+
+        mp = megatron_config(self.tp_size, device, dtype)
+        self.embedding = tensor_parallel.VocabParallelEmbedding(
+            self.padded_vocab_size, m.hidden_size, init_method=deferred_init, config=mp, tp_group=tp_group
+        )
+        self.layers = torch.nn.ModuleList(
+            TransformerLayer(m, mp, tp_group, self.tp_size, device=device) for _ in range(m.num_layers)
+        )
+        self.final_norm = RMSNorm(m.hidden_size, m.norm_eps, device=device, dtype=dtype)
+        self.lm_head = tensor_parallel.ColumnParallelLinear(
+            m.hidden_size, self.padded_vocab_size, config=mp, init_method=deferred_init, bias=False,
+            gather_output=False, skip_weight_param_allocation=m.tie_embeddings, tp_group=tp_group,
+        )
+        for p in (self.embedding.weight, self.lm_head.weight):
+            if p is not None:
+                mark_split(p, dim=0)
+                p.full_rows = m.vocab_size  # rows past it are padding (initialised to zero)
+        self.copy_head = CopyHead(m, cfg.copy, device=device, dtype=dtype) if cfg.copy.enabled else None
+        self.to(device)
+        init_parameters(self, cfg, self.tp_rank, self.tp_size)
+
+    # --- shared trunk --------------------------------------------------------------------------
+
+    def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Final-norm hidden states h (B, T, D), identical on every tp rank."""
+        T = input_ids.shape[1]
+        if T > self.cfg.model.max_seq_len:
+            raise ValueError(f"sequence length {T} exceeds model.max_seq_len={self.cfg.model.max_seq_len}")
+        cos, sin = rope_tables(T, self.cfg.model.head_dim, self.cfg.model.rope_theta, device=input_ids.device)
+        x = self.embedding(input_ids)  # (B, T, D)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return self.final_norm(x)
+
+    def lm_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """This rank's vocabulary shard of the LM logits (B, T, V/tp); padded ids at -inf."""
+        weight = self.embedding.weight if self.cfg.model.tie_embeddings else None
+        logits, _ = self.lm_head(h, weight=weight)  # (B, T, V/tp)
+        if self.real_local < self.v_local:
+            logits[..., self.real_local :] = float("-inf")
+        return logits
+
+    # --- training ------------------------------------------------------------------------------
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> CPLMOutput:
+        """input_ids (B, T); labels (B, T) global ids, -100 to ignore; default: the next input id."""
+        if labels is None:
+            labels = torch.cat([input_ids[:, 1:], torch.full_like(input_ids[:, :1], vocab_parallel.IGNORE_INDEX)], 1)
+        h = self.hidden_states(input_ids)
+        logits = self.lm_logits(h)
+        ignore = labels == vocab_parallel.IGNORE_INDEX
+        if self.copy_head is None:
+            # Copy off: the matched baseline is Megatron's own vocab-parallel cross entropy.
+            nll = tensor_parallel.vocab_parallel_cross_entropy(logits, labels)
+            nll = torch.where(ignore, torch.zeros_like(nll), nll)
+            return CPLMOutput(nll, nll.detach(), torch.zeros_like(nll))
+        terms = self.copy_head(h, input_ids, labels)
+        z_y, lse = vocab_parallel.target_logit_and_lse(logits, labels, self.tp_group, inplace=True)
+        log_p, share = vocab_parallel.mixed_log_prob(
+            z_y, lse, terms.copy_all, terms.copy_match, terms.gate, self.cfg.copy.mix
+        )
+        zero = torch.zeros_like(log_p)
+        nll = torch.where(ignore, zero, -log_p)
+        lm_nll = torch.where(ignore, zero, (lse - z_y).detach())
+        return CPLMOutput(nll, lm_nll, torch.where(ignore, zero, share))
+
+    # --- evaluation ----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def next_token_logprobs(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """(B, T, V) float32 log p(x_{t+1} = w | x_<=t) of the mixture, gathered over tp."""
+        h = self.hidden_states(input_ids)
+        logits = self.lm_logits(h)
+        if self.copy_head is None:
+            shard = vocab_parallel.vocab_parallel_log_softmax(logits, self.tp_group)
+        else:
+            weights, src, terms = self.copy_head.position_weights(h, input_ids)
+            copy_lp = vocab_parallel.scatter_copy_log_probs(weights, src, self.v_local, self.tp_group)
+            shard = vocab_parallel.mixed_log_probs(
+                logits, copy_lp, terms.copy_all, terms.gate, self.cfg.copy.mix, self.tp_group
+            )
+        return vocab_parallel.gather_vocab(shard, self.tp_group)[..., : self.vocab_size]
+
+
+def build_model(cfg: Config, *, tp_group: dist.ProcessGroup | None = None, device=None, dtype=torch.float32) -> CPLM:
+    """The model for this rank, its tp group taken from the initialised parallel state."""
+    if tp_group is None:
+        if not parallel_state.model_parallel_is_initialized():
+            raise RuntimeError("build_model needs the parallel groups: call cplm_dist.parallel.init_distributed first")
+        tp_group = parallel_state.get_tensor_model_parallel_group()
+    tp = dist.get_world_size(tp_group)
+    if tp != cfg.parallel.tp:
+        raise ValueError(f"parallel.tp={cfg.parallel.tp} but the tensor-parallel group has {tp} ranks")
+    return CPLM(cfg, tp_group, device=device, dtype=dtype)

@@ -1,0 +1,146 @@
+"""Process groups: the one place that reads the launch environment and builds TP x DP groups.
+
+    dims = init_distributed(tp_size=2)      # torchrun / env:// or a single process
+    dims.tp_group, dims.dp_group             # passed explicitly to everything below
+
+Groups come from `megatron.core.parallel_state` (PP = 1 today); the backend is gloo on CPU and
+nccl on GPU. Ranks are laid out Megatron's way: the tp ranks of one group are consecutive.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from cplm_dist.config import ConfigError
+from cplm_dist.megatron_compat import parallel_state
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """Where this process sits in the job, as the launcher told it."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str | None
+    master_port: int | None
+
+    @staticmethod
+    def from_environ(env: dict | None = None) -> "LaunchEnv":
+        """torchrun / env:// variables; none at all means one process."""
+        env = os.environ if env is None else env
+        if "RANK" not in env and "WORLD_SIZE" not in env:
+            return LaunchEnv(0, 1, 0, None, None)
+        try:
+            rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+            local = int(env.get("LOCAL_RANK", rank))
+            port = int(env["MASTER_PORT"]) if "MASTER_PORT" in env else None
+        except (KeyError, ValueError) as e:
+            raise ConfigError(
+                f"launch environment incomplete or not integers ({e}): set RANK, WORLD_SIZE, "
+                "MASTER_ADDR, MASTER_PORT (torchrun does) or none of them for one process"
+            ) from None
+        if not 0 <= rank < world:
+            raise ConfigError(f"RANK={rank} is outside WORLD_SIZE={world}: fix the launcher's environment")
+        return LaunchEnv(rank, world, local, env.get("MASTER_ADDR"), port)
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """This rank's coordinates in the TP x DP grid and the groups to talk over."""
+
+    rank: int
+    world_size: int
+    tp_rank: int
+    tp_size: int
+    tp_group: dist.ProcessGroup
+    dp_rank: int
+    dp_size: int
+    dp_group: dist.ProcessGroup
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank == 0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def default_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def check_world(tp_size: int, world_size: int) -> None:
+    if world_size % tp_size:
+        valid = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        raise ConfigError(
+            f"parallel.tp={tp_size} does not divide WORLD_SIZE={world_size} "
+            f"(dp = world / tp must be whole; valid tp here: {valid})"
+        )
+
+
+def init_distributed(tp_size: int = 1, *, backend: str | None = None, timeout_minutes: int = 10) -> ParallelDims:
+    """Join the job (once per process) and build the TP and DP groups through parallel_state."""
+    # Megatron's tp linears overlap their all-reduce with compute; on GPU that needs one hardware
+    # queue per device to keep the order (Megatron's own launchers set this). Harmless on CPU.
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    env = LaunchEnv.from_environ()
+    check_world(tp_size, env.world_size)
+    if not dist.is_initialized():
+        if backend is None:
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
+        if env.world_size == 1 and env.master_port is None:
+            init_method = f"tcp://127.0.0.1:{free_port()}"
+        else:
+            if env.master_addr is None or env.master_port is None:
+                raise ConfigError("MASTER_ADDR and MASTER_PORT must be set for a multi-process launch")
+            init_method = f"tcp://{env.master_addr}:{env.master_port}"
+        dist.init_process_group(
+            backend, init_method=init_method, rank=env.rank, world_size=env.world_size,
+            timeout=timedelta(minutes=timeout_minutes),
+        )
+    else:
+        check_world(tp_size, dist.get_world_size())
+    if parallel_state.model_parallel_is_initialized():
+        if parallel_state.get_tensor_model_parallel_world_size() != tp_size:
+            raise RuntimeError("parallel groups already built with another tp size; call destroy_distributed first")
+    else:
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tp_size, create_gloo_process_groups=False,
+            distributed_timeout_minutes=timeout_minutes,
+        )
+    return parallel_dims()
+
+
+def parallel_dims() -> ParallelDims:
+    """The coordinates of this rank, from the groups `init_distributed` built."""
+    return ParallelDims(
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+        tp_size=parallel_state.get_tensor_model_parallel_world_size(),
+        tp_group=parallel_state.get_tensor_model_parallel_group(),
+        dp_rank=parallel_state.get_data_parallel_rank(),
+        dp_size=parallel_state.get_data_parallel_world_size(),
+        dp_group=parallel_state.get_data_parallel_group(),
+    )
+
+
+def destroy_distributed() -> None:
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

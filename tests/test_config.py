@@ -1,0 +1,99 @@
+"""Config: shipped files load and have the size their name says; bad configs give one clear line."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cplm_dist.config import CONFIG_DIR, Config, ConfigError, load_config, padded_vocab_size, vocab_padding_note
+from cplm_dist.model.counting import parameter_count
+
+REPO = Path(__file__).resolve().parent.parent
+SHIPPED = sorted(CONFIG_DIR.rglob("*.yaml"))
+SIZES = {"135m": 135e6, "360m": 360e6, "1.7b": 1.7e9, "3b": 3e9, "7b": 7e9, "13b": 13e9, "70b": 70e9}
+
+
+def test_every_shipped_config_loads():
+    assert len(SHIPPED) >= 8
+    for path in SHIPPED:
+        cfg = load_config(path)
+        assert isinstance(cfg, Config)
+
+
+@pytest.mark.parametrize("name", sorted(SIZES))
+def test_shipped_model_size_matches_name(name):
+    cfg = load_config(f"cplm-{name}")
+    assert cfg.model.name == f"cplm-{name}"
+    assert cfg.copy.enabled
+    total = parameter_count(cfg)["total"]
+    assert abs(total / SIZES[name] - 1) <= 0.10, f"cplm-{name} has {total / 1e9:.3f}B parameters"
+    # The copy head is small beside the model it rides on (DESIGN.md: negligible cost).
+    assert parameter_count(cfg)["copy_head"] / total < 0.002
+    baseline = load_config(f"cplm-{name}", ["copy.enabled=false"])
+    assert parameter_count(baseline)["copy_head"] == 0
+
+
+def test_overrides_are_typed_and_nested():
+    cfg = load_config("tiny", ["model.num_layers=4", "copy.mix=joint", "model.norm_eps=1e-6", "copy.enabled=false"])
+    assert cfg.model.num_layers == 4 and cfg.copy.mix == "joint" and cfg.model.norm_eps == 1e-6
+    assert cfg.copy.enabled is False
+
+
+def test_base_chain(tmp_path):
+    (tmp_path / "run.yaml").write_text("base: tiny\nmodel:\n  num_layers: 3\n")
+    cfg = load_config(tmp_path / "run.yaml")
+    assert cfg.model.num_layers == 3 and cfg.model.hidden_size == load_config("tiny").model.hidden_size
+
+
+BAD = [
+    (["model.num_heads=6", "model.num_kv_heads=3", "model.hidden_size=96", "parallel.tp=4"],
+     r"^model\.num_heads=6 is not divisible by parallel\.tp=4"),
+    (["model.num_kv_heads=2", "parallel.tp=4"], r"^model\.num_kv_heads=2 is not divisible by parallel\.tp=4"),
+    (["model.num_kv_heads=3"], r"^model\.num_kv_heads=3 must divide model\.num_heads=8 \(valid: \[1, 2, 4, 8\]\)"),
+    (["model.num_layer=4"], r"^unknown key 'model\.num_layer' \(did you mean 'model\.num_layers'\?\)"),
+    (["optimizer.lr=1"], r"^unknown key 'optimizer'"),
+    (["copy.mix=average"], r"^copy\.mix='average' is not valid: choose one of \['gate', 'joint', 'sentinel'\]"),
+    (["copy.paste=prev"], r"^copy\.paste='prev' is not valid: choose one of \['next', 'self'\]"),
+    (["model.num_layers=two"], r"^model\.num_layers='two' must be an integer"),
+    (["copy.enabled=maybe"], r"^copy\.enabled='maybe' must be true or false"),
+    (["model.hidden_size=100"], r"^model\.hidden_size=100 must be divisible by model\.num_heads=8"),
+    (["parallel.tp=0"], r"^parallel\.tp=0 must be a positive integer"),
+    (["model.num_layers"], r"^override 'model\.num_layers' must look like section\.field=value"),
+]
+
+
+@pytest.mark.parametrize("overrides,pattern", BAD, ids=[b[0][-1] for b in BAD])
+def test_bad_config_one_line_error(overrides, pattern):
+    with pytest.raises(ConfigError, match=pattern) as info:
+        load_config("tiny", overrides)
+    assert "\n" not in str(info.value)
+
+
+def test_missing_and_malformed_files(tmp_path):
+    with pytest.raises(ConfigError, match=r"^config 'nope\.yaml' not found"):
+        load_config("nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [1, 2\n")
+    with pytest.raises(ConfigError, match=r"not valid YAML"):
+        load_config(bad)
+
+
+def test_vocab_padding_is_megatron_style_and_reported():
+    assert padded_vocab_size(49152, 128, 8) == 49152
+    assert padded_vocab_size(50000, 128, 1) == 50048
+    assert padded_vocab_size(50000, 128, 2) == 50176
+    cfg = load_config("tiny", ["model.vocab_size=300", "parallel.tp=2"])
+    assert vocab_padding_note(cfg).startswith("model.vocab_size=300 padded to 512 (+212 ids")
+    assert vocab_padding_note(load_config("tiny")) is None
+
+
+def test_cli_config_error_exits_2_with_one_line():
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "model_check.py"), "--config", "tiny", "model.num_kv_heads=3"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "error: model.num_kv_heads=3 must divide model.num_heads=8 (valid: [1, 2, 4, 8])"
+    ]

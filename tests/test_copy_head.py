@@ -1,0 +1,106 @@
+"""The copy head and both mixing paths (training: A_t, M_t -> nll; evaluation: the full
+distribution) against the mixture written out position by position (tests/reference.py)."""
+
+import math
+
+import pytest
+import torch
+
+from cplm_dist import vocab_parallel as vp
+from cplm_dist.config import CopyConfig, ModelConfig
+from cplm_dist.model.copy_head import CopyHead, masked_logsumexp
+from tests import reference
+
+B, T, D, V = 2, 9, 16, 7  # a small vocabulary, so that context tokens repeat and get pasted
+CASES = [(mix, paste, heads) for mix in ("gate", "joint", "sentinel") for paste in ("next", "self") for heads in (1, 3)]
+
+
+def make_head(mix, paste, heads, rope=False, seed=0):
+    torch.manual_seed(seed)
+    head = CopyHead(ModelConfig(hidden_size=D), CopyConfig(num_heads=heads, head_dim=8, mix=mix, paste=paste, rope=rope))
+    with torch.no_grad():
+        for p in head.parameters():
+            p.normal_(0, 0.5)
+    return head
+
+
+def inputs(seed=1):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(B, T, D, generator=g)
+    ids = torch.randint(0, V, (B, T), generator=g)
+    labels = torch.cat([ids[:, 1:], torch.randint(0, V, (B, 1), generator=g)], dim=1)
+    labels[1, 4] = vp.IGNORE_INDEX
+    logits = torch.randn(B, T, V, generator=g)
+    return h, ids, labels, logits
+
+
+def per_head_parts(head, h):
+    q, k = head.project(h)
+    scores = q @ k.transpose(-1, -2) / math.sqrt(head.head_dim)  # (B, H, T, T)
+    if head.cfg.mix == "gate":
+        gate = head.gate(h).squeeze(-1)  # (B, T)
+    elif head.cfg.mix == "sentinel":
+        gate = torch.einsum("bhtd,hd->bht", q, head.sentinel) / math.sqrt(head.head_dim)  # (B, H, T)
+    else:
+        gate = torch.zeros(B, T)
+    return scores.detach(), gate.detach()
+
+
+@pytest.mark.parametrize("mix,paste,heads", CASES)
+def test_copy_terms_match_reference(mix, paste, heads):
+    head = make_head(mix, paste, heads)
+    h, ids, labels, _ = inputs()
+    terms = head(h, ids, labels)
+    scores, _ = per_head_parts(head, h)
+    for b in range(B):
+        a_ref, m_ref = reference.copy_terms(scores[b], ids[b], labels[b], mix, paste)
+        torch.testing.assert_close(terms.copy_all[b].double(), a_ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(terms.copy_match[b].double(), m_ref, rtol=1e-5, atol=1e-5)
+    if paste == "next":
+        assert torch.isinf(terms.copy_all[:, 0]).all(), "position 0 has no candidate in next mode"
+
+
+@pytest.mark.parametrize("mix,paste,heads", CASES)
+def test_training_and_evaluation_paths_match_the_written_out_mixture(mix, paste, heads):
+    head = make_head(mix, paste, heads, rope=heads == 3)
+    h, ids, labels, logits = inputs(seed=2)
+    scores, gate = per_head_parts(head, h)
+    # evaluation path: the full next-token distribution
+    weights, src, terms = head.position_weights(h, ids)
+    copy_lp = vp.scatter_copy_log_probs(weights, src, V)
+    log_probs = vp.mixed_log_probs(logits, copy_lp, terms.copy_all, terms.gate, mix)
+    # training path: per-token nll from A_t, M_t
+    train = head(h, ids, labels)
+    nll = vp.mixed_nll(logits.reshape(-1, V), train.copy_all.reshape(-1), train.copy_match.reshape(-1),
+                       None if train.gate is None else train.gate.reshape(-1), labels.reshape(-1), mix).view(B, T)
+    for b in range(B):
+        ref = reference.next_token_distribution(logits[b], scores[b], gate[b], ids[b], mix, paste)
+        torch.testing.assert_close(log_probs[b].exp().double(), ref, rtol=1e-5, atol=1e-6)
+        keep = labels[b] != vp.IGNORE_INDEX
+        ref_nll = -torch.log(ref[keep].gather(1, labels[b][keep][:, None]).squeeze(1))
+        torch.testing.assert_close(nll[b][keep].double(), ref_nll, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(log_probs.exp().sum(-1), torch.ones(B, T))
+
+
+@pytest.mark.parametrize("mix", ["gate", "joint", "sentinel"])
+def test_gradients_are_finite_through_empty_rows(mix):
+    head = make_head(mix, "next", 2)
+    h, ids, labels, logits = inputs(seed=3)
+    h.requires_grad_(True)
+    terms = head(h, ids, labels)
+    nll = vp.mixed_nll(logits.reshape(-1, V), terms.copy_all.reshape(-1), terms.copy_match.reshape(-1),
+                       None if terms.gate is None else terms.gate.reshape(-1), labels.reshape(-1), mix)
+    nll.sum().backward()
+    assert torch.isfinite(h.grad).all()
+    assert all(torch.isfinite(p.grad).all() for p in head.parameters())
+    assert h.grad.abs().sum() > 0
+
+
+def test_masked_logsumexp_empty_rows_have_zero_gradient():
+    x = torch.randn(3, 5, requires_grad=True)
+    mask = torch.tensor([[True] * 5, [False] * 5, [True, False, True, False, False]])
+    out = masked_logsumexp(x, mask, dim=-1)
+    assert out[1] == -math.inf
+    torch.testing.assert_close(out[[0, 2]], torch.stack([x[0].logsumexp(0), x[2, [0, 2]].logsumexp(0)]))
+    out[[0, 2]].sum().backward()
+    assert torch.isfinite(x.grad).all() and (x.grad[1] == 0).all() and (x.grad[2, [1, 3, 4]] == 0).all()

@@ -1,0 +1,118 @@
+"""The whole model at tp = 1, 2 and 4 on gloo: one seed gives the same per-token nll and the same
+gathered gradients, for every mix and paste mode and with the copy head off; the evaluation
+distribution sums to one and reproduces the training nll; the analytic parameter count is exact."""
+
+import pytest
+import torch
+
+from cplm_dist.config import load_config
+from cplm_dist.model.counting import parameter_count
+from cplm_dist.model.sharding import gather_full, spec_of
+from tests.spawn import run_ranks
+
+VARIANTS = {
+    "copy-off": ["copy.enabled=false"],
+    "copy-off-padded-untied": ["copy.enabled=false", "model.vocab_size=300", "model.tie_embeddings=false"],
+    "gate-next-2heads-rope": ["copy.mix=gate", "copy.paste=next", "copy.num_heads=2", "copy.rope=true"],
+    "gate-self": ["copy.mix=gate", "copy.paste=self"],
+    "joint-next": ["copy.mix=joint", "copy.paste=next"],
+    # vocab 300 pads to 384 at tp=1 and 512 at tp=2, 4: the padding must not change the model
+    "joint-self-padded-untied": ["copy.mix=joint", "copy.paste=self", "model.vocab_size=300", "model.tie_embeddings=false"],
+    "sentinel-next-2heads": ["copy.mix=sentinel", "copy.paste=next", "copy.num_heads=2"],
+    "sentinel-self": ["copy.mix=sentinel", "copy.paste=self"],
+}
+TPS = (1, 2, 4)
+
+
+def batch(vocab):
+    """Two sequences, each a random span then its repeat, so the copy head has matches."""
+    g = torch.Generator().manual_seed(11)
+    span = torch.randint(0, vocab, (2, 12), generator=g)
+    return torch.cat([span, span], dim=1)  # (2, 24)
+
+
+def _model_worker(tp):
+    from cplm_dist.model import build_model
+    from cplm_dist.parallel import init_distributed
+
+    dims = init_distributed(tp)
+    results = {}
+    for name, overrides in VARIANTS.items():
+        cfg = load_config("tiny", overrides + [f"parallel.tp={tp}"])
+        model = build_model(cfg)
+        ids = batch(cfg.model.vocab_size)
+        out = model(ids)
+        weights = torch.linspace(0.5, 1.5, ids.numel()).view_as(ids)  # distinct weight per token
+        (out.nll * weights).sum().backward()
+        grads, params = {}, {}
+        for pname, p in model.named_parameters():
+            spec = spec_of(p)
+            rows = spec.full_rows or None
+            grads[pname] = gather_full(p.grad, spec, dims.tp_group)[:rows]
+            params[pname] = gather_full(p.data, spec, dims.tp_group)[:rows]
+        logprobs = model.next_token_logprobs(ids)
+        at_labels = logprobs[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
+        results[name] = {
+            "nll": out.nll.detach(),
+            "lm_nll": out.lm_nll,
+            "copy_share": out.copy_share,
+            "grads": grads,
+            "params": params,
+            "numel": sum(p.numel() for p in model.parameters()),
+            "logprob_sum": logprobs.exp().sum(-1),
+            "logprob_at_labels": at_labels,
+            "vocab_cols": logprobs.shape[-1],
+        }
+    return results
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return {tp: run_ranks(_model_worker, tp, args=(tp,), timeout=400) for tp in TPS}
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_same_model_same_nll_and_gradients_at_every_tp(runs, tp, variant):
+    one = runs[1][0][variant]
+    for rank, res in enumerate(runs[tp]):
+        got = res[variant]
+        for name, full in one["params"].items():
+            torch.testing.assert_close(got["params"][name], full, rtol=0, atol=0, msg=f"init of {name}, rank {rank}")
+        torch.testing.assert_close(got["nll"], one["nll"], rtol=1e-5, atol=1e-6, msg=f"nll, rank {rank}")
+        torch.testing.assert_close(got["copy_share"], one["copy_share"], rtol=1e-5, atol=1e-6)
+        for name, g in one["grads"].items():
+            scale = g.abs().max().item()
+            assert scale > 0, f"{name} got no gradient"
+            torch.testing.assert_close(got["grads"][name], g, rtol=1e-5, atol=1e-5 * scale, msg=f"grad {name}, rank {rank}")
+
+
+@pytest.mark.parametrize("tp", TPS)
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_next_token_logprobs_sum_to_one_and_reproduce_nll(runs, tp, variant):
+    res = runs[tp][0][variant]
+    vocab = load_config("tiny", VARIANTS[variant]).model.vocab_size
+    assert res["vocab_cols"] == vocab, "padded ids must not appear in the distribution"
+    torch.testing.assert_close(res["logprob_sum"], torch.ones_like(res["logprob_sum"]), rtol=0, atol=2e-5)
+    # two code paths: the training loss (A_t, M_t, vocab-parallel LSE) and the full distribution
+    torch.testing.assert_close(-res["logprob_at_labels"], res["nll"][:, :-1], rtol=1e-5, atol=2e-5)
+    assert (res["nll"][:, -1] == 0).all(), "the last position has no label and is ignored"
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_analytic_parameter_count_equals_the_module(runs, variant):
+    cfg = load_config("tiny", VARIANTS[variant])
+    assert runs[1][0][variant]["numel"] == parameter_count(cfg, padded=True)["total"]
+    assert sum(p.numel() for p in runs[1][0][variant]["params"].values()) == parameter_count(cfg)["total"]
+
+
+def test_copy_head_learns_nothing_yet_but_shares_mass(runs):
+    """At init every copy-on variant gives the copy side some mass, copy-off none; the mixture's
+    nll differs from the LM head's alone exactly where the copy side has mass."""
+    for name, res in runs[1][0].items():
+        share = res["copy_share"][:, 1:-1]
+        if name.startswith("copy-off"):
+            assert (res["copy_share"] == 0).all() and torch.equal(res["nll"], res["lm_nll"])
+        else:
+            assert (share > 0.001).all() and (share < 0.999).all(), name
+            assert not torch.allclose(res["nll"], res["lm_nll"]), name
