@@ -18,7 +18,6 @@ import time
 import torch
 
 from cplm_dist.cli import config_parser, exit_on_usage_error, load_from_args
-from cplm_dist.config import vocab_padding_note
 from cplm_dist.model import build_model
 from cplm_dist.model.counting import parameter_count
 from cplm_dist.parallel import destroy_distributed, init_distributed
@@ -34,9 +33,6 @@ def main(argv=None) -> int:
     dims = init_distributed(cfg.parallel.tp)
     torch.manual_seed(cfg.seed + dims.dp_rank)
     say = print if dims.is_first else (lambda *a, **k: None)
-    note = vocab_padding_note(cfg)
-    if note:
-        say(f"note: {note}")
     model = build_model(cfg)
     ids = torch.randint(0, cfg.model.vocab_size, (args.batch_size, args.seq_len), device=model.embedding.weight.device)
     start = time.perf_counter()

@@ -16,13 +16,14 @@ cplm_dist.vocab_parallel, on the tp group handed in.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from cplm_dist import vocab_parallel
-from cplm_dist.config import Config, padded_vocab_size
+from cplm_dist.config import Config, padded_vocab_size, vocab_padding_note
 from cplm_dist.megatron_compat import ModelParallelConfig, parallel_state, tensor_parallel
 from cplm_dist.model.block import TransformerLayer
 from cplm_dist.model.copy_head import CopyHead
@@ -30,6 +31,8 @@ from cplm_dist.model.initialization import deferred_init, init_parameters
 from cplm_dist.model.norm import RMSNorm
 from cplm_dist.model.rotary import rope_tables
 from cplm_dist.model.sharding import mark_split
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -157,4 +160,7 @@ def build_model(cfg: Config, *, tp_group: dist.ProcessGroup | None = None, devic
     tp = dist.get_world_size(tp_group)
     if tp != cfg.parallel.tp:
         raise ValueError(f"parallel.tp={cfg.parallel.tp} but the tensor-parallel group has {tp} ranks")
+    note = vocab_padding_note(cfg)
+    if note and dist.get_rank() == 0:
+        log.warning(note)
     return CPLM(cfg, tp_group, device=device, dtype=dtype)
