@@ -1,5 +1,6 @@
 """Command-line plumbing shared by every entry point: `--config FILE [section.field=value ...]`,
-and the rule that a usage or config error is one line on stderr and exit code 2."""
+and the rule that a usage error (bad config, data, checkpoint, launch) is one line on stderr and
+exit code 2."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from typing import Callable, Sequence
 
 import yaml
 
-from cplm_dist.config import Config, ConfigError, load_config, to_dict
+from cplm_dist.config import Config, load_config, to_dict
+from cplm_dist.errors import UsageError
 
 
 def config_parser(description: str) -> argparse.ArgumentParser:
@@ -31,13 +33,13 @@ def load_from_args(args: argparse.Namespace) -> Config:
 
 
 def exit_on_usage_error(main: Callable[[Sequence[str] | None], int | None]):
-    """Wrap an entry point: ConfigError -> 'error: <one line>' on stderr and exit code 2."""
+    """Wrap an entry point: UsageError -> 'error: <one line>' on stderr and exit code 2."""
 
     @functools.wraps(main)
     def wrapped(argv: Sequence[str] | None = None) -> int:
         try:
             return main(argv) or 0
-        except ConfigError as e:
+        except UsageError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
 

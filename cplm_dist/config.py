@@ -25,14 +25,13 @@ from typing import Any, Literal, Mapping, Sequence
 
 import yaml
 
+from cplm_dist.errors import ConfigError
+
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 MixMode = Literal["gate", "joint", "sentinel"]
 PasteMode = Literal["next", "self"]
-
-
-class ConfigError(ValueError):
-    """A bad config: the message is one line naming the field, the value and what is valid."""
+TokenizerBackend = Literal["sentencepiece", "huggingface"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -81,6 +80,30 @@ class CopyConfig:
 
 
 @dataclass
+class BlendEntry:
+    """One Megatron indexed dataset (path prefix of its .bin/.idx) and its sampling weight."""
+
+    path: str
+    weight: float = 1.0
+
+
+@dataclass
+class DataConfig:
+    """Training data: a weighted blend of indexed datasets read through megatron-core's
+    GPTDataset / BlendedMegatronDatasetBuilder (cplm_dist.data)."""
+
+    blend: list[BlendEntry] = field(default_factory=list)
+    tokenizer: str | None = None  # a SentencePiece .model, or a Hugging Face tokenizer directory
+    tokenizer_backend: TokenizerBackend = "sentencepiece"
+    split: str = "98,2,0"  # train, valid, test weights of every dataset in the blend (Megatron's)
+    seq_length: int = 512
+    seed: int = 1234  # data order only, so matched runs can differ in init but not in data
+    cache_dir: str | None = None  # megatron's index cache; default: <first dataset's dir>/index-cache
+    eod_mask_loss: bool = False  # do not train on predicting the token after an end-of-document
+    num_workers: int = 2  # DataLoader worker processes per rank
+
+
+@dataclass
 class ParallelConfig:
     tp: int = 1  # tensor-parallel size; dp = world_size / tp
 
@@ -90,7 +113,8 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     copy: CopyConfig = field(default_factory=CopyConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    seed: int = 1234
+    data: DataConfig = field(default_factory=DataConfig)
+    seed: int = 1234  # model initialisation
 
 
 # ---------------------------------------------------------------------------------------------
@@ -216,6 +240,10 @@ def from_dict(data: Mapping, cls: type = Config, prefix: str = "") -> Any:
             kwargs[key] = from_dict(value if value is not None else {}, hint, f"{prefix}{key}.")
         else:
             kwargs[key] = _check_type(f"{prefix}{key}", value, hint)
+    missing = [f.name for f in known.values()
+               if f.name not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    if missing:
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'} lacks required key '{prefix}{missing[0]}'")
     return cls(**kwargs)
 
 
@@ -242,6 +270,8 @@ def _check_type(name: str, value: Any, hint: Any) -> Any:
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{name}={value!r} must be a list")
         (item,) = typing.get_args(hint)[:1] or (Any,)
+        if dataclasses.is_dataclass(item):
+            return [from_dict(v, item, f"{name}[{i}].") for i, v in enumerate(value)]
         return [_check_type(f"{name}[{i}]", v, item) for i, v in enumerate(value)]
     if hint is Any:
         return value
@@ -314,8 +344,38 @@ def validate(cfg: Config) -> None:
             f"model.num_kv_heads={m.num_kv_heads} must divide model.num_heads={m.num_heads} "
             f"(valid: {_divisors(m.num_heads)})"
         )
+    validate_data(cfg)
     for name, value in (("model.num_heads", m.num_heads), ("model.num_kv_heads", m.num_kv_heads),
                         ("model.ffn_hidden_size", m.ffn_hidden_size)):
         if value % tp:
             valid = [d for d in _divisors(m.num_kv_heads) if m.ffn_hidden_size % d == 0]
             raise ConfigError(f"{name}={value} is not divisible by parallel.tp={tp} (valid tp for this model: {valid})")
+
+
+def parse_split(split: str) -> list[float]:
+    """Megatron's split string "98,2,0" -> normalised [train, valid, test] fractions."""
+    try:
+        parts = [float(p) for p in split.split(",")]
+    except ValueError:
+        parts = []
+    if not 1 <= len(parts) <= 3 or any(p < 0 for p in parts) or sum(parts) <= 0:
+        raise ConfigError(f"data.split={split!r} must be up to three non-negative weights, e.g. '98,2,0'")
+    parts += [0.0] * (3 - len(parts))
+    return [p / sum(parts) for p in parts]
+
+
+def validate_data(cfg: Config) -> None:
+    d = cfg.data
+    if d.seq_length < 1:
+        raise ConfigError(f"data.seq_length={d.seq_length} must be a positive integer")
+    if d.seq_length > cfg.model.max_seq_len:
+        raise ConfigError(
+            f"data.seq_length={d.seq_length} exceeds model.max_seq_len={cfg.model.max_seq_len}: "
+            "lower one or raise the other"
+        )
+    if d.num_workers < 0:
+        raise ConfigError(f"data.num_workers={d.num_workers} must be >= 0")
+    for i, entry in enumerate(d.blend):
+        if not entry.weight > 0:
+            raise ConfigError(f"data.blend[{i}].weight={entry.weight} must be > 0 (drop the entry instead)")
+    parse_split(d.split)

@@ -11,9 +11,16 @@ with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
     warnings.filterwarnings("ignore", message=".*Apex is not installed.*")
     from megatron.core import ModelParallelConfig, parallel_state, tensor_parallel
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
     from megatron.core.tensor_parallel.cross_entropy import VocabParallelCrossEntropy
 
 __all__ = [
+    "BlendedMegatronDatasetBuilder",
+    "GPTDataset",
+    "GPTDatasetConfig",
+    "IndexedDatasetBuilder",
     "ModelParallelConfig",
     "VocabParallelCrossEntropy",
     "parallel_state",

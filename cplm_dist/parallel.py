@@ -17,7 +17,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from cplm_dist.config import ConfigError
+from cplm_dist.errors import ConfigError
 from cplm_dist.megatron_compat import parallel_state
 
 

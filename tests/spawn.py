@@ -48,7 +48,7 @@ def run_ranks(fn, world_size: int, args: tuple = (), timeout: float = 240.0, env
     with tempfile.TemporaryDirectory(prefix="cplm-spawn-") as tmp:
         paths = [os.path.join(tmp, f"rank{r}.pt") for r in range(world_size)]
         procs = [
-            ctx.Process(target=_entry, args=(fn, args, r, world_size, port, paths[r], env or {}), daemon=True)
+            ctx.Process(target=_entry, args=(fn, args, r, world_size, port, paths[r], env or {}))
             for r in range(world_size)
         ]
         for p in procs:

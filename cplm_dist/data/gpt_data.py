@@ -1,0 +1,92 @@
+"""Train / valid / test datasets from the config's blend, through megatron-core's GPTDataset and
+BlendedMegatronDatasetBuilder (document shuffling, sample packing across documents, weighted
+blending and their on-disk index cache are theirs).
+
+Ours are only the checks before megatron touches anything: every prefix is validated
+(cplm_dist.data.indexed_data), the tokenizer must fit the model's vocabulary, and each dataset
+must have been made with that tokenizer's vocabulary.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch.distributed as dist
+
+from cplm_dist.config import Config, parse_split
+from cplm_dist.data.indexed_data import check_indexed_dataset
+from cplm_dist.data.tokenizer import Tokenizer, check_tokenizer_fits_model, load_tokenizer
+from cplm_dist.errors import DataError
+from cplm_dist.megatron_compat import BlendedMegatronDatasetBuilder, GPTDataset, GPTDatasetConfig
+
+SPLITS = ("train", "valid", "test")
+
+
+@dataclass
+class Datasets:
+    train: GPTDataset | None
+    valid: GPTDataset | None
+    test: GPTDataset | None
+    tokenizer: Tokenizer
+
+
+def tokenizer_for(cfg: Config) -> Tokenizer:
+    if not cfg.data.tokenizer:
+        raise DataError("data.tokenizer is not set: point it at the tokenizer the data was made with")
+    tok = load_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_backend)
+    check_tokenizer_fits_model(tok, cfg.model.vocab_size)
+    return tok
+
+
+def check_data(cfg: Config, samples: tuple[int, int, int] = (0, 0, 0)) -> Tokenizer:
+    """Everything about the data that can be wrong, checked before any of it is read."""
+    d = cfg.data
+    if not d.blend:
+        raise DataError("data.blend is empty: add at least one {path: <prefix>, weight: 1.0} made by tools/preprocess_data.py")
+    tokenizer = tokenizer_for(cfg)
+    for entry in d.blend:
+        check_indexed_dataset(entry.path, vocab_size=cfg.model.vocab_size)
+    for name, n, frac in zip(SPLITS, samples, parse_split(d.split)):
+        if n > 0 and frac == 0:
+            raise DataError(f"{n} {name} samples requested but data.split={d.split!r} gives the {name} split no documents")
+    return tokenizer
+
+
+def build_datasets(cfg: Config, samples: tuple[int, int, int]) -> Datasets:
+    """(train, valid, test) with exactly `samples` samples each (0 -> that split is None).
+
+    Call on every rank after the process group exists; rank 0 builds megatron's index cache
+    first and the others read it.
+    """
+    tokenizer = check_data(cfg, samples)
+    if not dist.is_initialized():
+        raise RuntimeError("build_datasets needs a process group (megatron's builder synchronises ranks): "
+                           "call cplm_dist.parallel.init_distributed first")
+    d = cfg.data
+    logging.getLogger("megatron.core.datasets").setLevel(logging.WARNING)
+    paths = [e.path for e in d.blend]
+    weights = [e.weight for e in d.blend] if len(paths) > 1 else None
+    cache = d.cache_dir or str(Path(paths[0]).parent / "index-cache")
+    config = GPTDatasetConfig(
+        random_seed=d.seed,
+        sequence_length=d.seq_length,
+        blend=(paths, weights),
+        split=d.split,
+        path_to_cache=cache,
+        tokenizer=tokenizer,
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=d.eod_mask_loss,
+        create_attention_mask=False,  # causal attention is built into the model
+        mid_level_dataset_surplus=0.005,
+    )
+    # A weighted blend needs an explicit size for every split (0, not None).
+    sizes = [int(n) for n in samples]
+    try:
+        built = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, config).build()
+    except (AssertionError, IndexError, ValueError) as e:
+        raise DataError(f"could not build datasets from data.blend ({type(e).__name__}: {e}); "
+                        "a split may hold too few documents for data.split / data.seq_length") from None
+    return Datasets(*[ds if n > 0 else None for ds, n in zip(built, samples)], tokenizer=tokenizer)

@@ -1,0 +1,251 @@
+"""Megatron indexed datasets (.bin tokens + .idx index): written atomically, checked when opened.
+
+Writing goes through megatron-core's `IndexedDatasetBuilder` (one sequence per document, EOD
+appended), with documents encoded by a pool of worker processes in bounded windows, so neither
+the corpus nor its tokens are ever held in memory whole. The three files -- `<prefix>.meta.json`
+(ours: tokenizer, counts, largest id), `<prefix>.bin`, `<prefix>.idx` -- are written under a
+temporary name and renamed when complete, the .idx last: an interrupted run leaves either the
+previous dataset or no `.idx`, never a half-written pair that looks valid.
+
+`check_indexed_dataset` validates a prefix before training reads it (megatron's reader would
+only fail, or silently read garbage, when a bad sample is reached mid-run): header, sizes of both
+files, monotone offsets and document bounds, and token ids against the model's vocabulary.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import struct
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import numpy as np
+
+from cplm_dist.data.tokenizer import Tokenizer, load_tokenizer
+from cplm_dist.errors import DataError
+
+INDEX_HEADER = b"MMIDIDX\x00\x00"  # megatron's .idx magic
+DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float32, 8: np.uint16}
+HEADER_BYTES = 9 + 8 + 1 + 8 + 8
+
+
+def token_dtype(vocab_size: int) -> type:
+    return np.uint16 if vocab_size <= 65536 else np.int32
+
+
+@dataclass
+class WriteSummary:
+    prefix: str
+    documents: int
+    tokens: int
+    text_bytes: int
+    bin_bytes: int
+    seconds: float
+    max_token_id: int
+
+    @property
+    def docs_per_s(self) -> float:
+        return self.documents / max(self.seconds, 1e-9)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / max(self.seconds, 1e-9)
+
+    def line(self) -> str:
+        return (f"{self.prefix}: {self.documents:,} documents, {self.tokens:,} tokens, "
+                f"{self.text_bytes / 1e6:.1f} MB text -> {self.bin_bytes / 1e6:.1f} MB .bin, {self.seconds:.1f}s "
+                f"({self.docs_per_s:,.0f} docs/s, {self.tokens_per_s:,.0f} tokens/s)")
+
+
+# --- worker side ------------------------------------------------------------------------------
+
+_WORKER_TOKENIZER: Tokenizer | None = None
+
+
+def _init_worker(spec: tuple[str, str]) -> None:
+    global _WORKER_TOKENIZER
+    _WORKER_TOKENIZER = load_tokenizer(*spec)
+
+
+def _encode_chunk(texts: list[str]) -> tuple[list[list[int]], int]:
+    tokens = _WORKER_TOKENIZER.encode_batch(texts)
+    return tokens, sum(len(t.encode("utf-8")) for t in texts)
+
+
+def _chunks(documents: Iterable[str], size: int) -> Iterator[list[str]]:
+    chunk: list[str] = []
+    for doc in documents:
+        chunk.append(doc)
+        if len(chunk) == size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+def _encoded(documents: Iterable[str], tokenizer: Tokenizer, workers: int, chunk_docs: int) -> Iterator[tuple[list[list[int]], int]]:
+    """Encoded chunks in input order; with workers > 1 at most 4 * workers chunks in flight."""
+    chunks = _chunks(documents, chunk_docs)
+    if workers <= 1:
+        global _WORKER_TOKENIZER
+        _WORKER_TOKENIZER = tokenizer
+        yield from map(_encode_chunk, chunks)
+        return
+    with mp.get_context("spawn").Pool(workers, initializer=_init_worker, initargs=(tokenizer.spec(),)) as pool:
+        while True:
+            window = [c for _, c in zip(range(4 * workers), chunks)]
+            if not window:
+                return
+            yield from pool.imap(_encode_chunk, window)
+
+
+# --- writing ----------------------------------------------------------------------------------
+
+
+def dataset_files(prefix: str | Path) -> dict[str, Path]:
+    prefix = str(prefix)
+    return {"meta": Path(prefix + ".meta.json"), "bin": Path(prefix + ".bin"), "idx": Path(prefix + ".idx")}
+
+
+def write_indexed_dataset(
+    documents: Iterable[str],
+    tokenizer: Tokenizer,
+    prefix: str | Path,
+    *,
+    workers: int = 1,
+    append_eod: bool = True,
+    overwrite: bool = False,
+    chunk_docs: int = 64,
+    progress: bool = True,
+    sources: Iterable[str] = (),
+) -> WriteSummary:
+    """Tokenize `documents` into `<prefix>.bin/.idx` (+ `.meta.json`), atomically."""
+    from cplm_dist.megatron_compat import IndexedDatasetBuilder
+
+    final = dataset_files(prefix)
+    if any(f.exists() for f in final.values()) and not overwrite:
+        raise DataError(f"dataset {prefix} already exists: choose another --output-prefix or pass --overwrite")
+    Path(prefix).parent.mkdir(parents=True, exist_ok=True)
+    tmp = dataset_files(f"{prefix}.tmp-{os.getpid()}")
+    dtype = token_dtype(tokenizer.vocab_size)
+    bar = _progress(progress)
+    start = time.perf_counter()
+    docs = tokens = text_bytes = 0
+    max_id = -1
+    builder = None
+    try:
+        builder = IndexedDatasetBuilder(str(tmp["bin"]), dtype=dtype)
+        for encoded, nbytes in _encoded(documents, tokenizer, workers, chunk_docs):
+            for ids in encoded:
+                if append_eod:
+                    ids = ids + [tokenizer.eod]
+                if not ids:
+                    continue
+                arr = np.asarray(ids, dtype=np.int64)
+                max_id = max(max_id, int(arr.max()))
+                builder.add_document(arr, [len(arr)])
+                tokens += len(arr)
+            docs += len(encoded)
+            text_bytes += nbytes
+            if bar is not None:
+                elapsed = max(time.perf_counter() - start, 1e-9)
+                bar.update(len(encoded))
+                bar.set_postfix_str(f"{docs / elapsed:,.0f} docs/s, {tokens / elapsed:,.0f} tokens/s", refresh=False)
+        if docs == 0:
+            raise DataError(f"no documents to write to {prefix}: the inputs are empty")
+        builder.finalize(str(tmp["idx"]))
+        summary = WriteSummary(str(prefix), docs, tokens, text_bytes, tmp["bin"].stat().st_size,
+                               time.perf_counter() - start, max_id)
+        meta = {**asdict(summary), "tokenizer": str(tokenizer.path), "tokenizer_backend": tokenizer.backend,
+                "tokenizer_sha256": tokenizer.fingerprint, "vocab_size": tokenizer.vocab_size, "eod": tokenizer.eod,
+                "append_eod": append_eod, "dtype": np.dtype(dtype).name, "sources": [str(s) for s in sources]}
+        tmp["meta"].write_text(json.dumps(meta, indent=2) + "\n")
+        check_indexed_dataset(str(tmp["bin"])[: -len(".bin")])
+        # Publish: drop the old index first, so that no moment pairs an old .idx with a new .bin.
+        final["idx"].unlink(missing_ok=True)
+        os.replace(tmp["meta"], final["meta"])
+        os.replace(tmp["bin"], final["bin"])
+        os.replace(tmp["idx"], final["idx"])
+        return summary
+    finally:
+        if bar is not None:
+            bar.close()
+        if builder is not None and not builder.data_file.closed:
+            builder.data_file.close()
+        for f in tmp.values():
+            f.unlink(missing_ok=True)
+
+
+def _progress(enabled: bool):
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(unit=" docs", file=sys.stderr, dynamic_ncols=True, mininterval=0.5)
+
+
+# --- checking ---------------------------------------------------------------------------------
+
+
+@dataclass
+class IndexSummary:
+    prefix: str
+    sequences: int
+    documents: int
+    tokens: int
+    dtype: str
+    max_token_id: int | None  # from .meta.json when present
+
+
+def check_indexed_dataset(prefix: str | Path, vocab_size: int | None = None) -> IndexSummary:
+    """Validate `<prefix>.bin/.idx` (and `.meta.json` if present); DataError names what is wrong."""
+    files = dataset_files(prefix)
+    redo = "rebuild it with tools/preprocess_data.py"
+    for kind in ("idx", "bin"):
+        if not files[kind].is_file():
+            raise DataError(f"dataset {prefix}: {files[kind]} is missing ({redo}, or fix data.blend)")
+    idx_size, bin_size = files["idx"].stat().st_size, files["bin"].stat().st_size
+    with open(files["idx"], "rb") as f:
+        head = f.read(HEADER_BYTES)
+    if len(head) < HEADER_BYTES or head[:9] != INDEX_HEADER:
+        raise DataError(f"dataset {prefix}: {files['idx']} is not a Megatron index (bad header); {redo}")
+    version, code, n_seq, n_doc = struct.unpack("<QBQQ", head[9:])
+    if version != 1 or code not in DTYPES:
+        raise DataError(f"dataset {prefix}: {files['idx']} has version {version} / dtype code {code}, not a Megatron v1 index; {redo}")
+    expected = HEADER_BYTES + 4 * n_seq + 8 * n_seq + 8 * n_doc
+    if idx_size != expected:
+        raise DataError(f"dataset {prefix}: {files['idx']} is {idx_size} bytes, expected {expected} (truncated or corrupt); {redo}")
+    raw = np.memmap(files["idx"], dtype=np.uint8, mode="r")
+    lengths = np.frombuffer(raw, np.int32, n_seq, HEADER_BYTES)
+    pointers = np.frombuffer(raw, np.int64, n_seq, HEADER_BYTES + 4 * n_seq)
+    doc_idx = np.frombuffer(raw, np.int64, n_doc, HEADER_BYTES + 12 * n_seq)
+    itemsize = np.dtype(DTYPES[code]).itemsize
+    tokens = int(lengths.sum(dtype=np.int64))
+    if (n_doc < 1 or doc_idx[0] != 0 or doc_idx[-1] != n_seq or np.any(np.diff(doc_idx) < 0)
+            or np.any(lengths < 0)
+            or (n_seq and (pointers[0] != 0 or np.any(pointers[1:] != pointers[:-1] + lengths[:-1].astype(np.int64) * itemsize)))):
+        raise DataError(f"dataset {prefix}: {files['idx']} is internally inconsistent (corrupt); {redo}")
+    if bin_size != tokens * itemsize:
+        raise DataError(f"dataset {prefix}: {files['bin']} is {bin_size} bytes but the index describes "
+                        f"{tokens * itemsize} (truncated, or .bin and .idx from different runs); {redo}")
+    if tokens == 0:
+        raise DataError(f"dataset {prefix} holds no tokens; {redo} from non-empty inputs")
+    max_id = None
+    if files["meta"].is_file():
+        try:
+            max_id = int(json.loads(files["meta"].read_text())["max_token_id"])
+        except (ValueError, KeyError, TypeError):
+            raise DataError(f"dataset {prefix}: {files['meta']} is unreadable; {redo}") from None
+    if vocab_size is not None:
+        if max_id is None:  # a dataset made elsewhere: read the ids once
+            data = np.memmap(files["bin"], dtype=DTYPES[code], mode="r")
+            max_id = int(data.max())
+        if max_id >= vocab_size:
+            raise DataError(f"dataset {prefix} holds token id {max_id} but model.vocab_size={vocab_size}: "
+                            "it was made with another tokenizer; re-run tools/preprocess_data.py with data.tokenizer")
+    return IndexSummary(str(prefix), n_seq, n_doc - 1, tokens, np.dtype(DTYPES[code]).name, max_id)

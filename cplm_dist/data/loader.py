@@ -1,0 +1,81 @@
+"""Micro-batches per data-parallel rank, in an order fixed by (dataset, consumed samples).
+
+The dataset (megatron's GPTDataset / BlendedDataset) is already shuffled by the data seed, so
+sample i is the same on every rank and in every run. Step k of the run reads the samples
+[c, c + micro * dp) where c is the number consumed so far; data-parallel rank r takes the r-th
+block of `micro` of them (Megatron's pretraining sampler). Every tp rank of one dp rank reads the
+same samples. The state a checkpoint stores is that one number, so a resumed run continues with
+exactly the next samples: none repeated, none skipped, whatever the prefetching was.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+IGNORE_INDEX = -100
+
+
+class PretrainingBatchSampler(Sampler[list[int]]):
+    """Index lists of `micro` samples for one dp rank, from `consumed` to the end of the data."""
+
+    def __init__(self, total: int, consumed: int, micro: int, dp_rank: int, dp_size: int):
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank={dp_rank} outside dp_size={dp_size}")
+        self.total, self.consumed, self.micro, self.dp_rank, self.dp_size = total, consumed, micro, dp_rank, dp_size
+
+    def __len__(self) -> int:
+        return max(0, (self.total - self.consumed) // (self.micro * self.dp_size))
+
+    def __iter__(self):
+        step = self.micro * self.dp_size
+        for start in range(self.consumed, self.total - step + 1, step):
+            first = start + self.dp_rank * self.micro
+            yield list(range(first, first + self.micro))
+
+
+def collate(samples: list[dict]) -> dict[str, torch.Tensor]:
+    """GPTDataset samples -> input_ids (B, T) and labels (B, T), -100 where the loss is masked."""
+    input_ids = torch.stack([s["tokens"] for s in samples])
+    labels = torch.stack([s["labels"] for s in samples])
+    loss_mask = torch.stack([s["loss_mask"] for s in samples])
+    return {"input_ids": input_ids, "labels": labels.masked_fill(loss_mask == 0, IGNORE_INDEX)}
+
+
+class ResumableLoader:
+    """Iterates micro-batches for this dp rank; `state_dict()` / `load_state_dict()` resume it."""
+
+    def __init__(self, dataset: Dataset, micro_batch_size: int, dp_rank: int = 0, dp_size: int = 1,
+                 num_workers: int = 0, consumed_samples: int = 0, pin_memory: bool = False):
+        self.dataset, self.micro, self.dp_rank, self.dp_size = dataset, micro_batch_size, dp_rank, dp_size
+        self.num_workers, self.pin_memory = num_workers, pin_memory
+        self.consumed_samples = consumed_samples
+        self._iter = None
+
+    @property
+    def samples_per_step(self) -> int:
+        return self.micro * self.dp_size
+
+    def __len__(self) -> int:
+        """Micro-batches left."""
+        return max(0, (len(self.dataset) - self.consumed_samples) // self.samples_per_step)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        if self._iter is None:
+            sampler = PretrainingBatchSampler(len(self.dataset), self.consumed_samples, self.micro, self.dp_rank, self.dp_size)
+            loader = DataLoader(self.dataset, batch_sampler=sampler, num_workers=self.num_workers, collate_fn=collate,
+                                pin_memory=self.pin_memory, persistent_workers=False)
+            self._iter = iter(loader)
+        batch = next(self._iter)
+        self.consumed_samples += self.samples_per_step
+        return batch
+
+    def state_dict(self) -> dict:
+        return {"consumed_samples": self.consumed_samples}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.consumed_samples = int(state["consumed_samples"])
+        self._iter = None  # restart the worker pipeline at the restored position

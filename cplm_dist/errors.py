@@ -1,0 +1,17 @@
+"""Errors the user can fix: each message is one line naming the problem and the fix.
+
+Entry points turn a `UsageError` into that line on stderr and exit code 2 (cplm_dist.cli);
+everything else is a bug and keeps its traceback.
+"""
+
+
+class UsageError(ValueError):
+    """Bad input from the user: a config, a command line, a data file, a checkpoint, a launch."""
+
+
+class ConfigError(UsageError):
+    """A bad config value or command-line override."""
+
+
+class DataError(UsageError):
+    """A missing, empty, malformed or mismatched data file or tokenizer."""

@@ -1,0 +1,42 @@
+"""Shared fixtures: a small corpus turned into a tokenizer and two indexed datasets, once per session."""
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from cplm_dist.data.corpora import stdlib_files, synthetic_copy_documents, write_jsonl
+from cplm_dist.data.indexed_data import write_indexed_dataset
+from cplm_dist.data.sources import iter_documents
+from cplm_dist.data.tokenizer import load_tokenizer, train_sentencepiece
+
+VOCAB = 512
+
+
+@dataclass
+class SmallData:
+    root: Path
+    tokenizer: Path
+    raw: dict  # name -> jsonl path
+    prefixes: dict  # name -> dataset prefix (str)
+    documents: dict  # name -> list of the raw documents
+
+
+@pytest.fixture(scope="session")
+def small_data(tmp_path_factory) -> SmallData:
+    root = tmp_path_factory.mktemp("small_data")
+    docs = {
+        "code": [p.read_text(encoding="utf-8") for p in stdlib_files()[:40]],
+        "copy": list(synthetic_copy_documents(600, seed=3)),
+    }
+    raw = {name: root / f"{name}.jsonl" for name in docs}
+    for name, d in docs.items():
+        write_jsonl(d, raw[name])
+    tok = root / "tok.model"
+    train_sentencepiece(iter_documents(list(raw.values())), tok, vocab_size=VOCAB)
+    tokenizer = load_tokenizer(tok)
+    prefixes = {}
+    for name in docs:
+        prefixes[name] = str(root / name)
+        write_indexed_dataset(iter_documents([raw[name]]), tokenizer, prefixes[name], progress=False)
+    return SmallData(root, tok, raw, prefixes, docs)

@@ -1,0 +1,57 @@
+"""Train a SentencePiece tokenizer (BPE or unigram, byte fallback) from local files.
+
+    python tools/train_tokenizer.py --input corpus.jsonl more/*.parquet --vocab-size 32000 \
+        --output data/tokenizer.model
+    cplm-train-tokenizer --input docs/ --model-type unigram --vocab-size 8192 --output tok.model
+
+Inputs are files or directories: JSON lines, JSON, Parquet, CSV, Arrow (the `--text-key` field),
+or plain text (one document per file), read as cplm_dist.data.sources describes. Writes the
+model and `<output minus .model>.json` metadata (ids: unk 0, bos 1, eod 2, pad 3, then
+`--special-tokens`). Bad input gives one line and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from cplm_dist.cli import exit_on_usage_error
+from cplm_dist.data.sources import ON_BAD, ReadStats, expand_inputs, iter_documents
+from cplm_dist.data.tokenizer import train_sentencepiece
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--input", nargs="+", required=True, help="files or directories")
+    p.add_argument("--output", required=True, help="the .model file to write")
+    p.add_argument("--vocab-size", type=int, default=32000)
+    p.add_argument("--model-type", choices=["bpe", "unigram"], default="bpe")
+    p.add_argument("--special-tokens", nargs="*", default=[], help="extra tokens kept whole, e.g. '<|im_start|>'")
+    p.add_argument("--no-byte-fallback", action="store_true", help="map unknown characters to <unk> instead of bytes")
+    p.add_argument("--text-key", default="text")
+    p.add_argument("--on-bad-record", choices=ON_BAD, default="stop")
+    p.add_argument("--max-lines", type=int, default=2_000_000, help="train on at most this many lines")
+    return p
+
+
+@exit_on_usage_error
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    stats = ReadStats()
+    start = time.perf_counter()
+    files = expand_inputs(args.input)
+    docs = iter_documents(files, args.text_key, args.on_bad_record, stats)
+    meta = train_sentencepiece(
+        docs, args.output, vocab_size=args.vocab_size, model_type=args.model_type,
+        special_tokens=args.special_tokens, byte_fallback=not args.no_byte_fallback,
+        max_lines=args.max_lines, sources=[str(f) for f in files],
+    )
+    print(f"wrote {args.output}: {meta['model_type']} vocabulary of {meta['vocab_size']} "
+          f"(eod {meta['eod']}, pad {meta['pad']}) from {stats.documents:,} documents, "
+          f"{meta['training_lines']:,} lines, in {time.perf_counter() - start:.1f}s; skipped: {stats.describe_skipped()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
