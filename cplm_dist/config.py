@@ -32,6 +32,8 @@ CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 MixMode = Literal["gate", "joint", "sentinel"]
 PasteMode = Literal["next", "self"]
 TokenizerBackend = Literal["sentencepiece", "huggingface"]
+Schedule = Literal["cosine", "wsd", "constant"]
+Precision = Literal["fp32", "bf16"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -109,11 +111,54 @@ class ParallelConfig:
 
 
 @dataclass
+class OptimConfig:
+    """AdamW and its learning-rate schedule (cplm_dist.optim)."""
+
+    lr: float = 3e-4
+    min_lr: float = 3e-5  # floor of the cosine / WSD decay
+    schedule: Schedule = "cosine"
+    warmup_steps: int = 100
+    decay_fraction: float = 0.2  # wsd: the last fraction of train_steps decays to min_lr
+    weight_decay: float = 0.1
+    decay_embeddings: bool = False  # norms and biases are never decayed; embeddings only if true
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    clip_grad: float = 1.0  # global gradient-norm clipping (0 = off)
+
+
+@dataclass
+class TrainConfig:
+    """The run: batch arithmetic, precision, ZeRO, logging, evaluation and checkpoints."""
+
+    micro_batch_size: int = 4  # sequences per rank per forward
+    global_batch_size: int = 32  # sequences per optimizer step = micro x accumulation x dp
+    train_steps: int = 1000
+    precision: Precision = "bf16"
+    zero_stage: int = 1
+    activation_checkpointing: bool = False  # recompute each transformer layer in backward
+    out_dir: str = "runs/default"  # checkpoints/ and logs/ go here
+    log_interval: int = 10
+    eval_interval: int = 200  # validation loss every this many steps (and at the end)
+    eval_batches: int = 10  # micro-batches per rank in one validation pass
+    save_interval: int = 500
+    keep_last: int = 3  # checkpoints kept (older ones are deleted after a newer one is complete)
+    max_bad_steps: int = 5  # consecutive non-finite steps before the run stops
+    exit_at_step: int | None = None  # save and exit once this step is done (a time-sliced job; Megatron's --exit-interval)
+    inject_nonfinite_at: list[int] = field(default_factory=list)  # fault injection (tests): NaN loss at these steps
+    tensorboard: bool = True
+    wandb: bool = False
+    wandb_project: str = "cplm_dist"
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     copy: CopyConfig = field(default_factory=CopyConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
     seed: int = 1234  # model initialisation
 
 
@@ -345,6 +390,7 @@ def validate(cfg: Config) -> None:
             f"(valid: {_divisors(m.num_heads)})"
         )
     validate_data(cfg)
+    validate_train(cfg)
     for name, value in (("model.num_heads", m.num_heads), ("model.num_kv_heads", m.num_kv_heads),
                         ("model.ffn_hidden_size", m.ffn_hidden_size)):
         if value % tp:
@@ -379,3 +425,42 @@ def validate_data(cfg: Config) -> None:
         if not entry.weight > 0:
             raise ConfigError(f"data.blend[{i}].weight={entry.weight} must be > 0 (drop the entry instead)")
     parse_split(d.split)
+
+
+def validate_train(cfg: Config) -> None:
+    t, o = cfg.train, cfg.optim
+    for name, value in {"train.micro_batch_size": t.micro_batch_size, "train.global_batch_size": t.global_batch_size,
+                        "train.train_steps": t.train_steps, "train.log_interval": t.log_interval,
+                        "train.eval_interval": t.eval_interval, "train.eval_batches": t.eval_batches,
+                        "train.save_interval": t.save_interval, "train.keep_last": t.keep_last,
+                        "train.max_bad_steps": t.max_bad_steps}.items():
+        if value < 1:
+            raise ConfigError(f"{name}={value} must be a positive integer")
+    if t.zero_stage not in (0, 1, 2, 3):
+        raise ConfigError(f"train.zero_stage={t.zero_stage} is not valid: choose one of [0, 1, 2, 3]")
+    if t.global_batch_size % t.micro_batch_size:
+        raise ConfigError(
+            f"train.global_batch_size={t.global_batch_size} is not a multiple of train.micro_batch_size={t.micro_batch_size}"
+        )
+    if not 0 < o.lr or not 0 <= o.min_lr <= o.lr:
+        raise ConfigError(f"optim.lr={o.lr} and optim.min_lr={o.min_lr} must satisfy 0 <= min_lr <= lr, lr > 0")
+    if o.warmup_steps < 0 or o.warmup_steps > t.train_steps:
+        raise ConfigError(f"optim.warmup_steps={o.warmup_steps} must be between 0 and train.train_steps={t.train_steps}")
+    if not 0 <= o.decay_fraction <= 1:
+        raise ConfigError(f"optim.decay_fraction={o.decay_fraction} must be within [0, 1]")
+    if o.weight_decay < 0 or o.clip_grad < 0:
+        raise ConfigError("optim.weight_decay and optim.clip_grad must be >= 0")
+
+
+def batch_layout(cfg: Config, dp_size: int) -> int:
+    """Gradient-accumulation steps from micro x accumulation x dp = global, or a ConfigError with the numbers."""
+    t = cfg.train
+    per_step = t.micro_batch_size * dp_size
+    if t.global_batch_size % per_step:
+        lower = (t.global_batch_size // per_step) * per_step
+        valid = [v for v in (lower, lower + per_step) if v > 0]
+        raise ConfigError(
+            f"train.global_batch_size={t.global_batch_size} is not micro_batch_size={t.micro_batch_size} x "
+            f"dp={dp_size} (={per_step}) x an integer accumulation: use one of {valid} or change micro_batch_size"
+        )
+    return t.global_batch_size // per_step

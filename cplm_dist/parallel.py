@@ -112,6 +112,11 @@ def init_distributed(tp_size: int = 1, *, backend: str | None = None, timeout_mi
             backend, init_method=init_method, rank=env.rank, world_size=env.world_size,
             timeout=timedelta(minutes=timeout_minutes),
         )
+        # DeepSpeed (and anything else downstream) reads the torchrun-style variables: publish
+        # what we resolved, whatever the launcher was.
+        host, port = init_method.removeprefix("tcp://").rsplit(":", 1)
+        os.environ.update(RANK=str(env.rank), WORLD_SIZE=str(env.world_size), LOCAL_RANK=str(env.local_rank),
+                          MASTER_ADDR=host, MASTER_PORT=port)
     else:
         check_world(tp_size, dist.get_world_size())
     if parallel_state.model_parallel_is_initialized():

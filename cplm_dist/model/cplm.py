@@ -17,10 +17,11 @@ cplm_dist.vocab_parallel, on the tp group handed in.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
 
 from cplm_dist import vocab_parallel
 from cplm_dist.config import Config, padded_vocab_size, vocab_padding_note
@@ -35,8 +36,9 @@ from cplm_dist.model.sharding import mark_split
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class CPLMOutput:
+class CPLMOutput(NamedTuple):
+    """A NamedTuple, so that ZeRO-3's hooks see its tensors (they walk tuples, lists, dicts)."""
+
     nll: torch.Tensor  # (B, T) float32 per-token loss of the mixture, 0 where labels = -100
     lm_nll: torch.Tensor  # (B, T) the LM head alone, -log softmax(z)_y (detached statistic)
     copy_share: torch.Tensor  # (B, T) copy side's share of the next-token mass (detached; 0 copy off)
@@ -85,6 +87,8 @@ class CPLM(torch.nn.Module):
                 mark_split(p, dim=0)
                 p.full_rows = m.vocab_size  # rows past it are padding (initialised to zero)
         self.copy_head = CopyHead(m, cfg.copy, device=device, dtype=dtype) if cfg.copy.enabled else None
+        # Recompute each layer in backward instead of keeping its activations (train.activation_checkpointing).
+        self.activation_checkpointing = cfg.train.activation_checkpointing
         self.to(device)
         init_parameters(self, cfg, self.tp_rank, self.tp_size)
 
@@ -98,7 +102,10 @@ class CPLM(torch.nn.Module):
         cos, sin = rope_tables(T, self.cfg.model.head_dim, self.cfg.model.rope_theta, device=input_ids.device)
         x = self.embedding(input_ids)  # (B, T, D)
         for layer in self.layers:
-            x = layer(x, cos, sin)
+            if self.activation_checkpointing and self.training and torch.is_grad_enabled():
+                x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin)
         return self.final_norm(x)
 
     def lm_logits(self, h: torch.Tensor) -> torch.Tensor:

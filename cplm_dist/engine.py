@@ -1,0 +1,100 @@
+"""The DeepSpeed engine: its JSON config generated from the typed config, the mpu adapter over
+our parallel groups, and `deepspeed.initialize` with our optimizer and schedule.
+
+| typed field | DeepSpeed key |
+|---|---|
+| train.global_batch_size | train_batch_size |
+| train.micro_batch_size | train_micro_batch_size_per_gpu |
+| global / (micro x dp) | gradient_accumulation_steps (checked: a ConfigError gives the numbers) |
+| optim.clip_grad | gradient_clipping |
+| train.zero_stage | zero_optimization.stage |
+| train.precision | bf16.enabled |
+
+The optimizer (GuardedAdamW with weight-decay groups) and LR schedule are ours, handed to
+DeepSpeed, which steps them at accumulation boundaries and saves them in its checkpoints.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from cplm_dist.config import Config, batch_layout
+from cplm_dist.optim import build_optimizer, build_scheduler
+from cplm_dist.parallel import ParallelDims
+
+
+class DeepSpeedMPU:
+    """What DeepSpeed asks of an `mpu` (model-parallel unit), answered from our groups (PP = 1:
+    model parallel = tensor parallel)."""
+
+    def __init__(self, dims: ParallelDims):
+        self.dims = dims
+
+    def get_model_parallel_rank(self):
+        return self.dims.tp_rank
+
+    def get_model_parallel_world_size(self):
+        return self.dims.tp_size
+
+    def get_model_parallel_group(self):
+        return self.dims.tp_group
+
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+    get_tensor_model_parallel_group = get_model_parallel_group
+
+    def get_tensor_model_parallel_src_rank(self):
+        return self.dims.rank - self.dims.tp_rank  # tp ranks are consecutive
+
+    def get_data_parallel_rank(self):
+        return self.dims.dp_rank
+
+    def get_data_parallel_world_size(self):
+        return self.dims.dp_size
+
+    def get_data_parallel_group(self):
+        return self.dims.dp_group
+
+    def get_pipeline_model_parallel_world_size(self):
+        return 1
+
+
+def deepspeed_config(cfg: Config, dims: ParallelDims) -> dict:
+    t = cfg.train
+    accumulation = batch_layout(cfg, dims.dp_size)
+    return {
+        "train_batch_size": t.global_batch_size,
+        "train_micro_batch_size_per_gpu": t.micro_batch_size,
+        "gradient_accumulation_steps": accumulation,
+        "gradient_clipping": cfg.optim.clip_grad,
+        "zero_optimization": {"stage": t.zero_stage},
+        "bf16": {"enabled": t.precision == "bf16"},
+        "fp16": {"enabled": False},
+        "zero_allow_untested_optimizer": True,  # our AdamW subclass, not DeepSpeed's fused/CPU Adam
+        "steps_per_print": 1 << 30,  # our logger reports progress
+        "wall_clock_breakdown": False,
+    }
+
+
+def build_engine(model: torch.nn.Module, cfg: Config, dims: ParallelDims):
+    """(engine, optimizer we built, scheduler) for the model; DeepSpeed's init joins our process group."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # say it, rather than have DeepSpeed warn that it guessed
+    import deepspeed
+
+    for name in ("DeepSpeed", "deepspeed"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    if cfg.model.tie_embeddings and cfg.train.zero_stage == 3:
+        # ZeRO-3 gathers a parameter only around its own module's forward: the LM head reads the
+        # embedding's weight, so it must be declared to that module.
+        deepspeed.zero.register_external_parameter(model.lm_head, model.embedding.weight)
+    optimizer = build_optimizer(model, cfg)
+    scheduler = build_scheduler(optimizer, cfg)
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, optimizer=optimizer, lr_scheduler=scheduler, config=deepspeed_config(cfg, dims),
+        mpu=DeepSpeedMPU(dims), dist_init_required=False,
+    )
+    return engine, optimizer, scheduler

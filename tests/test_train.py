@@ -1,0 +1,275 @@
+"""Training end to end on gloo ranks: the loss falls; tp x dp with ZeRO-1/2 and ZeRO stages 0-3
+follow one rank's trajectory; resume is exact; a save killed midway leaves a valid `latest`;
+non-finite steps are skipped and a run of them stops with the last good state; bad input gives
+one line and exit code 2 with nothing written."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from cplm_dist.config import load_config
+from cplm_dist.optim import lr_factor
+from cplm_dist.run_log import read_metrics
+from tests.spawn import run_ranks
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def argv(small_data, out_dir, *extra):
+    blend = ", ".join(f"{{path: {small_data.prefixes[n]}, weight: 0.5}}" for n in ("code", "copy"))
+    return ["--config", str(REPO / "configs/quickstart.yaml"), "model.vocab_size=512", "model.max_seq_len=64",
+            f"data.tokenizer={small_data.tokenizer}", f"data.blend=[{blend}]", "data.seq_length=64",
+            "data.num_workers=0", "train.log_interval=1", "train.eval_interval=1000", "train.eval_batches=2",
+            "train.save_interval=1000", "optim.warmup_steps=2", f"train.out_dir={out_dir}", *extra]
+
+
+def _train(args):
+    from cplm_dist.train import main
+
+    return main(args)
+
+
+def train(world, args, env=None, timeout=300):
+    return run_ranks(_train, world, args=(args,), timeout=timeout, env=env)
+
+
+def losses(out_dir):
+    return {s: r["loss"] for s, r in read_metrics(Path(out_dir) / "logs" / "metrics.jsonl").items()}
+
+
+# --- the loss falls; what a run writes ----------------------------------------------------------
+
+
+def test_loss_goes_down_and_the_run_reports_everything(small_data, tmp_path):
+    out = tmp_path / "run"
+    rc = train(1, argv(small_data, out, "train.train_steps=40", "train.eval_interval=20"))
+    assert rc == [0]
+    log = read_metrics(out / "logs" / "metrics.jsonl")
+    first, last = log[1]["loss"], sum(log[s]["loss"] for s in range(36, 41)) / 5
+    assert last < first - 0.75, (first, last)
+    for key in ("step", "consumed_tokens", "lr", "loss", "lm_loss", "copy_share", "grad_norm", "tokens_per_s",
+                "tokens_per_s_per_device", "tflops_per_device", "mfu", "peak_memory_gb", "skipped_steps"):
+        assert key in log[40], key
+    assert log[40]["consumed_tokens"] == 40 * 16 * 64 and log[40]["mfu"] is None  # no MFU on CPU
+    valid = read_metrics(out / "logs" / "metrics.jsonl", "valid")
+    assert sorted(valid) == [20, 40] and valid[40]["loss"] < valid[20]["loss"]
+    assert list((out / "logs" / "tensorboard").glob("events.out.tfevents.*"))
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step-00000040"
+
+
+# --- parallel layouts follow one rank -----------------------------------------------------------
+
+STEPS = 4
+
+
+def _layout_args(small_data, out, zero, tp, *extra):
+    # global batch 4: one rank takes micro 4; dp = 2 takes micro 2 each
+    return argv(small_data, out, f"train.train_steps={STEPS}", f"train.zero_stage={zero}", f"parallel.tp={tp}",
+                "train.global_batch_size=4", "optim.clip_grad=1.0", *extra)
+
+
+@pytest.fixture(scope="module")
+def one_rank(small_data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("layouts") / "one"
+    assert train(1, _layout_args(small_data, out, 0, 1, "train.micro_batch_size=4")) == [0]
+    return losses(out)
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+def test_tp2_dp2_zero_matches_one_rank(small_data, tmp_path, one_rank, zero):
+    out = tmp_path / f"tp2dp2z{zero}"
+    assert train(4, _layout_args(small_data, out, zero, 2, "train.micro_batch_size=2")) == [0] * 4
+    got = losses(out)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    for step in got:
+        assert abs(got[step] - one_rank[step]) < 1e-4, (step, got[step], one_rank[step])
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_zero_stages_at_dp2_match_one_rank(small_data, tmp_path, one_rank, zero):
+    out = tmp_path / f"dp2z{zero}"
+    assert train(2, _layout_args(small_data, out, zero, 1, "train.micro_batch_size=2")) == [0, 0]
+    got = losses(out)
+    for step in got:
+        assert abs(got[step] - one_rank[step]) < 1e-4, (step, got[step], one_rank[step])
+
+
+def test_activation_checkpointing_changes_nothing(small_data, tmp_path, one_rank):
+    out = tmp_path / "ckpt"
+    assert train(1, _layout_args(small_data, out, 0, 1, "train.micro_batch_size=4",
+                                 "train.activation_checkpointing=true")) == [0]
+    got = losses(out)
+    for step in got:
+        assert abs(got[step] - one_rank[step]) < 1e-6
+
+
+# --- exact resume --------------------------------------------------------------------------------
+
+
+def test_resume_is_exact(small_data, tmp_path):
+    common = ["train.train_steps=8", "train.zero_stage=1"]
+    assert train(1, argv(small_data, tmp_path / "straight", *common)) == [0]
+    interrupted = tmp_path / "resumed"
+    assert train(1, argv(small_data, interrupted, *common, "train.exit_at_step=4")) == [0]
+    assert (interrupted / "checkpoints" / "latest").read_text().strip() == "step-00000004"
+    assert max(losses(interrupted)) == 4
+    assert train(1, argv(small_data, interrupted, *common) + ["--resume", "auto"]) == [0]
+    a, b = losses(tmp_path / "straight"), losses(interrupted)
+    assert sorted(a) == sorted(b) == list(range(1, 9))
+    for step in a:
+        assert abs(a[step] - b[step]) <= 1e-6, (step, a[step], b[step])
+    state = torch.load(interrupted / "checkpoints" / "step-00000008" / "mp_rank_00_model_states.pt", weights_only=False)
+    assert state["loader"] == {"consumed_samples": 8 * 16} and state["step"] == 8
+
+
+def test_sigkill_during_a_save_leaves_a_valid_latest(small_data, tmp_path):
+    """Kill the trainer while a checkpoint directory exists without its completion marker, then
+    resume from what `latest` names."""
+    out = tmp_path / "killed"
+    args = argv(small_data, out, "train.train_steps=400", "train.save_interval=1", "train.keep_last=2",
+                "model.tie_embeddings=false")  # a larger checkpoint: a longer window to be killed in
+    script = f"import sys; from cplm_dist.train import main; sys.exit(main({args!r}))"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ckpts, killed_in = out / "checkpoints", None
+    deadline = time.monotonic() + 240
+    try:
+        while killed_in is None and time.monotonic() < deadline and proc.poll() is None:
+            for d in sorted(ckpts.glob("step-*")) if (ckpts / "latest").exists() else []:
+                if not (d / "complete.json").exists() and any(d.iterdir()):
+                    proc.send_signal(signal.SIGKILL)
+                    killed_in = d.name
+                    break
+            time.sleep(0.002)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert killed_in is not None, "never caught a save in progress"
+    latest = (ckpts / "latest").read_text().strip()
+    assert latest != killed_in and (ckpts / latest / "complete.json").exists()
+    # the run continues from `latest`
+    resumed = argv(small_data, out, f"train.train_steps={int(latest.split('-')[1]) + 2}", "train.save_interval=1",
+                   "train.keep_last=2", "model.tie_embeddings=false") + ["--resume", "auto"]
+    assert train(1, resumed) == [0]
+    assert not (ckpts / killed_in).exists() or (ckpts / killed_in / "complete.json").exists()
+
+
+# --- non-finite steps ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("zero", [0, 3])
+def test_nonfinite_step_is_skipped_and_counted(small_data, tmp_path, zero):
+    out = tmp_path / f"nan{zero}"
+    assert train(1, argv(small_data, out, "train.train_steps=6", f"train.zero_stage={zero}",
+                         "train.inject_nonfinite_at=[3]")) == [0]
+    log = read_metrics(out / "logs" / "metrics.jsonl")
+    assert log[2]["skipped_steps"] == 0 and log[3]["skipped_steps"] == 1 and log[6]["skipped_steps"] == 1
+    assert all(log[s]["loss"] == log[s]["loss"] for s in (4, 5, 6)), "training goes on with finite losses"
+
+
+def test_a_run_of_nonfinite_steps_stops_with_the_last_good_state(small_data, tmp_path):
+    out = tmp_path / "nanrun"
+    args = argv(small_data, out, "train.train_steps=10", "train.inject_nonfinite_at=[3, 4, 5]", "train.max_bad_steps=3",
+                "train.save_interval=2")
+    assert train(1, args) == [3]
+    stopped = [json.loads(line) for line in (out / "logs" / "metrics.jsonl").read_text().splitlines()
+               if json.loads(line)["event"] == "stopped"]
+    assert len(stopped) == 1 and "3 consecutive steps with a non-finite loss" in stopped[0]["reason"]
+    ckpts = out / "checkpoints"
+    assert (ckpts / "latest").read_text().strip() == "step-00000005"
+    good = torch.load(ckpts / "step-00000002" / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+    last = torch.load(ckpts / "step-00000005" / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+    weights = [k for k, v in good.items() if isinstance(v, torch.Tensor)]
+    assert len(weights) > 10 and all(torch.equal(good[k], last[k]) for k in weights), "skipped steps must not touch the weights"
+
+
+# --- bad input: one line, exit code 2, nothing written ------------------------------------------
+
+
+def run_cli(args, env_extra=None):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env_extra or {})}
+    return subprocess.run([sys.executable, "-m", "cplm_dist.train", *args], capture_output=True, text=True,
+                          timeout=180, env=env, cwd=REPO)
+
+
+def snapshot(path: Path) -> dict:
+    return {p: p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def test_bad_input_one_line_exit_2_nothing_written(small_data, tmp_path):
+    fresh = tmp_path / "fresh"
+    cases = [
+        (argv(small_data, fresh, "parallel.tp=2"), {"RANK": "0", "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"},
+         "error: parallel.tp=2 does not divide WORLD_SIZE=3 (dp = world / tp must be whole; valid tp here: [1, 3])"),
+        (argv(small_data, fresh, "train.global_batch_size=12", "train.micro_batch_size=4"),
+         {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"},
+         "error: train.global_batch_size=12 is not micro_batch_size=4 x dp=2 (=8) x an integer accumulation: "
+         "use one of [8, 16] or change micro_batch_size"),
+        (argv(small_data, fresh, f"data.blend=[{{path: {tmp_path / 'missing'}}}]"), None,
+         f"error: dataset {tmp_path / 'missing'}: {tmp_path / 'missing.idx'} is missing (rebuild it with "
+         "tools/preprocess_data.py, or fix data.blend)"),
+        (argv(small_data, fresh) + ["--resume", str(tmp_path / "nothing-here")], None,
+         f"error: --resume {tmp_path / 'nothing-here'}: no checkpoint there (no '{tmp_path / 'nothing-here' / 'latest'}'); "
+         "give a run directory or its checkpoints/ directory, or --resume auto"),
+    ]
+    for args, env, expected in cases:
+        proc = run_cli(args, env)
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        assert proc.stderr.strip().splitlines()[-1] == expected
+        assert [line for line in proc.stderr.splitlines() if line.startswith(("error", "Traceback"))] == [expected]
+        assert not fresh.exists(), "nothing may be written on bad input"
+
+
+def test_an_existing_run_is_never_overwritten(small_data, tmp_path):
+    out = tmp_path / "existing"
+    assert train(1, argv(small_data, out, "train.train_steps=2")) == [0]
+    before = snapshot(out)
+    proc = run_cli(argv(small_data, out, "train.train_steps=2"))
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: train.out_dir={out} already holds a run: continue it with --resume auto, or choose another train.out_dir")
+    assert snapshot(out) == before
+    (out / "checkpoints" / "latest").write_text("step-00000099\n")  # a pointer to nothing: refused, not guessed
+    proc = run_cli(argv(small_data, out, "train.train_steps=4") + ["--resume", "auto"])
+    assert proc.returncode == 2 and "'step-00000099', which is not a complete checkpoint" in proc.stderr
+
+
+# --- schedules -----------------------------------------------------------------------------------
+
+
+def test_lr_schedules():
+    cos = load_config("tiny", ["optim.schedule=cosine", "optim.warmup_steps=10", "train.train_steps=110",
+                               "optim.lr=1.0", "optim.min_lr=0.1"])
+    assert [round(lr_factor(s, cos), 6) for s in (0, 9, 10, 60, 110)] == [0.1, 1.0, 1.0, 0.55, 0.1]
+    wsd = load_config("tiny", ["optim.schedule=wsd", "optim.warmup_steps=10", "train.train_steps=100",
+                               "optim.decay_fraction=0.2", "optim.lr=1.0", "optim.min_lr=0.0"])
+    assert [round(lr_factor(s, wsd), 6) for s in (0, 9, 50, 79, 80, 90, 100)] == [0.1, 1.0, 1.0, 1.0, 1.0, 0.5, 0.0]
+
+
+def _groups_worker(decay_embeddings):
+    from cplm_dist.model import build_model
+    from cplm_dist.optim import parameter_groups
+    from cplm_dist.parallel import init_distributed
+
+    init_distributed(1)
+    cfg = load_config("tiny", ["model.tie_embeddings=false", f"optim.decay_embeddings={decay_embeddings}"])
+    model = build_model(cfg)
+    names = {id(p): n for n, p in model.named_parameters()}
+    return {g["name"]: sorted(names[id(p)] for p in g["params"]) for g in parameter_groups(model, cfg)}
+
+
+def test_weight_decay_groups():
+    groups = run_ranks(_groups_worker, 1, args=(False,))[0]
+    assert "embedding.weight" in groups["no_decay"] and "lm_head.weight" in groups["no_decay"]
+    assert all(n.endswith(("norm.weight", ".bias")) or n.startswith(("embedding", "lm_head")) for n in groups["no_decay"])
+    assert "layers.0.attention.qkv.weight" in groups["decay"] and "copy_head.q.weight" in groups["decay"]
+    assert "copy_head.gate.bias" in groups["no_decay"] and "final_norm.weight" in groups["no_decay"]
+    groups = run_ranks(_groups_worker, 1, args=(True,))[0]
+    assert "embedding.weight" in groups["decay"] and "lm_head.weight" in groups["decay"]
