@@ -97,3 +97,18 @@ def test_cli_config_error_exits_2_with_one_line():
     assert proc.stderr.strip().splitlines() == [
         "error: model.num_kv_heads=3 must divide model.num_heads=8 (valid: [1, 2, 4, 8])"
     ]
+
+
+@pytest.mark.parametrize("path", sorted((CONFIG_DIR / "runs").glob("*.yaml")), ids=lambda p: p.stem)
+def test_gpu_run_configs_add_up_at_their_node_count(path):
+    """Each GPU starting point names its node count; its batch arithmetic must work there."""
+    import re
+
+    from cplm_dist.config import batch_layout
+
+    cfg = load_config(path)
+    nodes = int(re.search(r"--nnodes (\d+)", path.read_text()).group(1))
+    world = nodes * 8
+    assert world % cfg.parallel.tp == 0 and cfg.parallel.tp <= 8, "tp stays inside a node"
+    assert batch_layout(cfg, world // cfg.parallel.tp) >= 1
+    assert cfg.train.precision == "bf16" and cfg.data.seq_length <= cfg.model.max_seq_len

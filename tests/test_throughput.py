@@ -1,0 +1,33 @@
+"""The FLOP count that training logs and the profiler share, against a count by hand."""
+
+from cplm_dist.config import load_config
+from cplm_dist.model.counting import parameter_count
+from cplm_dist.throughput import PEAK_FLOPS, flops_per_token, matmul_parameters
+
+
+def test_flops_per_token_tiny_by_hand():
+    cfg = load_config("tiny")  # L=2, D=128, 8 heads x 16, 4 kv heads, ffn 256, V=512, copy 1 x 32 gate
+    per_layer = 128 * (8 + 2 * 4) * 16 + 128 * 128 + 3 * 128 * 256  # qkv + out + SwiGLU = 147,456
+    n = 2 * per_layer + 512 * 128 + (2 * 128 * 32 + 128)  # + LM head + copy q, k, gate = 368,768
+    assert matmul_parameters(cfg) == n == 368_768
+    forward = 2 * n + 4 * 2 * 64 * 128 + 2 * 64 * 1 * 32  # + QK^T and AV (full T) + copy scores
+    assert flops_per_token(cfg, 64) == 3 * forward == 2_421_504
+    # copy off: no copy parameters, no copy scores
+    off = load_config("tiny", ["copy.enabled=false"])
+    assert flops_per_token(off, 64) == 3 * (2 * (2 * per_layer + 512 * 128) + 4 * 2 * 64 * 128)
+
+
+def test_six_n_dominates_at_scale_and_matches_the_parameter_count():
+    cfg = load_config("cplm-1.7b")
+    n = matmul_parameters(cfg)
+    # every parameter but the norms is a matmul weight; tied embedding counts once as the LM head
+    counts = parameter_count(cfg)
+    norms = cfg.model.num_layers * 2 * cfg.model.hidden_size + cfg.model.hidden_size + 1  # + the gate bias
+    assert n == counts["total"] - norms
+    f = flops_per_token(cfg, 2048)
+    assert 6 * n < f < 6 * n * 1.25  # attention adds ~13% at T = 2048
+
+
+def test_peak_table_lists_bf16_and_fp32_for_every_device():
+    assert PEAK_FLOPS["H100"]["bf16"] == 989e12 and PEAK_FLOPS["H200"]["bf16"] == 989e12
+    assert all(set(p) == {"bf16", "fp32"} and p["fp32"] < p["bf16"] for p in PEAK_FLOPS.values())
