@@ -1,8 +1,9 @@
-"""Process groups: the one place that reads the launch environment and builds TP x DP groups.
+"""Process groups: joins the job the launcher started and builds the TP x DP groups.
 
-    dims = init_distributed(tp_size=2)      # torchrun / env:// or a single process
+    dims = init_distributed(tp_size=2)      # torchrun, slurm, mpirun, DeepSpeed's launcher, or one process
     dims.tp_group, dims.dp_group             # passed explicitly to everything below
 
+Where this process sits comes from cplm_dist.launch_env, the one reader of launcher variables.
 Groups come from `megatron.core.parallel_state` (PP = 1 today); the backend is gloo on CPU and
 nccl on GPU. Ranks are laid out Megatron's way: the tp ranks of one group are consecutive.
 """
@@ -18,37 +19,8 @@ import torch
 import torch.distributed as dist
 
 from cplm_dist.errors import ConfigError
+from cplm_dist.launch_env import LaunchEnv
 from cplm_dist.megatron_compat import parallel_state
-
-
-@dataclass(frozen=True)
-class LaunchEnv:
-    """Where this process sits in the job, as the launcher told it."""
-
-    rank: int
-    world_size: int
-    local_rank: int
-    master_addr: str | None
-    master_port: int | None
-
-    @staticmethod
-    def from_environ(env: dict | None = None) -> "LaunchEnv":
-        """torchrun / env:// variables; none at all means one process."""
-        env = os.environ if env is None else env
-        if "RANK" not in env and "WORLD_SIZE" not in env:
-            return LaunchEnv(0, 1, 0, None, None)
-        try:
-            rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
-            local = int(env.get("LOCAL_RANK", rank))
-            port = int(env["MASTER_PORT"]) if "MASTER_PORT" in env else None
-        except (KeyError, ValueError) as e:
-            raise ConfigError(
-                f"launch environment incomplete or not integers ({e}): set RANK, WORLD_SIZE, "
-                "MASTER_ADDR, MASTER_PORT (torchrun does) or none of them for one process"
-            ) from None
-        if not 0 <= rank < world:
-            raise ConfigError(f"RANK={rank} is outside WORLD_SIZE={world}: fix the launcher's environment")
-        return LaunchEnv(rank, world, local, env.get("MASTER_ADDR"), port)
 
 
 @dataclass(frozen=True)
@@ -102,11 +74,9 @@ def init_distributed(tp_size: int = 1, *, backend: str | None = None, timeout_mi
             backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
-        if env.world_size == 1 and env.master_port is None:
+        if env.world_size == 1 and (env.master_addr is None or env.master_port is None):
             init_method = f"tcp://127.0.0.1:{free_port()}"
         else:
-            if env.master_addr is None or env.master_port is None:
-                raise ConfigError("MASTER_ADDR and MASTER_PORT must be set for a multi-process launch")
             init_method = f"tcp://{env.master_addr}:{env.master_port}"
         dist.init_process_group(
             backend, init_method=init_method, rank=env.rank, world_size=env.world_size,

@@ -38,7 +38,8 @@ from cplm_dist.errors import UsageError
 from cplm_dist.model import build_model
 from cplm_dist.model.counting import parameter_count
 from cplm_dist.optim import grad_norm
-from cplm_dist.parallel import LaunchEnv, ParallelDims, check_world, destroy_distributed, init_distributed
+from cplm_dist.launch_env import LaunchEnv
+from cplm_dist.parallel import ParallelDims, check_world, destroy_distributed, init_distributed
 from cplm_dist.run_log import RunLog
 from cplm_dist.throughput import device_peak_flops, flops_per_token, peak_memory_bytes
 
@@ -118,7 +119,7 @@ def main(argv=None) -> int:
     t = cfg.train
 
     # 2. everything the user can get wrong, checked before the first byte or connection ---------
-    world = LaunchEnv.from_environ().world_size
+    world = LaunchEnv.from_environ(mpi_rendezvous=False).world_size
     check_world(cfg.parallel.tp, world)
     accumulation = batch_layout(cfg, world // cfg.parallel.tp)
     resume_root, resume_tag = find_resume(cfg, args.resume, cfg.parallel.tp, world // cfg.parallel.tp)

@@ -1,0 +1,68 @@
+"""Scheduler discovery: each launcher's variables, their precedence, and one clear line when the
+world cannot be determined (instead of a hang)."""
+
+import pytest
+
+from cplm_dist.errors import ConfigError
+from cplm_dist.launch_env import LaunchEnv, first_host
+
+
+def env_of(**kw):
+    return LaunchEnv.from_environ({k: str(v) for k, v in kw.items()}, mpi_rendezvous=False)
+
+
+def test_nothing_set_is_one_process():
+    assert env_of() == LaunchEnv(0, 1, 0, None, None, "single")
+
+
+def test_torchrun_and_deepspeed_launcher():
+    e = env_of(RANK=3, WORLD_SIZE=8, LOCAL_RANK=1, MASTER_ADDR="n1", MASTER_PORT=29500)
+    assert e == LaunchEnv(3, 8, 1, "n1", 29500, "torchrun")
+    with pytest.raises(ConfigError, match=r"^RANK/WORLD_SIZE are set but MASTER_ADDR or MASTER_PORT is not"):
+        env_of(RANK=0, WORLD_SIZE=2)
+    with pytest.raises(ConfigError, match=r"torchrun launch: WORLD_SIZE is not set"):
+        env_of(RANK=0)
+    with pytest.raises(ConfigError, match=r"rank 4 is outside world size 4"):
+        env_of(RANK=4, WORLD_SIZE=4, MASTER_ADDR="a", MASTER_PORT=1)
+    with pytest.raises(ConfigError, match=r"RANK='zero' is not an integer"):
+        env_of(RANK="zero", WORLD_SIZE=2)
+
+
+def test_openmpi_and_mpich():
+    e = env_of(OMPI_COMM_WORLD_RANK=5, OMPI_COMM_WORLD_SIZE=16, OMPI_COMM_WORLD_LOCAL_RANK=5,
+               MASTER_ADDR="head", MASTER_PORT=29400)
+    assert e == LaunchEnv(5, 16, 5, "head", 29400, "openmpi")
+    e = env_of(PMI_RANK=2, PMI_SIZE=4, MPI_LOCALRANKID=0, MASTER_ADDR="h", MASTER_PORT=1)
+    assert e == LaunchEnv(2, 4, 0, "h", 1, "mpich")
+    assert env_of(PMI_RANK=1, PMI_SIZE=2, PMI_LOCAL_RANK=1, MASTER_ADDR="h", MASTER_PORT=1).local_rank == 1
+    with pytest.raises(ConfigError, match=r"openmpi launch: OMPI_COMM_WORLD_SIZE is not set"):
+        env_of(OMPI_COMM_WORLD_RANK=0)
+    # without MASTER_*, the rendezvous comes from MPI (mpi_rendezvous=True); here it is off
+    assert env_of(OMPI_COMM_WORLD_RANK=0, OMPI_COMM_WORLD_SIZE=2, OMPI_COMM_WORLD_LOCAL_RANK=0).master_addr is None
+
+
+def test_slurm_srun_step():
+    e = env_of(SLURM_PROCID=9, SLURM_STEP_NUM_TASKS=16, SLURM_NTASKS=16, SLURM_LOCALID=1,
+               SLURM_STEP_NODELIST="gpu[017-018]", SLURM_JOB_ID=123456)
+    assert e == LaunchEnv(9, 16, 1, "gpu017", 20000 + 123456 % 20000, "slurm")
+    exported = env_of(SLURM_PROCID=0, SLURM_STEP_NUM_TASKS=2, SLURM_LOCALID=0, MASTER_ADDR="x", MASTER_PORT=7)
+    assert (exported.master_addr, exported.master_port) == ("x", 7)
+    with pytest.raises(ConfigError, match=r"slurm launch: SLURM_LOCALID is not set"):
+        env_of(SLURM_PROCID=0, SLURM_STEP_NUM_TASKS=2)
+
+
+def test_slurm_batch_script_outside_srun_is_one_process():
+    # the batch shell has SLURM_PROCID=0 and SLURM_NTASKS=N but is not a rank of an N-rank step
+    assert env_of(SLURM_PROCID=0, SLURM_NTASKS=8, SLURM_LOCALID=0, SLURM_JOB_ID=5).world_size == 1
+
+
+def test_torchrun_inside_slurm_is_torchrun():
+    e = env_of(RANK=1, WORLD_SIZE=16, LOCAL_RANK=1, MASTER_ADDR="n0", MASTER_PORT=5,
+               SLURM_PROCID=0, SLURM_STEP_NUM_TASKS=2, SLURM_LOCALID=0)
+    assert (e.launcher, e.rank, e.world_size) == ("torchrun", 1, 16)
+
+
+@pytest.mark.parametrize("nodelist,host", [("node001", "node001"), ("gpu[003-005,9]", "gpu003"),
+                                           ("a[1,3],b[2-4]", "a1"), ("x-y[10-12]", "x-y10"), ("h1,h2", "h1")])
+def test_first_host_of_a_nodelist(nodelist, host):
+    assert first_host(nodelist) == host

