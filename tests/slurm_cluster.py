@@ -43,6 +43,8 @@ SlurmctldPort={ctld_port}
 SlurmdPort={d_port}
 AuthType=auth/none
 CredType=cred/none
+# how long a requeued job waits before it may start again (default 120 s); shorter for tests
+AuthInfo=cred_expire=5
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SelectType=select/cons_tres
