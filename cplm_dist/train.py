@@ -114,7 +114,7 @@ def main(argv=None) -> int:
     # 1. config ----------------------------------------------------------------------------------
     parser = config_parser(__doc__.splitlines()[0])
     parser.add_argument("--resume", metavar="auto|PATH", help="continue from the latest checkpoint of out_dir (auto) or of PATH")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
     cfg = load_from_args(args)
     t = cfg.train
 

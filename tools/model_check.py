@@ -28,7 +28,7 @@ def main(argv=None) -> int:
     parser = config_parser(__doc__.splitlines()[0])
     parser.add_argument("--batch-size", type=int, default=2)
     parser.add_argument("--seq-len", type=int, default=128)
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
     cfg = load_from_args(args)
     dims = init_distributed(cfg.parallel.tp)
     torch.manual_seed(cfg.seed + dims.dp_rank)

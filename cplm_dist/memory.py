@@ -1,0 +1,173 @@
+"""Per-device memory of a training step, from the config and the layout alone.
+
+Model states (bytes per parameter held by the device, the ZeRO paper's counts, with our AdamW):
+
+| precision | ZeRO | parameters | gradients | optimizer (m, v, fp32 master) |
+|---|---|---|---|---|
+| fp32 | 0 | 4 | 4 | 8 |
+| fp32 | 1 | 4 | 4 | 8 / dp |
+| fp32 | 2 | 4 | 4 / dp | 8 / dp |
+| fp32 | 3 | 4 / dp | 4 / dp | 8 / dp |
+| bf16 | 0 | 2 | 2 + 4 (DeepSpeed's fp32 gradient copy) | 12 |
+| bf16 | 1 | 2 | 2 + 4 / dp | 12 / dp |
+| bf16 | 2 | 2 | 2 / dp + 4 / dp | 12 / dp |
+| bf16 | 3 | 2 / dp | 2 / dp + 4 / dp | 12 / dp |
+
+where a device holds P_tp = (tp-split parameters) / tp + replicated parameters.
+
+Activations saved for backward, per token, per transformer layer, counted from what our block's
+autograd graph keeps (b = bytes per activation element; a test measures it with
+saved-tensor hooks and must agree exactly):
+
+    norms     2 x (4 D + 4 + 4 D + b D)           fp32 input and normalised copies, 1/rms, output
+    attention b (nh + 2 nkv) hd                     the fused QKV output (V is a view of it)
+              + b (2 nh + nkv) hd + 4 nh            rotated q, k; the SDPA output; its log-sum-exp
+    MLP       b (2 F + F + F)                       fc1 output, SiLU(gate), SiLU(gate) * up
+
+(nh, nkv = heads per tp rank; in bf16 each norm also keeps an fp32 copy of its weight, 8 D bytes
+per layer, not counted). With activation checkpointing a layer keeps only its input
+(b D per token) and one layer's activations exist at a time, during its recomputation.
+
+Outside the layers, per token: the final norm (8 D + 4 + b D), the loss's [tokens, V/tp] fp32
+softmax (4 V/tp, plus the bf16 logits while they are cast), and the copy head: q and k
+(4 H_c d_c each) and its dense (B, H_c, T, T) fp32 score tensors: the masked exponentials for A_t
+and M_t kept for backward, and their gradients; measured on CPU, the dense path holds about 3
+score-sized tensors after forward and peaks at 6 during backward, which is what is counted.
+
+The peak is whichever moment is larger, on top of parameters and optimizer states:
+
+    early backward:  all activations + the softmax buffer + the copy head's + one layer's
+                     activation gradients + the vocabulary-embedding gradient (written first)
+    optimizer step:  all gradients + the optimizer's temporaries (torch's foreach AdamW: about
+                     one fp32 copy of the parameters it updates)
+
+On CPU the measured figure is the process's peak resident set above its size before the model
+was built, with glibc told to return freed blocks at once (cplm_dist.profiling).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from cplm_dist.config import Config, padded_vocab_size
+
+GIB = 1024**3
+COPY_SCORE_TENSORS = 6  # (B, H_c, T, T) fp32 tensors alive at the dense copy head's peak (measured)
+
+
+@dataclass
+class MemoryEstimate:
+    parameters: float
+    gradients: float
+    optimizer: float
+    activations: float
+    logits: float
+    copy_head: float
+    backward_transient: float  # one layer's activation gradients (+ its recomputation) + the embedding gradient
+    optimizer_transient: float
+
+    @property
+    def early_backward(self) -> float:
+        return self.activations + self.logits + self.copy_head + self.backward_transient
+
+    @property
+    def optimizer_step(self) -> float:
+        return self.gradients + self.optimizer_transient
+
+    @property
+    def total(self) -> float:
+        return self.parameters + self.optimizer + max(self.early_backward, self.optimizer_step)
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "early_backward": self.early_backward, "optimizer_step": self.optimizer_step,
+                "total": self.total}
+
+
+def parameters_per_device(cfg: Config, tp: int) -> float:
+    """Parameters one tp rank holds (before ZeRO-3 sharding), padded vocabulary included."""
+    m, c = cfg.model, cfg.copy
+    D, hd = m.hidden_size, m.head_dim
+    vocab = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp)
+    split = m.num_layers * (D * (m.num_heads + 2 * m.num_kv_heads) * hd + m.num_heads * hd * D + 3 * D * m.ffn_hidden_size)
+    split += vocab * D * (1 if m.tie_embeddings else 2)
+    replicated = m.num_layers * 2 * D + D
+    if c.enabled:
+        width = c.num_heads * c.head_dim
+        replicated += 2 * D * width + {"gate": D + 1, "sentinel": width, "joint": 0}[c.mix]
+    return split / tp + replicated
+
+
+def state_bytes_per_parameter(precision: str, zero: int, dp: int) -> tuple[float, float, float]:
+    """(parameters, gradients, optimizer) bytes per parameter a device holds, as the table above."""
+    if precision == "fp32":
+        params, grads, optim = 4.0, 4.0, 8.0
+        return (params / dp if zero >= 3 else params, grads / dp if zero >= 2 else grads, optim / dp if zero >= 1 else optim)
+    params, low_grads, fp32_grads, optim = 2.0, 2.0, 4.0, 12.0
+    return (
+        params / dp if zero >= 3 else params,
+        (low_grads / dp if zero >= 2 else low_grads) + (fp32_grads / dp if zero >= 1 else fp32_grads),
+        optim / dp if zero >= 1 else optim,
+    )
+
+
+def layer_activation_bytes_per_token(cfg: Config, tp: int, act_bytes: int) -> float:
+    m, b = cfg.model, act_bytes
+    D, F, hd = m.hidden_size, m.ffn_hidden_size // tp, m.head_dim
+    nh, nkv = m.num_heads // tp, m.num_kv_heads // tp
+    norms = 2 * (4 * D + 4 + 4 * D + b * D)
+    attention = b * (nh + 2 * nkv) * hd + b * (2 * nh + nkv) * hd + 4 * nh
+    mlp = b * 4 * F
+    return norms + attention + mlp
+
+
+def estimate(cfg: Config, *, tp: int, dp: int, micro_batch: int, seq_len: int, zero: int | None = None,
+             precision: str | None = None, activation_checkpointing: bool | None = None) -> MemoryEstimate:
+    """Bytes per device for one training step of `micro_batch` sequences of `seq_len` tokens."""
+    t, m, c = cfg.train, cfg.model, cfg.copy
+    zero = t.zero_stage if zero is None else zero
+    precision = t.precision if precision is None else precision
+    ckpt = t.activation_checkpointing if activation_checkpointing is None else activation_checkpointing
+    b = 2 if precision == "bf16" else 4
+    tokens = micro_batch * seq_len
+    n_local = parameters_per_device(cfg, tp)
+    p_b, g_b, o_b = state_bytes_per_parameter(precision, zero, dp)
+    per_layer = layer_activation_bytes_per_token(cfg, tp, b)
+    if ckpt:
+        activations = tokens * (m.num_layers * b * m.hidden_size)
+        recompute = tokens * per_layer
+    else:
+        activations = tokens * m.num_layers * per_layer
+        recompute = 0.0
+    activations += tokens * (8 * m.hidden_size + 4 + b * m.hidden_size) + 2 * 4 * seq_len * m.head_dim
+    v_local = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp) / tp
+    logits = tokens * v_local * (4 + (b if b != 4 else 0))
+    copy_head = 0.0
+    if c.enabled:
+        copy_head = tokens * 2 * 4 * c.num_heads * c.head_dim + micro_batch * COPY_SCORE_TENSORS * 4 * c.num_heads * seq_len**2
+    embedding_grad = v_local * m.hidden_size * (g_b if zero < 2 else b)
+    return MemoryEstimate(
+        parameters=n_local * p_b,
+        gradients=n_local * g_b,
+        optimizer=n_local * o_b,
+        activations=activations,
+        logits=logits,
+        copy_head=copy_head,
+        backward_transient=recompute + tokens * per_layer + embedding_grad,
+        optimizer_transient=4 * n_local / (dp if zero >= 1 else 1),
+    )
+
+
+def largest_micro_batch(cfg: Config, device_bytes: float, *, tp: int, dp: int, seq_len: int, headroom: float = 0.9,
+                        **kw) -> int:
+    """The largest micro-batch whose estimate fits in `headroom` x device memory (0: not even 1)."""
+    best, mb = 0, 1
+    while estimate(cfg, tp=tp, dp=dp, micro_batch=mb, seq_len=seq_len, **kw).total <= headroom * device_bytes:
+        best, mb = mb, mb * 2
+    lo, hi = best, mb
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if estimate(cfg, tp=tp, dp=dp, micro_batch=mid, seq_len=seq_len, **kw).total <= headroom * device_bytes:
+            lo = mid
+        else:
+            hi = mid
+    return lo

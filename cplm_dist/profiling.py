@@ -1,0 +1,238 @@
+"""Measuring training steps: throughput from clean steps, a breakdown from instrumented ones.
+
+`measure(engine, ...)` runs warm-up steps, then `steps` clean steps (nothing added: no
+synchronisation inside the step, no wrapped collectives) for tokens/s, TFLOP/s and MFU, then
+`breakdown_steps` instrumented steps that time forward, backward and the optimizer step
+separately (synchronising the device between them) and every collective (wrapped to wait for
+completion), classified by process group: tensor-parallel all-reduces, data-parallel / ZeRO
+reduce-scatters and all-gathers. Instrumentation removes overlap, so the breakdown adds up to a
+little more than a clean step: the headline figures never come from instrumented steps.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import statistics
+import threading
+import time
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+
+from cplm_dist.config import Config
+from cplm_dist.parallel import ParallelDims
+from cplm_dist.throughput import device_peak_flops, flops_per_token
+
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
+               "broadcast", "all_to_all_single", "reduce")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class CommTimer:
+    """While active, every torch.distributed collective is timed to completion and filed under
+    the group it ran on ("tp", "dp", "world" or "other"): seconds, calls and bytes."""
+
+    def __init__(self, dims: ParallelDims, device: torch.device):
+        self.device = device
+        self.groups = {id(dims.tp_group): "tp", id(dims.dp_group): "dp"}
+        self.seconds, self.calls, self.bytes = defaultdict(float), defaultdict(int), defaultdict(int)
+        self._saved = {}
+
+    def _kind(self, group) -> str:
+        if group is None or group is dist.group.WORLD:
+            return "world"
+        return self.groups.get(id(group), "other")
+
+    def _wrap(self, name, fn):
+        signature = inspect.signature(fn)
+
+        def timed(*args, **kwargs):
+            bound = signature.bind_partial(*args, **kwargs).arguments
+            tensor = next((a for a in args if isinstance(a, torch.Tensor)), None)
+            kind = self._kind(bound.get("group"))
+            _sync(self.device)
+            start = time.perf_counter()
+            work = fn(*args, **kwargs)
+            if bound.get("async_op") and work is not None:
+                work.wait()
+            _sync(self.device)
+            self.seconds[kind] += time.perf_counter() - start
+            self.calls[kind] += 1
+            if tensor is not None:
+                self.bytes[kind] += tensor.numel() * tensor.element_size()
+            return work
+
+        return timed
+
+    def __enter__(self):
+        for name in COLLECTIVES:
+            if hasattr(dist, name):
+                self._saved[name] = getattr(dist, name)
+                setattr(dist, name, self._wrap(name, self._saved[name]))
+        return self
+
+    def __exit__(self, *exc):
+        for name, fn in self._saved.items():
+            setattr(dist, name, fn)
+        self._saved.clear()
+
+
+def synthetic_batch(cfg: Config, micro: int, seq_len: int, device, generator: torch.Generator) -> tuple:
+    ids = torch.randint(0, cfg.model.vocab_size, (micro, seq_len + 1), generator=generator)
+    return ids[:, :-1].to(device), ids[:, 1:].to(device)
+
+
+def train_step(engine, cfg: Config, accumulation: int, micro: int, seq_len: int, device, gen, phases=None) -> float:
+    """One optimizer step on synthetic tokens; with `phases` (a dict) the phase times are added to it."""
+    loss_v = 0.0
+    for _ in range(accumulation):
+        ids, labels = synthetic_batch(cfg, micro, seq_len, device, gen)
+        t0 = time.perf_counter()
+        out = engine(ids, labels)
+        loss = out.nll.mean()
+        if phases is not None:
+            _sync(device)
+            t1 = time.perf_counter()
+            phases["forward"] += t1 - t0
+        engine.backward(loss)
+        if phases is not None:
+            _sync(device)
+            t2 = time.perf_counter()
+            phases["backward"] += t2 - t1
+        engine.step()
+        if phases is not None:
+            _sync(device)
+            phases["optimizer"] += time.perf_counter() - t2
+        loss_v = float(loss.detach()) if phases is not None else 0.0
+    return loss_v
+
+
+def measure(engine, cfg: Config, dims: ParallelDims, accumulation: int, *, warmup: int, steps: int,
+            breakdown_steps: int, seq_len: int, device: torch.device, baseline_bytes: int,
+            trace_path: str | None = None) -> dict:
+    """Throughput and a step-time breakdown of `engine` (see the module docstring).
+
+    `baseline_bytes`: memory in use before the model was built; the step's memory is reported
+    above it (`step_memory_gb`, what cplm_dist.memory estimates) and as the absolute peak."""
+    t = cfg.train
+    gen = torch.Generator().manual_seed(1234 + dims.dp_rank)
+    for _ in range(warmup):
+        train_step(engine, cfg, accumulation, t.micro_batch_size, seq_len, device, gen)
+    _sync(device)
+    times = []
+    with PeakMeter(device) as meter:
+        for _ in range(steps):
+            _sync(device)
+            start = time.perf_counter()
+            train_step(engine, cfg, accumulation, t.micro_batch_size, seq_len, device, gen)
+            _sync(device)
+            times.append(time.perf_counter() - start)
+    # the slowest rank sets the pace
+    step_times = torch.tensor(times, dtype=torch.float64, device=device)
+    dist.all_reduce(step_times, op=dist.ReduceOp.MAX)
+    times = step_times.tolist()
+
+    phases = defaultdict(float)
+    comm = CommTimer(dims, device)
+    with comm:
+        for _ in range(breakdown_steps):
+            train_step(engine, cfg, accumulation, t.micro_batch_size, seq_len, device, gen, phases)
+    if trace_path:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]
+                                    + ([torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])) as prof:
+            train_step(engine, cfg, accumulation, t.micro_batch_size, seq_len, device, gen)
+            _sync(device)
+        prof.export_chrome_trace(trace_path)
+
+    median = statistics.median(times)
+    tokens = t.global_batch_size * seq_len
+    tokens_per_s = tokens / median
+    flops = flops_per_token(cfg, seq_len) * tokens_per_s / dims.world_size
+    peak = device_peak_flops(t.precision, device)
+    n = max(1, breakdown_steps)
+    return {
+        "step_time_s": median,
+        "step_time_min_s": min(times),
+        "step_time_max_s": max(times),
+        "tokens_per_step": tokens,
+        "tokens_per_s": tokens_per_s,
+        "tokens_per_s_per_device": tokens_per_s / dims.world_size,
+        "tflops_per_device": flops / 1e12,
+        "mfu": flops / peak if peak else None,
+        "peak_memory_gb": meter.peak / 1e9,
+        "step_memory_gb": (meter.peak - baseline_bytes) / 1e9,
+        "forward_s": phases["forward"] / n,
+        "backward_s": phases["backward"] / n,
+        "optimizer_s": phases["optimizer"] / n,
+        "comm_tp_s": comm.seconds["tp"] / n,
+        "comm_dp_s": (comm.seconds["dp"] + comm.seconds["world"]) / n,
+        "comm_tp_calls": comm.calls["tp"] / n,
+        "comm_dp_calls": (comm.calls["dp"] + comm.calls["world"]) / n,
+        "comm_tp_mb": comm.bytes["tp"] / n / 1e6,
+        "comm_dp_mb": (comm.bytes["dp"] + comm.bytes["world"]) / n / 1e6,
+    }
+
+
+# --- memory -------------------------------------------------------------------------------------
+
+
+def release_freed_memory_on_cpu() -> None:
+    """Make glibc hand large freed blocks back to the OS at once, so that the resident set tracks
+    live tensors: by default glibc raises its mmap threshold after each large free (up to 32 MiB),
+    and blocks below it stay in the process after they are freed, inflating the measured peak."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD: fixed, which also stops the dynamic raise
+        libc.mallopt(-1, 128 * 1024)  # M_TRIM_THRESHOLD
+    except (OSError, AttributeError):
+        pass
+
+
+def current_memory_bytes(device: torch.device) -> int:
+    """Memory in use now: CUDA allocated bytes, or this process's resident set on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device)
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class PeakMeter:
+    """The peak of `current_memory_bytes` while active: CUDA's own peak counter, or on CPU a
+    thread sampling the resident set every millisecond."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.peak = device, 0
+        self._stop = threading.Event()
+        self._thread = None
+
+    def _sample(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, current_memory_bytes(self.device))
+            self._stop.wait(0.001)
+
+    def __enter__(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            self.peak = current_memory_bytes(self.device)
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.peak = torch.cuda.max_memory_allocated(self.device)
+        else:
+            self._stop.set()
+            self._thread.join()
+            self.peak = max(self.peak, current_memory_bytes(self.device))

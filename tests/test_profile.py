@@ -1,0 +1,161 @@
+"""Profiler, sweep, memory estimator, copy-overhead and peer modes run on CPU (1 and 2 ranks)
+and report every field; the activation formula equals what autograd keeps. No timed assertions:
+figures go to benchmark outputs, not to pass/fail."""
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from cplm_dist.config import load_config
+from cplm_dist.memory import estimate, largest_micro_batch, layer_activation_bytes_per_token
+from tests.spawn import run_ranks
+
+REPO = Path(__file__).resolve().parent.parent
+FIELDS = ["tokens_per_s", "tokens_per_s_per_device", "step_time_s", "forward_s", "backward_s", "optimizer_s",
+          "comm_tp_s", "comm_dp_s", "comm_tp_calls", "comm_dp_calls", "tflops_per_device", "mfu", "peak_memory_gb",
+          "step_memory_gb", "estimated_memory_gb", "estimate_error", "tp", "dp", "zero", "precision", "seq_len"]
+
+
+def profile(args, nproc=1, timeout=300):
+    cmd = [sys.executable, str(REPO / "tools/profile.py"), *args]
+    if nproc > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), *cmd[1:]]
+    env = {**os.environ, "OMP_NUM_THREADS": "1" if nproc > 1 else "2"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return proc
+
+
+QUICK = ["--warmup", "1", "--steps", "2", "--breakdown-steps", "1", "train.micro_batch_size=2", "data.seq_length=64"]
+
+
+def test_profile_one_rank_writes_json_csv_and_trace(tmp_path):
+    out, table = tmp_path / "r.json", tmp_path / "p.csv"
+    for label in ("first", "second"):
+        proc = profile(["--config", "tiny", *QUICK, "--json", str(out), "--csv", str(table), "--label", label,
+                        "--trace", str(tmp_path / "trace.json")])
+    result = json.loads(out.read_text())
+    for field in FIELDS:
+        assert field in result, field
+    assert result["tokens_per_s"] > 0 and result["forward_s"] > 0 and result["backward_s"] > 0
+    assert result["mfu"] is None  # no peak FLOP/s on CPU
+    assert "tokens_per_s_per_device" in proc.stdout
+    rows = list(csv.DictReader(open(table)))
+    assert [r["label"] for r in rows] == ["first", "second"]
+    assert json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_profile_two_ranks_times_the_right_communication(tmp_path, tp):
+    out = tmp_path / "r.json"
+    profile(["--config", "tiny", *QUICK, f"parallel.tp={tp}", "train.zero_stage=2", "--json", str(out), "--csv", ""], nproc=2)
+    r = json.loads(out.read_text())
+    assert (r["tp"], r["dp"], r["world"]) == (tp, 2 // tp, 2)
+    if tp == 2:
+        assert r["comm_tp_calls"] > 0 and r["comm_tp_mb"] > 0  # megatron's all-reduces
+    else:
+        assert r["comm_tp_calls"] == 0 and r["comm_dp_calls"] > 0 and r["comm_dp_mb"] > 0  # ZeRO-2's collectives
+
+
+def test_sweep_writes_csv_and_plots(tmp_path):
+    proc = profile(["--config", "tiny", *QUICK, "--sweep", "zero=0,1", "copy=true,false", "--out-dir", str(tmp_path)])
+    rows = list(csv.DictReader(open(tmp_path / "sweep.csv")))
+    assert [(r["sweep_zero"], r["sweep_copy"]) for r in rows] == [("0", "true"), ("0", "false"), ("1", "true"), ("1", "false")]
+    assert [r["copy"] for r in rows] == ["gate/next", "off", "gate/next", "off"]
+    for var in ("zero", "copy"):
+        png = tmp_path / f"sweep_{var}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "sweep: 4 points" in proc.stdout
+
+
+def test_copy_overhead_and_peer_report_ratios(tmp_path):
+    out = tmp_path / "copy.json"
+    profile(["--config", "tiny", *QUICK, "--copy-overhead", "--rounds", "1", "--json", str(out), "--csv", ""])
+    r = json.loads(out.read_text())
+    assert r["step_time_ratio"] > 0 and "memory_difference_gb" in r and r["estimated_memory_difference_gb"] > 0
+    pytest.importorskip("transformers", reason="--peer needs the bench extra (transformers)")
+    out = tmp_path / "peer.json"
+    profile(["--config", "tiny", *QUICK, "--peer", "--rounds", "1", "--json", str(out), "--csv", ""])
+    r = json.loads(out.read_text())
+    assert r["hf_llama_tokens_per_s"] > 0 and r["speedup_copy_off_vs_hf"] > 0 and "hf_llama_memory_gb" in r
+
+
+def test_estimate_within_15_percent_of_measured_on_cpu(tmp_path):
+    """The activation-dominated quickstart shape (states are small): the estimate must land
+    within 15% of the measured step memory (peak RSS above the pre-model baseline)."""
+    out = tmp_path / "m.json"
+    profile(["--config", "tiny", "model.vocab_size=4096", "train.precision=fp32", "train.zero_stage=0",
+             "train.micro_batch_size=16", "data.seq_length=512", "--warmup", "1", "--steps", "2",
+             "--breakdown-steps", "0", "--json", str(out), "--csv", ""])
+    r = json.loads(out.read_text())
+    assert abs(r["estimate_error"]) < 0.15, r
+
+
+def _saved_bytes_worker(precision):
+    from cplm_dist.model import build_model
+    from cplm_dist.model.rotary import rope_tables
+    from cplm_dist.parallel import init_distributed
+
+    dims = init_distributed(2 if precision == "fp32-tp2" else 1)
+    cfg = load_config("tiny", ["model.num_layers=1", f"parallel.tp={dims.tp_size}", "model.ffn_hidden_size=384"])
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    model = build_model(cfg).to(dtype)
+    B, T = 3, 40
+    x = torch.randn(B, T, cfg.model.hidden_size, dtype=dtype, requires_grad=True)
+    cos, sin = rope_tables(T, cfg.model.head_dim, cfg.model.rope_theta)
+    exclude = {p.untyped_storage().data_ptr() for p in model.parameters()} | {cos.untyped_storage().data_ptr(), sin.untyped_storage().data_ptr()}
+    storages = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in exclude:
+            storages[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model.layers[0](x, cos, sin)
+    return sum(storages.values()) / (B * T), dims.tp_size
+
+
+@pytest.mark.parametrize("precision,act_bytes,world", [("fp32", 4, 1), ("bf16", 2, 1), ("fp32-tp2", 4, 2)])
+def test_layer_activation_formula_equals_what_autograd_keeps(precision, act_bytes, world):
+    measured, tp = run_ranks(_saved_bytes_worker, world, args=(precision,))[0]
+    cfg = load_config("tiny", ["model.ffn_hidden_size=384"])
+    # in bf16 each of the two norms also keeps an fp32 copy of its weight: 8 D bytes per layer
+    per_layer_constant = 2 * 4 * cfg.model.hidden_size if act_bytes == 2 else 0
+    assert measured * 120 == layer_activation_bytes_per_token(cfg, tp, act_bytes) * 120 + per_layer_constant
+
+
+def test_estimator_arithmetic_and_cli():
+    cfg = load_config("cplm-1.7b", ["train.precision=bf16"])
+    e0 = estimate(cfg, tp=1, dp=8, micro_batch=4, seq_len=2048, zero=0)
+    e1 = estimate(cfg, tp=1, dp=8, micro_batch=4, seq_len=2048, zero=1)
+    e3 = estimate(cfg, tp=1, dp=8, micro_batch=4, seq_len=2048, zero=3)
+    n = 1_713_475_585
+    assert e0.parameters == pytest.approx(2 * n, rel=1e-3) and e0.optimizer == pytest.approx(12 * n, rel=1e-3)
+    assert e1.optimizer == pytest.approx(e0.optimizer / 8) and e3.parameters == pytest.approx(e0.parameters / 8)
+    ckpt = estimate(cfg, tp=1, dp=8, micro_batch=4, seq_len=2048, activation_checkpointing=True)
+    assert ckpt.activations < e1.activations / 10
+    assert largest_micro_batch(cfg, 80 * 1024**3, tp=1, dp=8, seq_len=2048, activation_checkpointing=True) > \
+        largest_micro_batch(cfg, 80 * 1024**3, tp=1, dp=8, seq_len=2048, activation_checkpointing=False) >= 1
+    proc = subprocess.run([sys.executable, str(REPO / "tools/estimate_memory.py"), "--config", "cplm-1.7b", "--dp", "16",
+                           "--micro-batch", "8", "--seq-len", "2048"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    for key in ("parameters", "gradients", "optimizer", "activations", "logits", "copy_head", "total", "largest micro-batch"):
+        assert key in proc.stdout, key
+
+
+def test_gpu_check_script_runs_end_to_end_in_smoke_mode(tmp_path):
+    env = {**os.environ, "OUT": str(tmp_path), "GPU_CHECK_SMOKE": "1", "PYTHON": sys.executable, "OMP_NUM_THREADS": "2"}
+    proc = subprocess.run(["bash", str(REPO / "tools/gpu_check.sh")], capture_output=True, text=True, timeout=400, env=env, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-2000:]
+    assert (tmp_path / "failures.txt").read_text() == ""
+    table = (tmp_path / "table.md").read_text().splitlines()
+    # smoke mode stands the tiny config in for both models: 2 x (ZeRO-1, ZeRO-2, copy overhead)
+    assert len(table) == 2 + 6 and table[2].startswith("| tiny-zero1 |") and "tiny-copy-overhead" in table[4]

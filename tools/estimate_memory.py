@@ -1,0 +1,58 @@
+"""Per-device memory of a training step for a config and layout, and what fits on a GPU.
+
+    python tools/estimate_memory.py --config cplm-1.7b --dp 16 --micro-batch 8 --seq-len 2048
+    python tools/estimate_memory.py --config cplm-70b --tp 8 --dp 64 --zero 3 --seq-len 4096 --gpu-gb 80
+    python tools/estimate_memory.py --config configs/runs/cplm-7b.yaml --dp 32     # layout fields from the config
+
+The formulas (cplm_dist/memory.py, docs/performance.md): model states by ZeRO stage and precision,
+activations per layer of our block with and without checkpointing, the copy head's scores, the
+[tokens, V/tp] softmax buffer, and the larger of the two transient peaks.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from cplm_dist.cli import config_parser, exit_on_usage_error, load_from_args
+from cplm_dist.errors import UsageError
+from cplm_dist.memory import GIB, estimate, largest_micro_batch
+
+
+@exit_on_usage_error
+def main(argv=None) -> int:
+    p = config_parser(__doc__.splitlines()[0])
+    p.add_argument("--tp", type=int, help="default: parallel.tp")
+    p.add_argument("--dp", type=int, default=1)
+    p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], help="default: train.zero_stage")
+    p.add_argument("--precision", choices=["fp32", "bf16"], help="default: train.precision")
+    p.add_argument("--micro-batch", type=int, help="default: train.micro_batch_size")
+    p.add_argument("--seq-len", type=int, help="default: data.seq_length")
+    p.add_argument("--ckpt", choices=["on", "off"], help="activation checkpointing (default: the config's)")
+    p.add_argument("--gpu-gb", type=float, default=80.0, help="device memory for the 'largest micro-batch' line (GiB)")
+    args = p.parse_intermixed_args(argv)
+    cfg = load_from_args(args)
+    tp = args.tp or cfg.parallel.tp
+    if cfg.model.num_heads % tp or cfg.model.num_kv_heads % tp:
+        raise UsageError(f"--tp {tp} does not divide model.num_heads={cfg.model.num_heads} / num_kv_heads={cfg.model.num_kv_heads}")
+    kw = {"zero": args.zero, "precision": args.precision,
+          "activation_checkpointing": None if args.ckpt is None else args.ckpt == "on"}
+    micro = args.micro_batch or cfg.train.micro_batch_size
+    seq = args.seq_len or cfg.data.seq_length
+    est = estimate(cfg, tp=tp, dp=args.dp, micro_batch=micro, seq_len=seq, **kw)
+    zero = cfg.train.zero_stage if args.zero is None else args.zero
+    precision = args.precision or cfg.train.precision
+    ckpt = cfg.train.activation_checkpointing if args.ckpt is None else args.ckpt == "on"
+    print(f"{cfg.model.name}: tp={tp} dp={args.dp} ZeRO-{zero} {precision}, micro-batch {micro} x {seq} tokens, "
+          f"activation checkpointing {'on' if ckpt else 'off'} -- GiB per device")
+    for key, value in est.as_dict().items():
+        print(f"  {key:<20} {value / GIB:10.3f}")
+    device = args.gpu_gb * GIB
+    for label, on in (("without", False), ("with", True)):
+        fits = largest_micro_batch(cfg, device, tp=tp, dp=args.dp, seq_len=seq, zero=args.zero,
+                                   precision=args.precision, activation_checkpointing=on)
+        print(f"largest micro-batch on {args.gpu_gb:g} GiB (90% used) {label} checkpointing: {fits}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,413 @@
+"""Throughput and memory of any config under any launch, on synthetic tokens (no dataset).
+
+    python tools/profile.py --config tiny                                    # CPU, one process
+    OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 tools/profile.py --config tiny parallel.tp=2
+    torchrun --nproc-per-node 8 tools/profile.py --config cplm-1.7b train.precision=bf16 train.zero_stage=2 --seq-len 2048
+    python tools/profile.py --config tiny --sweep zero=0,1,2 micro=1,2,4 --nproc 2     # each point a fresh launch
+    python tools/profile.py --config cplm-135m --copy-overhead                 # copy on / off, alternating
+    python tools/profile.py --config cplm-135m --peer                          # against transformers' Llama
+
+Reports tokens/s (global, per device), the step-time breakdown (forward, backward, optimizer;
+tensor-parallel and data-parallel / ZeRO communication), TFLOP/s and MFU (cplm_dist.throughput),
+peak memory and the estimate of cplm_dist.memory, as a console table, a JSON file (--json) and one
+row appended to a CSV (--csv). --trace FILE writes a torch.profiler Chrome trace of one step.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+# Run as `python tools/profile.py`, this file's directory leads sys.path, where it would shadow
+# the standard library's `profile` module (which cProfile imports).
+if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
+    sys.path.pop(0)
+
+import argparse
+import csv
+import datetime
+import itertools
+import json
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from cplm_dist.cli import config_parser, exit_on_usage_error, load_from_args
+from cplm_dist.config import Config, batch_layout, load_config
+from cplm_dist.errors import UsageError
+from cplm_dist.memory import estimate
+
+SWEEPABLE = {  # --sweep name -> config override (a value list follows the '=')
+    "tp": "parallel.tp",
+    "zero": "train.zero_stage",
+    "micro": "train.micro_batch_size",
+    "ckpt": "train.activation_checkpointing",
+    "copy": "copy.enabled",
+    "seq": "data.seq_length",
+    "precision": "train.precision",
+}
+
+
+def parser() -> argparse.ArgumentParser:
+    p = config_parser(__doc__.splitlines()[0])
+    p.add_argument("--seq-len", type=int, help="tokens per sequence (default: data.seq_length)")
+    p.add_argument("--accumulation", type=int, default=1, help="micro-batches per step (global = micro x this x dp)")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=5, help="clean, timed steps")
+    p.add_argument("--breakdown-steps", type=int, default=2, help="instrumented steps for the time breakdown")
+    p.add_argument("--trace", help="write a torch.profiler Chrome trace of one step to this file")
+    p.add_argument("--json", help="write the result as JSON to this file")
+    p.add_argument("--csv", default="runs/profile/profile.csv", help="append one row per run here ('' to skip)")
+    p.add_argument("--label", default="", help="a name for this run in the CSV")
+    p.add_argument("--sweep", nargs="+", metavar="NAME=V1,V2", help=f"grid over {sorted(SWEEPABLE)}; each point a fresh launch")
+    p.add_argument("--nproc", type=int, help="--sweep: processes per point (default: the point's tp)")
+    p.add_argument("--out-dir", default="runs/profile", help="--sweep: CSV and plots go here")
+    p.add_argument("--copy-overhead", action="store_true", help="copy head on and off, alternating, same shapes")
+    p.add_argument("--peer", action="store_true", help="also transformers' LlamaForCausalLM, same shapes, tp=1")
+    p.add_argument("--rounds", type=int, default=3, help="--copy-overhead / --peer: alternations")
+    p.add_argument("--report", metavar="CSV", help="print a markdown table of a profile CSV and exit")
+    return p
+
+
+# --- one configuration, this launch --------------------------------------------------------------
+
+
+def setup(cfg: Config, args):
+    from cplm_dist.parallel import init_distributed
+    from cplm_dist.profiling import release_freed_memory_on_cpu
+
+    dims = init_distributed(cfg.parallel.tp)
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cpu":
+        release_freed_memory_on_cpu()
+    seq = args.seq_len or cfg.data.seq_length
+    if seq > cfg.model.max_seq_len:
+        raise UsageError(f"--seq-len {seq} exceeds model.max_seq_len={cfg.model.max_seq_len}: raise it with model.max_seq_len={seq}")
+    cfg.train.global_batch_size = cfg.train.micro_batch_size * args.accumulation * dims.dp_size
+    cfg.data.seq_length = seq
+    return dims, device, seq, batch_layout(cfg, dims.dp_size)
+
+
+def build(cfg: Config, dims, device):
+    from cplm_dist.engine import build_engine
+    from cplm_dist.model import build_model
+
+    torch.manual_seed(cfg.seed)
+    engine, _, _ = build_engine(build_model(cfg, device=device), cfg, dims)
+    return engine
+
+
+def describe(cfg: Config, dims, seq: int, accumulation: int) -> dict:
+    from cplm_dist.model.counting import parameter_count
+
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return {
+        "date": datetime.date.today().isoformat(), "device": device, "config": cfg.model.name,
+        "parameters": parameter_count(cfg)["total"], "copy": f"{cfg.copy.mix}/{cfg.copy.paste}" if cfg.copy.enabled else "off",
+        "tp": dims.tp_size, "dp": dims.dp_size, "world": dims.world_size, "zero": cfg.train.zero_stage,
+        "precision": cfg.train.precision, "micro_batch": cfg.train.micro_batch_size, "accumulation": accumulation,
+        "global_batch": cfg.train.global_batch_size, "seq_len": seq, "activation_checkpointing": cfg.train.activation_checkpointing,
+    }
+
+
+def profile_one(cfg: Config, args) -> dict:
+    from cplm_dist.profiling import current_memory_bytes, measure
+
+    dims, device, seq, accumulation = setup(cfg, args)
+    baseline = current_memory_bytes(device)
+    engine = build(cfg, dims, device)
+    result = {**describe(cfg, dims, seq, accumulation), "label": args.label}
+    result.update(measure(engine, cfg, dims, accumulation, warmup=args.warmup, steps=args.steps,
+                          breakdown_steps=args.breakdown_steps, seq_len=seq, device=device,
+                          baseline_bytes=baseline, trace_path=args.trace if dims.is_first else None))
+    est = estimate(cfg, tp=dims.tp_size, dp=dims.dp_size, micro_batch=cfg.train.micro_batch_size, seq_len=seq)
+    result["estimated_memory_gb"] = est.total / 1e9
+    result["estimate_error"] = est.total / 1e9 / result["step_memory_gb"] - 1 if result["step_memory_gb"] > 0 else None
+    return result
+
+
+# --- copy on / off and the transformers peer, alternating in one process ------------------------
+
+
+def alternate(engines: dict, cfg: Config, args, dims, device, seq: int, accumulation: int) -> dict:
+    """Interleave timed steps of several engines on the same shapes; per engine: the median step
+    time and the memory it adds (its states, measured when built, plus its step's peak above that)."""
+    import statistics
+    import time
+
+    from cplm_dist.profiling import PeakMeter, _sync, current_memory_bytes, train_step
+
+    gen = torch.Generator().manual_seed(0)
+    times = {name: [] for name in engines}
+    peaks = {name: 0 for name in engines}
+    for name, (engine, _) in engines.items():
+        for _ in range(args.warmup):
+            train_step(engine, cfg, accumulation, cfg.train.micro_batch_size, seq, device, gen)
+    for _ in range(args.rounds):
+        for name, (engine, _) in engines.items():
+            before = current_memory_bytes(device)
+            with PeakMeter(device) as meter:
+                for _ in range(args.steps):
+                    _sync(device)
+                    start = time.perf_counter()
+                    train_step(engine, cfg, accumulation, cfg.train.micro_batch_size, seq, device, gen)
+                    _sync(device)
+                    times[name].append(time.perf_counter() - start)
+            peaks[name] = max(peaks[name], meter.peak - before)
+    out = {}
+    tokens = cfg.train.global_batch_size * seq
+    for name, (_, static) in engines.items():
+        median = statistics.median(times[name])
+        out[name] = {"step_time_s": median, "tokens_per_s": tokens / median,
+                     "tokens_per_s_per_device": tokens / median / dims.world_size,
+                     "memory_gb": (static + peaks[name]) / 1e9}
+    return out
+
+
+def build_measured(make, device):
+    from cplm_dist.profiling import current_memory_bytes
+
+    before = current_memory_bytes(device)
+    engine = make()
+    return engine, current_memory_bytes(device) - before
+
+
+def copy_overhead(cfg: Config, args) -> dict:
+    import copy as copylib
+
+    dims, device, seq, accumulation = setup(cfg, args)
+    off = copylib.deepcopy(cfg)
+    off.copy.enabled = False
+    cfg.copy.enabled = True
+    engines = {"copy_on": build_measured(lambda: build(cfg, dims, device), device),
+               "copy_off": build_measured(lambda: build(off, dims, device), device)}
+    res = alternate(engines, cfg, args, dims, device, seq, accumulation)
+    est_on = estimate(cfg, tp=dims.tp_size, dp=dims.dp_size, micro_batch=cfg.train.micro_batch_size, seq_len=seq)
+    est_off = estimate(off, tp=dims.tp_size, dp=dims.dp_size, micro_batch=cfg.train.micro_batch_size, seq_len=seq)
+    return {**describe(cfg, dims, seq, accumulation), "label": args.label, "mode": "copy-overhead", **{f"{k}_{m}": v for k, r in res.items() for m, v in r.items()},
+            "step_time_ratio": res["copy_on"]["step_time_s"] / res["copy_off"]["step_time_s"],
+            "memory_difference_gb": res["copy_on"]["memory_gb"] - res["copy_off"]["memory_gb"],
+            "estimated_memory_difference_gb": (est_on.total - est_off.total) / 1e9}
+
+
+def hf_llama(cfg: Config, device):
+    """transformers' LlamaForCausalLM with our shapes (a benchmark extra: pip install transformers)."""
+    try:
+        from transformers import LlamaConfig, LlamaForCausalLM
+    except ImportError:
+        raise UsageError("--peer needs transformers: pip install -e '.[bench]'") from None
+    m = cfg.model
+    hf_cfg = LlamaConfig(vocab_size=m.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.ffn_hidden_size,
+                         num_hidden_layers=m.num_layers, num_attention_heads=m.num_heads, num_key_value_heads=m.num_kv_heads,
+                         max_position_embeddings=m.max_seq_len, rms_norm_eps=m.norm_eps, rope_theta=m.rope_theta,
+                         tie_word_embeddings=m.tie_embeddings, attn_implementation="sdpa")
+    torch.manual_seed(cfg.seed)
+    return LlamaForCausalLM(hf_cfg).to(device)
+
+
+class HFAdapter(torch.nn.Module):
+    """Gives the Llama model our forward signature, with its own (standard) cross-entropy loss."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, labels):
+        from cplm_dist.model.cplm import CPLMOutput
+
+        logits = self.model(input_ids=input_ids).logits
+        nll = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none")
+        nll = nll.view_as(labels)
+        return CPLMOutput(nll, nll.detach(), torch.zeros_like(nll))
+
+
+def peer(cfg: Config, args) -> dict:
+    import copy as copylib
+
+    from cplm_dist.engine import build_engine
+
+    if cfg.parallel.tp != 1:
+        raise UsageError("--peer compares at parallel.tp=1 (transformers' Llama has no tensor parallelism)")
+    dims, device, seq, accumulation = setup(cfg, args)
+    off = copylib.deepcopy(cfg)
+    off.copy.enabled = False
+    engines = {"ours_copy_on": build_measured(lambda: build(cfg, dims, device), device),
+               "ours_copy_off": build_measured(lambda: build(off, dims, device), device),
+               "hf_llama": build_measured(lambda: build_engine(HFAdapter(hf_llama(cfg, device)), off, dims)[0], device)}
+    res = alternate(engines, cfg, args, dims, device, seq, accumulation)
+    return {**describe(cfg, dims, seq, accumulation), "label": args.label, "mode": "peer", **{f"{k}_{m}": v for k, r in res.items() for m, v in r.items()},
+            "speedup_copy_off_vs_hf": res["ours_copy_off"]["tokens_per_s"] / res["hf_llama"]["tokens_per_s"],
+            "speedup_copy_on_vs_hf": res["ours_copy_on"]["tokens_per_s"] / res["hf_llama"]["tokens_per_s"]}
+
+
+# --- output --------------------------------------------------------------------------------------
+
+
+def table(result: dict) -> str:
+    def fmt(v):
+        if isinstance(v, float):
+            return f"{v:,.4g}" if abs(v) < 1e4 else f"{v:,.0f}"
+        return str(v)
+
+    width = max(len(k) for k in result)
+    return "\n".join(f"  {k:<{width}}  {fmt(v)}" for k, v in result.items())
+
+
+REPORT_COLUMNS = [
+    ("label", "run"), ("device", "device"), ("config", "model"), ("copy", "copy"), ("tp", "tp"), ("dp", "dp"),
+    ("zero", "ZeRO"), ("precision", "precision"), ("micro_batch", "micro"), ("seq_len", "seq"),
+    ("tokens_per_s_per_device", "tokens/s/device"), ("tflops_per_device", "TFLOP/s/device"), ("mfu", "MFU"),
+    ("step_memory_gb", "memory GB"), ("estimated_memory_gb", "estimate GB"), ("estimate_error", "estimate error"),
+    ("step_time_ratio", "copy on/off time"), ("memory_difference_gb", "copy memory GB"),
+]
+
+
+def report(path: str) -> str:
+    """A markdown table of the runs in a profile CSV (columns a run lacks stay empty)."""
+    if not Path(path).is_file():
+        raise UsageError(f"--report {path}: no such CSV (tools/profile.py --csv writes one)")
+    rows = list(csv.DictReader(open(path)))
+
+    def cell(row, key):
+        v = row.get(key, "")
+        try:
+            f = float(v)
+        except ValueError:
+            return v
+        if key in ("mfu", "estimate_error"):
+            return f"{f:.1%}"
+        return f"{f:,.0f}" if abs(f) >= 100 else f"{f:.3g}"
+
+    lines = ["| " + " | ".join(h for _, h in REPORT_COLUMNS) + " |", "|" + "---|" * len(REPORT_COLUMNS)]
+    lines += ["| " + " | ".join(cell(r, k) for k, _ in REPORT_COLUMNS) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def append_csv(path: str, result: dict) -> None:
+    if not path:
+        return
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    rows = list(csv.DictReader(open(p))) if p.exists() else []
+    fields = list(dict.fromkeys([*(rows[0].keys() if rows else []), *result]))
+    rows.append({k: result.get(k, "") for k in fields})
+    tmp = p.with_name(f".{p.name}.tmp-{os.getpid()}")
+    with open(tmp, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(rows)
+    os.replace(tmp, p)
+
+
+# --- sweeps: each point a fresh launch ------------------------------------------------------------
+
+
+def parse_sweep(items: list[str]) -> dict[str, list[str]]:
+    grid = {}
+    for item in items:
+        name, _, values = item.partition("=")
+        if name not in SWEEPABLE or not values:
+            raise UsageError(f"--sweep {item!r}: use NAME=V1,V2 with NAME one of {sorted(SWEEPABLE)}")
+        grid[name] = values.split(",")
+    return grid
+
+
+def sweep(args) -> int:
+    grid = parse_sweep(args.sweep)
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    csv_path = out / "sweep.csv"
+    results = []
+    for values in itertools.product(*grid.values()):
+        point = dict(zip(grid, values))
+        overrides = [f"{SWEEPABLE[k]}={v}" for k, v in point.items()]
+        if "seq" in point:
+            overrides.append(f"model.max_seq_len={max(int(point['seq']), 1)}")
+        cfg = load_config(args.config, args.overrides + overrides)  # a bad point fails here, before any launch
+        nproc = args.nproc or cfg.parallel.tp
+        with tempfile.TemporaryDirectory() as tmp:
+            result_file = Path(tmp) / "point.json"
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--config", args.config, *args.overrides, *overrides,
+                   "--warmup", str(args.warmup), "--steps", str(args.steps), "--breakdown-steps", str(args.breakdown_steps),
+                   "--accumulation", str(args.accumulation), "--json", str(result_file), "--csv", "", "--label", args.label]
+            if args.seq_len:
+                cmd += ["--seq-len", str(args.seq_len)]
+            if nproc > 1:
+                cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), *cmd[1:]]
+            env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1" if nproc > 1 else str(os.cpu_count()))}
+            print(f"sweep point {point}: {nproc} process(es)", flush=True)
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+            if proc.returncode != 0:
+                tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["(no output)"]
+                raise UsageError(f"sweep point {point} failed (exit {proc.returncode}): {tail[0]}")
+            result = {**{f"sweep_{k}": v for k, v in point.items()}, **json.loads(result_file.read_text())}
+        results.append(result)
+        append_csv(str(csv_path), result)
+    plots = plot_sweep(results, grid, out)
+    print(f"sweep: {len(results)} points -> {csv_path}" + "".join(f"\n  {p}" for p in plots))
+    return 0
+
+
+def plot_sweep(results: list[dict], grid: dict, out: Path) -> list[Path]:
+    """One PNG per swept variable: tokens/s and step memory against it, a line per other setting."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise UsageError("--sweep plots need matplotlib: pip install -e '.[bench]'") from None
+    paths = []
+    for var in grid:
+        fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(10, 4))
+        others = [k for k in grid if k != var]
+        series = {}
+        for r in results:
+            key = ", ".join(f"{k}={r[f'sweep_{k}']}" for k in others) or "all"
+            series.setdefault(key, []).append(r)
+        for key, rows in series.items():
+            xs = [r[f"sweep_{var}"] for r in rows]
+            ax_t.plot(xs, [r["tokens_per_s"] for r in rows], marker="o", label=key)
+            ax_m.plot(xs, [r["step_memory_gb"] for r in rows], marker="o", label=key)
+        ax_t.set(xlabel=var, ylabel="tokens/s (global)", title=f"throughput vs {var}")
+        ax_m.set(xlabel=var, ylabel="GB above baseline (peak)", title=f"memory vs {var}")
+        if len(series) > 1:
+            ax_t.legend(fontsize=7)
+        fig.tight_layout()
+        path = out / f"sweep_{var}.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+@exit_on_usage_error
+def main(argv=None) -> int:
+    args = parser().parse_intermixed_args(argv)
+    if args.report:
+        print(report(args.report))
+        return 0
+    if args.sweep:
+        return sweep(args)
+    cfg = load_from_args(args)
+    from cplm_dist.parallel import destroy_distributed
+
+    if args.copy_overhead:
+        result = copy_overhead(cfg, args)
+    elif args.peer:
+        result = peer(cfg, args)
+    else:
+        result = profile_one(cfg, args)
+    if torch.distributed.get_rank() == 0:
+        print(table(result), flush=True)
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        append_csv(args.csv, result)
+    destroy_distributed()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
