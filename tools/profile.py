@@ -331,7 +331,8 @@ def sweep(args) -> int:
             result_file = Path(tmp) / "point.json"
             cmd = [sys.executable, str(Path(__file__).resolve()), "--config", args.config, *args.overrides, *overrides,
                    "--warmup", str(args.warmup), "--steps", str(args.steps), "--breakdown-steps", str(args.breakdown_steps),
-                   "--accumulation", str(args.accumulation), "--json", str(result_file), "--csv", "", "--label", args.label]
+                   "--accumulation", str(args.accumulation), "--json", str(result_file), "--csv", "",
+                   "--label", args.label or " ".join(f"{k}={v}" for k, v in point.items())]
             if args.seq_len:
                 cmd += ["--seq-len", str(args.seq_len)]
             if nproc > 1:
