@@ -112,3 +112,10 @@ def test_gpu_run_configs_add_up_at_their_node_count(path):
     assert world % cfg.parallel.tp == 0 and cfg.parallel.tp <= 8, "tp stays inside a node"
     assert batch_layout(cfg, world // cfg.parallel.tp) >= 1
     assert cfg.train.precision == "bf16" and cfg.data.seq_length <= cfg.model.max_seq_len
+
+
+def test_no_tool_shadows_a_standard_library_module():
+    """`python tools/x.py` puts tools/ first on sys.path: a tools/profile.py would replace the
+    standard library's `profile` (imported by cProfile, deep in megatron's imports) for every tool."""
+    clashes = [p.name for p in (REPO / "tools").glob("*.py") if p.stem in sys.stdlib_module_names]
+    assert clashes == []

@@ -23,7 +23,7 @@ FIELDS = ["tokens_per_s", "tokens_per_s_per_device", "step_time_s", "forward_s",
 
 
 def profile(args, nproc=1, timeout=300):
-    cmd = [sys.executable, str(REPO / "tools/profile.py"), *args]
+    cmd = [sys.executable, str(REPO / "tools/cplm_profile.py"), *args]
     if nproc > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), *cmd[1:]]
     env = {**os.environ, "OMP_NUM_THREADS": "1" if nproc > 1 else "2"}

@@ -22,10 +22,10 @@ else
   extra=(train.precision=bf16)
   "$PY" -c "import torch; print(torch.cuda.get_device_name(), torch.__version__, flush=True)" | tee "$OUT/device.txt"
 fi
-run() {  # name, then profile.py arguments; a failing run is recorded, the others go on
+run() {  # name, then cplm_profile.py arguments; a failing run is recorded, the others go on
   local name=$1; shift
   echo "== $name" | tee -a "$OUT/log.txt"
-  timeout 600 "$PY" tools/profile.py "$@" "${steps[@]}" --json "$OUT/$name.json" --csv "$OUT/profile.csv" --label "$name" \
+  timeout 600 "$PY" tools/cplm_profile.py "$@" "${steps[@]}" --json "$OUT/$name.json" --csv "$OUT/profile.csv" --label "$name" \
     >> "$OUT/log.txt" 2>&1 || { echo "$name (exit $?)" >> "$OUT/failures.txt"; tail -5 "$OUT/log.txt"; }
 }
 for i in 0 1; do
@@ -36,6 +36,6 @@ for i in 0 1; do
   done
   run "$model-copy-overhead" "${common[@]}" train.zero_stage=1 --copy-overhead
 done
-"$PY" tools/profile.py --report "$OUT/profile.csv" > "$OUT/table.md"
+"$PY" tools/cplm_profile.py --report "$OUT/profile.csv" > "$OUT/table.md"
 cat "$OUT/table.md"
 echo "failures: $(wc -l < "$OUT/failures.txt")"

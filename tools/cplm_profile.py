@@ -1,11 +1,11 @@
 """Throughput and memory of any config under any launch, on synthetic tokens (no dataset).
 
-    python tools/profile.py --config tiny                                    # CPU, one process
-    OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 tools/profile.py --config tiny parallel.tp=2
-    torchrun --nproc-per-node 8 tools/profile.py --config cplm-1.7b train.precision=bf16 train.zero_stage=2 --seq-len 2048
-    python tools/profile.py --config tiny --sweep zero=0,1,2 micro=1,2,4 --nproc 2     # each point a fresh launch
-    python tools/profile.py --config cplm-135m --copy-overhead                 # copy on / off, alternating
-    python tools/profile.py --config cplm-135m --peer                          # against transformers' Llama
+    python tools/cplm_profile.py --config tiny                                    # CPU, one process
+    OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 tools/cplm_profile.py --config tiny parallel.tp=2
+    torchrun --nproc-per-node 8 tools/cplm_profile.py --config cplm-1.7b train.precision=bf16 train.zero_stage=2 --seq-len 2048
+    python tools/cplm_profile.py --config tiny --sweep zero=0,1,2 micro=1,2,4 --nproc 2     # each point a fresh launch
+    python tools/cplm_profile.py --config cplm-135m --copy-overhead                 # copy on / off, alternating
+    python tools/cplm_profile.py --config cplm-135m --peer                          # against transformers' Llama
 
 Reports tokens/s (global, per device), the step-time breakdown (forward, backward, optimizer;
 tensor-parallel and data-parallel / ZeRO communication), TFLOP/s and MFU (cplm_dist.throughput),
@@ -15,20 +15,14 @@ row appended to a CSV (--csv). --trace FILE writes a torch.profiler Chrome trace
 
 from __future__ import annotations
 
-import os
-import sys
-
-# Run as `python tools/profile.py`, this file's directory leads sys.path, where it would shadow
-# the standard library's `profile` module (which cProfile imports).
-if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
-    sys.path.pop(0)
-
 import argparse
 import csv
 import datetime
 import itertools
 import json
+import os
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -267,7 +261,7 @@ REPORT_COLUMNS = [
 def report(path: str) -> str:
     """A markdown table of the runs in a profile CSV (columns a run lacks stay empty)."""
     if not Path(path).is_file():
-        raise UsageError(f"--report {path}: no such CSV (tools/profile.py --csv writes one)")
+        raise UsageError(f"--report {path}: no such CSV (tools/cplm_profile.py --csv writes one)")
     rows = list(csv.DictReader(open(path)))
 
     def cell(row, key):
