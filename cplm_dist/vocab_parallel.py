@@ -231,10 +231,13 @@ def mixed_log_probs(
     gate: torch.Tensor | None,
     mix: str,
     tp_group: dist.ProcessGroup | None = None,
-) -> torch.Tensor:
+    *,
+    with_copy_part: bool = False,
+):
     """log p_w of the mixture for this rank's vocabulary shard [..., V/tp], float32.
 
     copy_log_probs [..., V/tp] log p_copy(w) from `scatter_copy_log_probs`; copy_all [...] A_t.
+    with_copy_part=True also returns the copy component's share of it, log of its mass on w.
     """
     z = lm_logits.float()
     lse = vocab_parallel_lse(z, tp_group).unsqueeze(-1)
@@ -245,13 +248,17 @@ def mixed_log_probs(
         g = gate.float().unsqueeze(-1)
         log_g = torch.where(has_cand, F.logsigmoid(g), torch.zeros_like(g))
         log_1mg = torch.where(has_cand, F.logsigmoid(-g), torch.full_like(g, float("-inf")))
-        return torch.logaddexp(log_g + z - lse, log_1mg + copy_log_probs)
-    if mix == "joint":
-        return torch.logaddexp(z, copy_mass) - torch.logaddexp(lse, a)
-    if mix == "sentinel":
+        lm_part, copy_part = log_g + z - lse, log_1mg + copy_log_probs
+    elif mix == "joint":
+        log_z = torch.logaddexp(lse, a)
+        lm_part, copy_part = z - log_z, copy_mass - log_z
+    elif mix == "sentinel":
         s_t = torch.logaddexp(gate.float().unsqueeze(-1), a)
-        return torch.logaddexp(gate.float().unsqueeze(-1) - s_t + z - lse, copy_mass - s_t)
-    raise ValueError(f"mix={mix!r} is not one of {MIX_MODES}")
+        lm_part, copy_part = gate.float().unsqueeze(-1) - s_t + z - lse, copy_mass - s_t
+    else:
+        raise ValueError(f"mix={mix!r} is not one of {MIX_MODES}")
+    log_p = torch.logaddexp(lm_part, copy_part)
+    return (log_p, copy_part) if with_copy_part else log_p
 
 
 @torch.no_grad()

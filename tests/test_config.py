@@ -119,3 +119,12 @@ def test_no_tool_shadows_a_standard_library_module():
     standard library's `profile` (imported by cProfile, deep in megatron's imports) for every tool."""
     clashes = [p.name for p in (REPO / "tools").glob("*.py") if p.stem in sys.stdlib_module_names]
     assert clashes == []
+
+
+def test_every_subpackage_is_packaged():
+    """pyproject lists packages by hand (tools/ ships as cplm_dist_tools): none may be forgotten."""
+    import tomllib
+
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(REPO).parts) for p in (REPO / "cplm_dist").rglob("__init__.py")}
+    assert found | {"cplm_dist_tools"} == listed

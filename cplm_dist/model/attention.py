@@ -35,7 +35,9 @@ class Attention(torch.nn.Module):
         mark_split(self.qkv.weight, dim=0)
         mark_split(self.proj.weight, dim=1)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: dict | None = None) -> torch.Tensor:
+        """x (B, T, D); cos/sin for x's positions; `cache` ({"k", "v"} of earlier positions, or
+        empty) is extended in place, for decoding one step at a time."""
         B, T, _ = x.shape
         qkv, _ = self.qkv(x)  # (B, T, kv_heads * (group + 2) * hd)
         qkv = qkv.view(B, T, self.kv_heads, self.group + 2, self.head_dim)
@@ -43,7 +45,17 @@ class Attention(torch.nn.Module):
         k = qkv[:, :, :, self.group].transpose(1, 2)  # (B, nkv, T, hd)
         v = qkv[:, :, :, self.group + 1].transpose(1, 2)  # (B, nkv, T, hd)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.group > 1)  # (B, nh, T, hd)
+        mask, causal = None, True
+        if cache is not None:
+            past = cache["k"].shape[2] if "k" in cache else 0
+            if past:
+                k, v = torch.cat([cache["k"], k], dim=2), torch.cat([cache["v"], v], dim=2)  # (B, nkv, past + T, hd)
+                # query i sits at position past + i and sees keys 0 .. past + i
+                mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(diagonal=past)
+                causal = False
+            cache["k"], cache["v"] = k, v
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                           enable_gqa=self.group > 1)  # (B, nh, T, hd)
         y = y.transpose(1, 2).reshape(B, T, self.heads * self.head_dim)
         out, _ = self.proj(y)  # (B, T, D), all-reduced over tp
         return out

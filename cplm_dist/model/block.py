@@ -17,6 +17,6 @@ class TransformerLayer(torch.nn.Module):
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, device=device, dtype=mp.params_dtype)
         self.mlp = SwiGLUMLP(cfg, mp, tp_group, tp_size)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attn_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: dict | None = None) -> torch.Tensor:
+        x = x + self.attention(self.attn_norm(x), cos, sin, cache)
         return x + self.mlp(self.mlp_norm(x))

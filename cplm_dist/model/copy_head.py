@@ -71,10 +71,11 @@ class CopyHead(torch.nn.Module):
 
     # --- pieces ---------------------------------------------------------------------------------
 
-    def candidate_mask(self, T: int, device) -> torch.Tensor:
-        """(T, T) bool, [t, j] = j in C_t."""
-        offset = -1 if self.cfg.paste == "next" else 0  # next: j < t; self: j <= t
-        return torch.ones(T, T, dtype=torch.bool, device=device).tril(diagonal=offset)
+    def candidate_mask(self, T: int, device, offset: int = 0, keys: int | None = None) -> torch.Tensor:
+        """(T, keys) bool, [i, j] = j in C_t for the query at position t = offset + i."""
+        keys = T if keys is None else keys
+        shift = -1 if self.cfg.paste == "next" else 0  # next: j < t; self: j <= t
+        return torch.ones(T, keys, dtype=torch.bool, device=device).tril(diagonal=offset + shift)
 
     def source_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         """(B, T) id pasted from position j; -1 where position j pastes nothing."""
@@ -82,14 +83,14 @@ class CopyHead(torch.nn.Module):
             return input_ids
         return torch.cat([input_ids[:, 1:], torch.full_like(input_ids[:, :1], -1)], dim=1)
 
-    def project(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q, k of shape (B, H, T, d) in float32."""
+    def project(self, h: torch.Tensor, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """q, k of shape (B, H, T, d) in float32, for positions offset .. offset + T - 1."""
         B, T, _ = h.shape
         q = self.q(h).view(B, T, self.heads, self.head_dim).transpose(1, 2).float()  # (B, H, T, d)
         k = self.k(h).view(B, T, self.heads, self.head_dim).transpose(1, 2).float()  # (B, H, T, d)
         if self.cfg.rope:
-            cos, sin = rope_tables(T, self.head_dim, self.rope_theta, device=h.device)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            cos, sin = rope_tables(offset + T, self.head_dim, self.rope_theta, device=h.device)
+            q, k = apply_rope(q, cos[offset:], sin[offset:]), apply_rope(k, cos[offset:], sin[offset:])
         return q, k
 
     def gate_logit(self, h: torch.Tensor, q: torch.Tensor) -> torch.Tensor | None:
@@ -135,17 +136,23 @@ class CopyHead(torch.nn.Module):
     def position_weights(self, h: torch.Tensor, input_ids: torch.Tensor):
         """(weights (B, T, T) over context positions, rows summing to 1 or 0 when empty,
         src_ids (B, T), CopyTerms without copy_match)."""
-        T = h.shape[1]
         q, k = self.project(h)
-        scores = q @ k.transpose(-1, -2) / math.sqrt(self.head_dim)  # (B, H, T, T)
-        cand = self.candidate_mask(T, h.device)
+        return self.weights_for(q, k, input_ids, 0, h)
+
+    @torch.no_grad()
+    def weights_for(self, q: torch.Tensor, k: torch.Tensor, ids: torch.Tensor, offset: int, h: torch.Tensor):
+        """The copy distribution of queries q (B, H, Tq, d) at positions offset.. over keys k
+        (B, H, Tk, d) of the positions 0..Tk-1 whose ids are `ids` (B, Tk); h (B, Tq, D) for the gate."""
+        Tq, Tk = q.shape[2], k.shape[2]
+        scores = q @ k.transpose(-1, -2) / math.sqrt(self.head_dim)  # (B, H, Tq, Tk)
+        cand = self.candidate_mask(Tq, q.device, offset, Tk)
         scores = scores.masked_fill(~cand, NEG_INF)
-        a_heads = masked_logsumexp(scores, None, dim=-1)  # (B, H, T)
+        a_heads = masked_logsumexp(scores, None, dim=-1)  # (B, H, Tq)
         if self.cfg.mix == "gate":
             norm = torch.where(torch.isfinite(a_heads), a_heads, torch.zeros_like(a_heads))  # per head
             copy_all = torch.where(torch.isfinite(a_heads[:, 0]), 0.0, NEG_INF)
         else:
             copy_all = self._combine(a_heads, a_heads)
             norm = torch.where(torch.isfinite(copy_all), copy_all, torch.zeros_like(copy_all)).unsqueeze(1)
-        weights = torch.exp(scores - norm.unsqueeze(-1)).mean(dim=1)  # (B, T, T)
-        return weights, self.source_ids(input_ids), CopyTerms(copy_all, None, self.gate_logit(h, q))
+        weights = torch.exp(scores - norm.unsqueeze(-1)).mean(dim=1)  # (B, Tq, Tk)
+        return weights, self.source_ids(ids), CopyTerms(copy_all, None, self.gate_logit(h, q))

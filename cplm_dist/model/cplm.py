@@ -17,6 +17,7 @@ cplm_dist.vocab_parallel, on the tp group handed in.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -34,6 +35,20 @@ from cplm_dist.model.rotary import rope_tables
 from cplm_dist.model.sharding import mark_split
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class DecodeState:
+    """What decoding keeps between steps: each layer's keys and values, the copy head's keys,
+    and the ids fed so far."""
+
+    layers: list[dict]
+    ids: torch.Tensor | None = None
+    copy_k: torch.Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        return 0 if self.ids is None else self.ids.shape[1]
 
 
 class CPLMOutput(NamedTuple):
@@ -94,15 +109,19 @@ class CPLM(torch.nn.Module):
 
     # --- shared trunk --------------------------------------------------------------------------
 
-    def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Final-norm hidden states h (B, T, D), identical on every tp rank."""
-        T = input_ids.shape[1]
-        if T > self.cfg.model.max_seq_len:
-            raise ValueError(f"sequence length {T} exceeds model.max_seq_len={self.cfg.model.max_seq_len}")
-        cos, sin = rope_tables(T, self.cfg.model.head_dim, self.cfg.model.rope_theta, device=input_ids.device)
+    def hidden_states(self, input_ids: torch.Tensor, state: DecodeState | None = None) -> torch.Tensor:
+        """Final-norm hidden states h (B, T, D), identical on every tp rank; with a decode
+        `state`, of positions state.length.. (its caches are extended)."""
+        T, offset = input_ids.shape[1], (state.length if state is not None else 0)
+        if offset + T > self.cfg.model.max_seq_len:
+            raise ValueError(f"sequence length {offset + T} exceeds model.max_seq_len={self.cfg.model.max_seq_len}")
+        cos, sin = rope_tables(offset + T, self.cfg.model.head_dim, self.cfg.model.rope_theta, device=input_ids.device)
+        cos, sin = cos[offset:], sin[offset:]
         x = self.embedding(input_ids)  # (B, T, D)
-        for layer in self.layers:
-            if self.activation_checkpointing and self.training and torch.is_grad_enabled():
+        for i, layer in enumerate(self.layers):
+            if state is not None:
+                x = layer(x, cos, sin, state.layers[i])
+            elif self.activation_checkpointing and self.training and torch.is_grad_enabled():
                 x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, use_reentrant=False)
             else:
                 x = layer(x, cos, sin)
@@ -145,17 +164,32 @@ class CPLM(torch.nn.Module):
     @torch.no_grad()
     def next_token_logprobs(self, input_ids: torch.Tensor) -> torch.Tensor:
         """(B, T, V) float32 log p(x_{t+1} = w | x_<=t) of the mixture, gathered over tp."""
-        h = self.hidden_states(input_ids)
+        return self.decode(input_ids, self.new_decode_state())[0]
+
+    def new_decode_state(self) -> DecodeState:
+        return DecodeState(layers=[{} for _ in self.layers])
+
+    @torch.no_grad()
+    def decode(self, input_ids: torch.Tensor, state: DecodeState, with_copy_part: bool = False):
+        """Feed `input_ids` (B, T) after what `state` holds (a prompt, then one token at a time)
+        and return (log p (B, T, V) of the next token at each new position, and with
+        `with_copy_part` the copy component's log mass on each id, else None), gathered over tp."""
+        offset = state.length
+        h = self.hidden_states(input_ids, state)
         logits = self.lm_logits(h)
+        state.ids = input_ids if state.ids is None else torch.cat([state.ids, input_ids], dim=1)
         if self.copy_head is None:
-            shard = vocab_parallel.vocab_parallel_log_softmax(logits, self.tp_group)
+            shard, copy_part = vocab_parallel.vocab_parallel_log_softmax(logits, self.tp_group), None
         else:
-            weights, src, terms = self.copy_head.position_weights(h, input_ids)
+            q, k = self.copy_head.project(h, offset)
+            state.copy_k = k if state.copy_k is None else torch.cat([state.copy_k, k], dim=2)
+            weights, src, terms = self.copy_head.weights_for(q, state.copy_k, state.ids, offset, h)
             copy_lp = vocab_parallel.scatter_copy_log_probs(weights, src, self.v_local, self.tp_group)
-            shard = vocab_parallel.mixed_log_probs(
-                logits, copy_lp, terms.copy_all, terms.gate, self.cfg.copy.mix, self.tp_group
+            shard, copy_part = vocab_parallel.mixed_log_probs(
+                logits, copy_lp, terms.copy_all, terms.gate, self.cfg.copy.mix, self.tp_group, with_copy_part=True
             )
-        return vocab_parallel.gather_vocab(shard, self.tp_group)[..., : self.vocab_size]
+        gather = lambda t: vocab_parallel.gather_vocab(t, self.tp_group)[..., : self.vocab_size]  # noqa: E731
+        return gather(shard), (gather(copy_part) if with_copy_part and copy_part is not None else None)
 
 
 def build_model(cfg: Config, *, tp_group: dist.ProcessGroup | None = None, device=None, dtype=torch.float32) -> CPLM:

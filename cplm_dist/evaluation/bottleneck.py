@@ -1,0 +1,71 @@
+"""The LM head's gradient bottleneck (DESIGN.md, "Measuring the gradient bottleneck").
+
+For a batch, G = dL/dZ (tokens x V) and W_lm (V x D) with an orthonormal basis Q of its column
+space (thin QR, V x D). The backbone only ever sees G W, which depends on G Q Q^T alone, so
+
+    suppressed = 1 - ||G Q||_F^2 / ||G||_F^2
+
+is the fraction of the logits' gradient the LM head throws away (95-99% in trained LLMs, per
+Godey & Artzi 2026). With a copy head, G is the LM-head part of the mixed loss's gradient, and
+the gradient that reaches the final hidden states h is split into what arrives through the LM
+head (G W) and what arrives through the copy head (q, k, gate), which bypasses W_lm: h is fed to
+the two heads as two separate leaves, so autograd reports each path on its own.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from cplm_dist import vocab_parallel as vp
+
+
+def _gather_vocab_rows(t: torch.Tensor, tp_group, dim: int) -> torch.Tensor:
+    if tp_group is None or dist.get_world_size(tp_group) == 1:
+        return t
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(tp_group))]
+    dist.all_gather(parts, t.contiguous(), group=tp_group)
+    return torch.cat(parts, dim=dim)
+
+
+def suppressed_fraction(grad_logits: torch.Tensor, lm_weight: torch.Tensor) -> float:
+    """1 - ||G Q||^2 / ||G||^2 for G (N, V) and W (V, D), in float64."""
+    q, _ = torch.linalg.qr(lm_weight.double(), mode="reduced")  # (V, D) orthonormal columns
+    g = grad_logits.double()
+    return float(1.0 - (g @ q).pow(2).sum() / g.pow(2).sum())
+
+
+def measure(model, input_ids: torch.Tensor, labels: torch.Tensor, lm_only: bool = False) -> dict:
+    """The bottleneck figures of one batch for `model` (a CPLM, any tp). lm_only=True measures
+    the LM head's own loss (as if the copy head were off) on the same model."""
+    model.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        h = model.hidden_states(input_ids)
+    h_lm, h_copy = h.clone().requires_grad_(True), h.clone().requires_grad_(True)
+    logits = model.lm_logits(h_lm)  # (B, T, V/tp)
+    logits.retain_grad()
+    z_y, lse = vp.target_logit_and_lse(logits, labels, model.tp_group)
+    if model.copy_head is None or lm_only:
+        log_p = z_y - lse
+    else:
+        terms = model.copy_head(h_copy, input_ids, labels)
+        log_p, _ = vp.mixed_log_prob(z_y, lse, terms.copy_all, terms.copy_match, terms.gate, model.cfg.copy.mix)
+    keep = labels != vp.IGNORE_INDEX
+    loss = -(log_p * keep).sum() / keep.sum()
+    loss.backward()
+    vocab = model.vocab_size
+    grad = _gather_vocab_rows(logits.grad.flatten(0, 1), model.tp_group, dim=1)[:, :vocab]  # (N, V)
+    weight = model.embedding.weight if model.cfg.model.tie_embeddings else model.lm_head.weight
+    weight = _gather_vocab_rows(weight.detach(), model.tp_group, dim=0)[:vocab]  # (V, D)
+    via_copy = h_copy.grad.norm().item() if h_copy.grad is not None else 0.0
+    model.zero_grad(set_to_none=True)
+    return {
+        "loss": float(loss.detach()),
+        "suppressed_fraction": suppressed_fraction(grad[keep.flatten()], weight),
+        "grad_norm_logits": float(grad.norm()),
+        "grad_norm_h_via_lm_head": float(h_lm.grad.norm()),
+        "grad_norm_h_via_copy_head": via_copy,
+        "tokens": int(keep.sum()),
+        "vocab": vocab,
+        "hidden": weight.shape[1],
+    }

@@ -1,0 +1,99 @@
+"""lm-evaluation-harness on a CPLM checkpoint (the optional `lm-eval` package).
+
+    python tools/lm_eval_cplm.py --checkpoint runs/x --tasks lambada_openai hellaswag --limit 20
+
+`HarnessAdapter` answers the harness's three request types from the model's full next-token
+distribution (`next_token_logprobs`, so the copy head's mass counts) and from greedy generation
+with the KV cache; `register()` makes it the harness model "cplm". The adapter itself does not
+need lm-eval, so its answers are tested directly against the model.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cplm_dist.generation import generate
+
+
+class HarnessAdapter:
+    """Requests are objects with `.args`: (context, continuation), (text,), or (context, gen_kwargs)."""
+
+    def __init__(self, model, tokenizer, max_length: int | None = None):
+        self.model, self.tok = model, tokenizer
+        self.max_length = max_length or model.cfg.model.max_seq_len
+
+    def _continuation_logprob(self, context_ids: list[int], cont_ids: list[int]) -> tuple[float, bool]:
+        ids = (context_ids + cont_ids)[-(self.max_length + 1):]
+        logprobs = self.model.next_token_logprobs(torch.tensor([ids[:-1]]))[0]  # (T, V)
+        n = len(cont_ids)
+        targets = torch.tensor(ids[-n:])
+        lp = logprobs[-n:].gather(-1, targets[:, None]).squeeze(-1)
+        return float(lp.sum()), bool((logprobs[-n:].argmax(-1) == targets).all())
+
+    def loglikelihood(self, requests) -> list[tuple[float, bool]]:
+        out = []
+        for req in requests:
+            context, continuation = req.args[0], req.args[1]
+            context_ids = self.tok.encode(context) if context else [self.tok.eod]
+            out.append(self._continuation_logprob(context_ids, self.tok.encode(continuation)))
+        return out
+
+    def loglikelihood_rolling(self, requests) -> list[float]:
+        """Whole-text log-likelihood, in windows of max_length tokens, each token predicted once."""
+        out = []
+        for req in requests:
+            ids = [self.tok.eod] + self.tok.encode(req.args[0])
+            total, start = 0.0, 1
+            while start < len(ids):
+                end = min(len(ids), start + self.max_length)
+                context = ids[max(0, end - self.max_length - 1):start]
+                total += self._continuation_logprob(context, ids[start:end])[0]
+                start = end
+            out.append(total)
+        return out
+
+    def generate_until(self, requests) -> list[str]:
+        out = []
+        for req in requests:
+            context, kwargs = req.args[0], dict(req.args[1])
+            until = kwargs.get("until") or []
+            until = [until] if isinstance(until, str) else until
+            max_new = int(kwargs.get("max_gen_toks", 64))
+            ids = self.tok.encode(context)[-(self.max_length - max_new):]
+            gen = generate(self.model, torch.tensor([ids]), max_new, temperature=float(kwargs.get("temperature", 0.0)),
+                           eos_id=self.tok.eod)
+            tokens = gen.tokens[0].tolist()
+            if self.tok.eod in tokens:
+                tokens = tokens[: tokens.index(self.tok.eod)]
+            text = self.tok.decode(tokens)
+            cut = min([text.find(s) for s in until if s and s in text] or [len(text)])
+            out.append(text[:cut])
+        return out
+
+
+def register() -> None:
+    """Make `--model cplm --model_args checkpoint=<path>` available to lm-eval."""
+    from lm_eval.api.model import LM
+    from lm_eval.api.registry import register_model
+
+    from cplm_dist.data.tokenizer import load_tokenizer
+    from cplm_dist.evaluation.loading import load_checkpoint_config, load_model
+    from cplm_dist.parallel import init_distributed
+
+    @register_model("cplm")
+    class CPLMHarnessModel(LM):
+        def __init__(self, checkpoint: str, **_):
+            super().__init__()
+            _, info = load_checkpoint_config(checkpoint)
+            init_distributed(info["layout"]["tp"])
+            model, cfg, _ = load_model(checkpoint)
+            self.adapter = HarnessAdapter(model, load_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_backend))
+
+        def loglikelihood(self, requests):
+            return self.adapter.loglikelihood(requests)
+
+        def loglikelihood_rolling(self, requests):
+            return self.adapter.loglikelihood_rolling(requests)
+
+        def generate_until(self, requests):
+            return self.adapter.generate_until(requests)

@@ -1,0 +1,71 @@
+"""Greedy and sampled generation from the mixed next-token distribution, with a KV cache.
+
+    out = generate(model, prompt_ids, max_new_tokens=32, temperature=0.8, top_p=0.95, mark_copies=True)
+    out.tokens (B, n), out.copied (B, n): True where the copy head gave the chosen token most of its mass
+
+`model` is a CPLM (its `decode` keeps keys and values between steps, on any tp: every rank gets
+the gathered distribution and, sharing the seed, samples the same token) or anything with
+`next_token_logprobs(ids) -> (B, T, V)` (re-run on the whole prefix each step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Generation:
+    tokens: torch.Tensor  # (B, n) new tokens; after an end-of-document, more of it
+    copied: torch.Tensor | None  # (B, n) bool, or None when not asked / no copy head
+
+
+def choose(logprobs: torch.Tensor, temperature: float, top_k: int, top_p: float, generator: torch.Generator | None) -> torch.Tensor:
+    """Next tokens (B,) from log-probabilities (B, V): greedy at temperature 0, else sampled
+    after temperature, top-k and nucleus (top-p) filtering."""
+    if temperature <= 0:
+        return logprobs.argmax(dim=-1)
+    scores = logprobs.float() / temperature
+    if top_k > 0:
+        kth = torch.topk(scores, min(top_k, scores.shape[-1]), dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_scores, order = torch.sort(scores, descending=True, dim=-1)
+        cumulative = torch.softmax(sorted_scores, dim=-1).cumsum(dim=-1)
+        drop = cumulative - torch.softmax(sorted_scores, dim=-1) >= top_p  # keep the smallest set reaching top_p
+        sorted_scores = sorted_scores.masked_fill(drop, float("-inf"))
+        scores = torch.full_like(scores, float("-inf")).scatter(-1, order, sorted_scores)
+    probs = torch.softmax(scores, dim=-1)
+    return torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(logprobs.device)
+
+
+@torch.no_grad()
+def generate(model, prompt: torch.Tensor, max_new_tokens: int, *, temperature: float = 0.0, top_k: int = 0,
+             top_p: float = 1.0, eos_id: int | None = None, seed: int = 0, mark_copies: bool = False) -> Generation:
+    gen = torch.Generator().manual_seed(seed)
+    cached = hasattr(model, "decode")
+    state = model.new_decode_state() if cached else None
+    ids, feed = prompt, prompt
+    tokens, copied = [], []
+    done = torch.zeros(prompt.shape[0], dtype=torch.bool, device=prompt.device)
+    for _ in range(max_new_tokens):
+        if cached:
+            logprobs, copy_part = model.decode(feed, state, with_copy_part=mark_copies)
+            logprobs = logprobs[:, -1]
+            copy_part = copy_part[:, -1] if copy_part is not None else None
+        else:
+            logprobs, copy_part = model.next_token_logprobs(ids)[:, -1], None
+        nxt = choose(logprobs, temperature, top_k, top_p, gen)
+        if eos_id is not None:
+            nxt = torch.where(done, torch.full_like(nxt, eos_id), nxt)
+            done |= nxt == eos_id
+        tokens.append(nxt)
+        if copy_part is not None:
+            chosen = lambda t: t.gather(-1, nxt[:, None]).squeeze(-1)  # noqa: E731
+            copied.append(chosen(copy_part) - chosen(logprobs) > torch.log(torch.tensor(0.5)))
+        feed = nxt[:, None]
+        ids = torch.cat([ids, feed], dim=1)
+        if eos_id is not None and bool(done.all()):
+            break
+    return Generation(torch.stack(tokens, dim=1), torch.stack(copied, dim=1) if copied else None)

@@ -1,0 +1,251 @@
+"""Evaluation: the suite's generators and scoring (oracle perfect, uniform at chance), decoding
+with a KV cache against full recomputation at tp = 1 and 2, generation, the gradient-bottleneck
+figure against a direct computation, the tools end to end, and the lm-eval adapter."""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from cplm_dist.config import load_config
+from cplm_dist.data.corpora import synthetic_copy_documents
+from cplm_dist.data.tokenizer import load_tokenizer
+from cplm_dist.evaluation.tasks import GENERATORS, TASKS, EvalContext, OracleModel, UniformModel, default_settings, run_suite
+from tests.spawn import run_ranks
+from tests.test_train import argv
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def ctx(small_data):
+    return EvalContext(vocab_size=512, max_len=128, tokenizer=load_tokenizer(small_data.tokenizer),
+                       filler=list(synthetic_copy_documents(50, seed=9)))
+
+
+def all_samples(ctx, samples=4, seed=0):
+    return {task: {str(s): GENERATORS[task](ctx, s, samples, seed) for s in default_settings(task, ctx.max_len)} for task in TASKS}
+
+
+def test_generators_are_deterministic_per_seed(ctx):
+    a, b, c = all_samples(ctx, seed=0), all_samples(ctx, seed=0), all_samples(ctx, seed=1)
+    for task in TASKS:
+        assert a[task] and a[task] == b[task], task
+        assert a[task] != c[task], task
+    # a sample's shape follows its setting
+    s = GENERATORS["mqar"](ctx, {"pairs": 8, "length": 64}, 1, 0)[0]
+    assert len(s.ids) == 64 and len(s.scored) == 8
+    for t in s.scored:  # each scored position holds a key whose value follows it, as given in the context
+        key, value = s.ids[t], s.ids[t + 1]
+        assert value == s.ids[s.ids.index(key) + 1]
+
+
+def test_oracle_scores_perfectly_and_uniform_at_chance(ctx):
+    samples = all_samples(ctx)
+    sequences = [smp.ids for task in samples.values() for batch in task.values() for smp in batch]
+    oracle = run_suite(OracleModel(ctx.vocab_size, sequences), ctx, samples=4, seed=0, log=lambda *a: None)
+    uniform = run_suite(UniformModel(ctx.vocab_size), ctx, samples=4, seed=0, log=lambda *a: None)
+    assert set(oracle) == set(TASKS)
+    for task in TASKS:
+        assert oracle[task], task
+        for row in oracle[task]:
+            if "exact_match" in row:
+                assert row["exact_match"] == 1.0, (task, row)
+            else:
+                assert row["accuracy"] == 1.0 and row["loss"] == 0.0, (task, row)
+        for row in uniform[task]:
+            if "exact_match" in row:
+                assert row["exact_match"] == 0.0, (task, row)
+            else:
+                assert row["loss"] == pytest.approx(math.log(ctx.vocab_size)) and row["accuracy"] <= 3 / ctx.vocab_size
+
+
+# --- decoding with a cache, generation ----------------------------------------------------------
+
+
+def _decode_worker(tp):
+    from cplm_dist.generation import generate
+    from cplm_dist.model import build_model
+    from cplm_dist.parallel import init_distributed
+
+    init_distributed(tp)
+    out = {}
+    for name, overrides in {"gate-next": [], "joint-self-rope": ["copy.mix=joint", "copy.paste=self", "copy.rope=true"],
+                            "sentinel-2heads": ["copy.mix=sentinel", "copy.num_heads=2"], "off": ["copy.enabled=false"]}.items():
+        model = build_model(load_config("tiny", overrides + [f"parallel.tp={tp}"])).eval()
+        g = torch.Generator().manual_seed(5)
+        span = torch.randint(4, 512, (2, 6), generator=g)
+        ids = torch.cat([span, span, span[:, :3]], dim=1)  # (2, 15)
+        full = model.next_token_logprobs(ids)
+        state = model.new_decode_state()
+        steps = [model.decode(ids[:, :5], state)[0]]  # a 5-token prompt, then one token at a time
+        steps += [model.decode(ids[:, t:t + 1], state)[0] for t in range(5, ids.shape[1])]
+        greedy = generate(model, ids[:, :8], 6, mark_copies=True)
+        sampled = generate(model, ids[:, :8], 6, temperature=1.0, top_k=20, top_p=0.9, seed=3)
+        out[name] = {"full": full, "cached": torch.cat(steps, dim=1), "greedy": greedy.tokens,
+                     "copied": greedy.copied, "sampled": sampled.tokens,
+                     "top1": generate(model, ids[:, :8], 6, temperature=1.0, top_k=1, seed=4).tokens}
+    return out
+
+
+@pytest.fixture(scope="module")
+def decoded():
+    return {tp: run_ranks(_decode_worker, tp, args=(tp,)) for tp in (1, 2)}
+
+
+def test_cached_decoding_equals_full_recomputation(decoded):
+    for tp, ranks in decoded.items():
+        for name, r in ranks[0].items():
+            torch.testing.assert_close(r["cached"], r["full"], rtol=1e-5, atol=1e-5, msg=f"{name} tp={tp}")
+            torch.testing.assert_close(r["full"].exp().sum(-1), torch.ones(2, 15), atol=1e-5, rtol=0)
+
+
+def test_generation_is_deterministic_and_the_same_on_every_rank_and_tp(decoded):
+    one = decoded[1][0]
+    for name, r in one.items():
+        assert torch.equal(r["top1"], r["greedy"]), "top-k=1 sampling is greedy"
+        assert (r["copied"] is None) == (name == "off")
+        for rank in decoded[2]:
+            assert torch.equal(rank[name]["greedy"], r["greedy"]) and torch.equal(rank[name]["sampled"], r["sampled"])
+
+
+# --- gradient bottleneck ----------------------------------------------------------------------------
+
+
+def _bottleneck_worker(tp):
+    import numpy as np
+
+    from cplm_dist.evaluation.bottleneck import measure
+    from cplm_dist.model import build_model
+    from cplm_dist.parallel import init_distributed
+
+    init_distributed(tp)
+    res = {}
+    for name, ov in {"off": ["copy.enabled=false"], "gate": []}.items():
+        cfg = load_config("tiny", ov + ["model.hidden_size=32", "model.num_heads=4", "model.num_kv_heads=2",
+                                        "model.vocab_size=2048", f"parallel.tp={tp}"])
+        model = build_model(cfg)
+        g = torch.Generator().manual_seed(0)
+        x = torch.randint(4, 2048, (2, 33), generator=g)
+        ids, labels = x[:, :-1], x[:, 1:]
+        res[name] = measure(model, ids, labels)
+        if name == "off" and tp == 1:  # the direct computation: G = (softmax(h W^T) - onehot) / N, Q from an SVD
+            with torch.no_grad():
+                h = model.hidden_states(ids).double().flatten(0, 1)
+                w = model.embedding.weight.double()[:2048]
+                p = torch.softmax(h @ w.T, -1)
+                grad = (p - torch.nn.functional.one_hot(labels.flatten(), 2048).double()) / labels.numel()
+                u = np.linalg.svd(w.numpy(), full_matrices=False)[0]  # (V, D) basis of W's columns
+                gq = grad.numpy() @ u
+                res["direct"] = 1 - float((gq**2).sum() / (grad.numpy() ** 2).sum())
+    return res
+
+
+def test_bottleneck_matches_a_direct_computation_and_tp():
+    one = run_ranks(_bottleneck_worker, 1, args=(1,))[0]
+    assert one["off"]["suppressed_fraction"] == pytest.approx(one["direct"], abs=1e-9)
+    assert one["off"]["suppressed_fraction"] > 0.95  # D = 32 against V = 2048
+    assert one["off"]["grad_norm_h_via_copy_head"] == 0 and one["gate"]["grad_norm_h_via_copy_head"] > 0
+    two = run_ranks(_bottleneck_worker, 2, args=(2,))
+    for name in ("off", "gate"):
+        for key in ("suppressed_fraction", "grad_norm_h_via_lm_head", "grad_norm_h_via_copy_head", "loss"):
+            assert two[0][name][key] == pytest.approx(one[name][key], rel=1e-5, abs=1e-9), (name, key)
+
+
+# --- the tools on a trained checkpoint --------------------------------------------------------------
+
+
+def _train(args):
+    from cplm_dist.train import main
+
+    return main(args)
+
+
+@pytest.fixture(scope="module")
+def trained(small_data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("eval") / "run"
+    assert run_ranks(_train, 1, args=(argv(small_data, out, "train.train_steps=6", "train.save_interval=3",
+                                            "model.max_seq_len=128", "data.seq_length=64"),)) == [0]
+    return out
+
+
+def tool(*args, timeout=300):
+    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_evaluate_generate_and_bottleneck_tools(trained, tmp_path):
+    out = tmp_path / "ev"
+    stdout = tool("tools/evaluate.py", "--checkpoint", str(trained), "--samples", "2", "--valid-batches", "2", "--out", str(out))
+    report = json.loads((out / "eval.json").read_text())
+    assert report["step"] == 6 and report["validation"]["perplexity"] > 1
+    assert set(report["tasks"]) == set(TASKS)
+    for task in TASKS:
+        assert (out / f"{task}.png").exists()
+    assert "induction" in stdout and "exact match" in stdout
+    text = tool("tools/generate.py", "--checkpoint", str(trained), "--prompt", "Items: a, b, c. The items again:",
+                "--max-new-tokens", "8", "--mark-copies")
+    assert text.startswith("--- prompt 0") and "Items: a, b, c. The items again:" in text
+    stdout = tool("tools/grad_bottleneck.py", "--checkpoint", str(trained), "--all", "--plot", str(tmp_path / "b.png"),
+                  "--json", str(tmp_path / "b.json"), "--seq-len", "32", "--batches", "1")
+    rows = json.loads((tmp_path / "b.json").read_text())
+    assert [r["step"] for r in rows] == [3, 3, 6, 6] and all(0.5 < r["suppressed_fraction"] < 1 for r in rows)
+    assert (tmp_path / "b.png").exists() and "suppressed" in stdout
+
+
+def test_ablation_in_miniature(small_data, tmp_path):
+    blend = ", ".join(f"{{path: {small_data.prefixes[n]}, weight: 0.5}}" for n in ("code", "copy"))
+    out = tmp_path / "ablation"
+    stdout = tool("tools/ablate.py", "--sizes", "tiny", "--variants", "off", "gate", "--steps", "4", "--samples", "2",
+                  "--out", str(out), "model.vocab_size=512", "model.max_seq_len=64", "data.seq_length=64",
+                  f"data.tokenizer={small_data.tokenizer}", f"data.blend=[{blend}]", "data.num_workers=0",
+                  "optim.warmup_steps=1", "train.eval_batches=2", timeout=600)
+    summary = json.loads((out / "summary.json").read_text())
+    assert [r["name"] for r in summary] == ["tiny-off-seed1", "tiny-gate-seed1"]
+    report = (out / "report.md").read_text()
+    assert "| tiny-gate-seed1 |" in report and "tiny, seed 1, gate:" in report and "matched pairs" in report
+    for png in ("loss.png", "suite.png", "suppression.png"):
+        assert (out / png).read_bytes()[:4] == b"\x89PNG"
+    assert "Copy on beat copy off" in stdout
+    # finished runs are reused: a second call trains nothing
+    again = tool("tools/ablate.py", "--sizes", "tiny", "--variants", "off", "gate", "--steps", "4", "--samples", "2",
+                 "--out", str(out), "model.vocab_size=512", "model.max_seq_len=64", "data.seq_length=64",
+                 f"data.tokenizer={small_data.tokenizer}", f"data.blend=[{blend}]", "data.num_workers=0",
+                 "optim.warmup_steps=1", "train.eval_batches=2")
+    assert "train tiny" not in again
+
+
+# --- lm-eval adapter --------------------------------------------------------------------------------
+
+
+def _harness_worker(run_dir):
+    from cplm_dist.evaluation.lm_eval_adapter import HarnessAdapter
+    from cplm_dist.evaluation.loading import load_model
+    from cplm_dist.parallel import init_distributed
+
+    init_distributed(1)
+    model, cfg, _ = load_model(run_dir)
+    tok = load_tokenizer(cfg.data.tokenizer)
+    adapter = HarnessAdapter(model, tok)
+    req = lambda *a: SimpleNamespace(args=a)  # noqa: E731
+    ll = adapter.loglikelihood([req("The items again:", " a, b"), req("", "hello")])
+    ctx_ids, cont_ids = tok.encode("The items again:"), tok.encode(" a, b")
+    direct = model.next_token_logprobs(torch.tensor([ctx_ids + cont_ids[:-1]]))[0]
+    expected = sum(float(direct[len(ctx_ids) - 1 + i, t]) for i, t in enumerate(cont_ids))
+    rolling = adapter.loglikelihood_rolling([req("a b c " * 60)])
+    gen = adapter.generate_until([req("Items: x, y.", {"until": ["."], "max_gen_toks": 8})])
+    return {"ll": ll, "expected": expected, "rolling": rolling, "gen": gen}
+
+
+def test_lm_eval_adapter_answers_from_the_mixed_distribution(trained):
+    r = run_ranks(_harness_worker, 1, args=(str(trained),))[0]
+    assert r["ll"][0][0] == pytest.approx(r["expected"], rel=1e-5)
+    assert isinstance(r["ll"][0][1], bool) and r["ll"][1][0] < 0
+    assert r["rolling"][0] < 0 and math.isfinite(r["rolling"][0])
+    assert len(r["gen"]) == 1 and "." not in r["gen"][0]

@@ -1,0 +1,207 @@
+"""One command for the question "does the copy head help?": matched training runs (copy off
+against each mix mode) at several sizes with the same data order, seeds and token budget, each
+evaluated on the copy / retrieval suite and the gradient bottleneck, summarised in a report.
+
+    python tools/ablate.py                                  # CPU default: tiny and small, 4 variants, 1 seed
+    python tools/ablate.py --sizes tiny --variants off gate --seeds 1 2 3 --steps 400
+    python tools/ablate.py --base-config configs/runs/cplm-135m.yaml --sizes base --launcher "torchrun --nproc-per-node 8"
+
+Writes <out>/report.md (tables; the copy-on minus copy-off differences and whether copy on wins,
+with the seeds used), <out>/summary.json, and PNGs: validation loss against tokens, suite
+accuracy per variant, gradient suppression. Finished runs are reused, so an interrupted
+ablation continues where it stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+from cplm_dist.cli import exit_on_usage_error
+from cplm_dist.config import load_config
+from cplm_dist.errors import UsageError
+
+REPO = Path(__file__).resolve().parent.parent
+SIZES = {  # name -> overrides on the base config
+    "base": [],
+    "tiny": [],
+    "small": ["model.num_layers=4", "model.hidden_size=256", "model.ffn_hidden_size=512"],
+}
+VARIANTS = {"off": ["copy.enabled=false"], "gate": ["copy.mix=gate"], "joint": ["copy.mix=joint"],
+            "sentinel": ["copy.mix=sentinel"]}
+COPY_TASKS = ("induction", "mqar", "spamlang")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--base-config", default="configs/quickstart.yaml")
+    p.add_argument("--sizes", nargs="+", default=["tiny", "small"], choices=list(SIZES))
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--seeds", nargs="+", type=int, default=[1])
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--samples", type=int, default=16, help="evaluation samples per task setting")
+    p.add_argument("--out", default="runs/ablation")
+    p.add_argument("--launcher", default="", help="prefix for the training and evaluation commands, e.g. 'torchrun --nproc-per-node 8'")
+    p.add_argument("overrides", nargs="*", help="config overrides for every run")
+    return p
+
+
+def run(cmd: list[str], log: Path) -> None:
+    with open(log, "a") as f:
+        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO)
+    if proc.returncode != 0:
+        tail = log.read_text().strip().splitlines()[-3:]
+        raise UsageError(f"{' '.join(cmd[:4])} ... failed (exit {proc.returncode}); see {log}: {' | '.join(tail)}")
+
+
+def finished(run_dir: Path, steps: int) -> bool:
+    latest = run_dir / "checkpoints" / "latest"
+    return latest.is_file() and latest.read_text().strip() == f"step-{steps:08d}"
+
+
+def mean_score(rows: list[dict]) -> float:
+    key = "exact_match" if rows and "exact_match" in rows[0] else "accuracy"
+    return statistics.mean(r[key] for r in rows) if rows else float("nan")
+
+
+@exit_on_usage_error
+def main(argv=None) -> int:
+    args = parser().parse_intermixed_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    log = out / "ablation.log"
+    py = shlex.split(args.launcher) or [sys.executable]  # torchrun takes `-m module` and scripts alike
+    base = load_config(args.base_config, args.overrides)  # fail early on a bad base
+    if "data/quickstart" in (base.data.tokenizer or "") and not Path(base.data.tokenizer).exists():
+        print("building the quickstart data ...", flush=True)
+        run([sys.executable, "tools/build_quickstart_data.py", "--out", "data/quickstart"], log)
+    runs = []
+    for size in args.sizes:
+        for variant in args.variants:
+            for seed in args.seeds:
+                name = f"{size}-{variant}-seed{seed}"
+                run_dir = out / name
+                overrides = [*args.overrides, *SIZES[size], *VARIANTS[variant], f"seed={seed}", f"data.seed={seed}",
+                             f"train.train_steps={args.steps}", f"train.out_dir={run_dir}",
+                             f"train.eval_interval={max(1, args.steps // 4)}", f"train.save_interval={args.steps}",
+                             f"train.log_interval={max(1, args.steps // 20)}"]
+                load_config(args.base_config, overrides)
+                if not finished(run_dir, args.steps):
+                    print(f"train {name} ...", flush=True)
+                    run([*py, "-m", "cplm_dist.train", "--config", args.base_config, *overrides, "--resume", "auto"], log)
+                evaluation = run_dir / "eval" / "eval.json"
+                if not evaluation.exists():
+                    print(f"evaluate {name} ...", flush=True)
+                    run([*py, "tools/evaluate.py", "--checkpoint", str(run_dir), "--samples", str(args.samples),
+                         "--out", str(evaluation.parent)], log)
+                bottleneck = run_dir / "eval" / "bottleneck.json"
+                if not bottleneck.exists():
+                    run([*py, "tools/grad_bottleneck.py", "--checkpoint", str(run_dir), "--json", str(bottleneck)], log)
+                runs.append(summarise(name, size, variant, seed, run_dir, evaluation, bottleneck))
+    (out / "summary.json").write_text(json.dumps(runs, indent=2) + "\n")
+    report = write_report(runs, args, out)
+    print(report)
+    print(f"wrote {out / 'report.md'}, {out / 'summary.json'} and plots")
+    return 0
+
+
+def summarise(name, size, variant, seed, run_dir: Path, evaluation: Path, bottleneck: Path) -> dict:
+    from cplm_dist.run_log import read_metrics
+
+    ev = json.loads(evaluation.read_text())
+    bn = json.loads(bottleneck.read_text())
+    mixed = next(r for r in bn if r["loss_of"] in ("mixture", "LM head"))
+    metrics = run_dir / "logs" / "metrics.jsonl"
+    train, valid = read_metrics(metrics), read_metrics(metrics, "valid")
+    return {
+        "name": name, "size": size, "variant": variant, "seed": seed,
+        "valid_loss": valid[max(valid)]["loss"] if valid else None,
+        "valid_curve": [(train[s]["consumed_tokens"] if s in train else None, valid[s]["loss"]) for s in sorted(valid)],
+        "perplexity": (ev.get("validation") or {}).get("perplexity"),
+        "suite": {task: mean_score(rows) for task, rows in ev["tasks"].items()},
+        "suppressed_fraction": mixed["suppressed_fraction"],
+        "grad_h_lm": mixed["grad_norm_h_via_lm_head"], "grad_h_copy": mixed["grad_norm_h_via_copy_head"],
+    }
+
+
+def write_report(runs: list[dict], args, out: Path) -> str:
+    tasks = sorted({t for r in runs for t in r["suite"]}, key=lambda t: ["induction", "mqar", "phonebook", "needle", "spamlang"].index(t))
+    lines = ["# Copy head ablation", "",
+             f"Base config `{args.base_config}`, {args.steps} steps per run, seeds {args.seeds}, "
+             f"{args.samples} samples per suite setting. Every run of a seed sees the same data in the same order "
+             "and starts from the same seed; only the copy head differs.", "",
+             "| run | valid loss | " + " | ".join(tasks) + " | LM-head gradient suppressed | dL/dh via LM / copy |",
+             "|---" * (4 + len(tasks)) + "|"]
+    for r in runs:
+        lines.append(f"| {r['name']} | {r['valid_loss']:.4f} | " + " | ".join(f"{r['suite'].get(t, float('nan')):.3f}" for t in tasks)
+                     + f" | {r['suppressed_fraction']:.4f} | {r['grad_h_lm']:.3g} / {r['grad_h_copy']:.3g} |")
+    lines += ["", "Suite columns: mean accuracy over settings (induction, mqar, spamlang) or mean exact match "
+              "(phonebook, needle).", "", "## Copy on minus copy off", ""]
+    verdicts = []
+    for size in args.sizes:
+        for seed in args.seeds:
+            off = next((r for r in runs if (r["size"], r["variant"], r["seed"]) == (size, "off", seed)), None)
+            if off is None:
+                continue
+            for r in runs:
+                if (r["size"], r["seed"]) != (size, seed) or r["variant"] == "off":
+                    continue
+                diffs = {t: r["suite"].get(t, float("nan")) - off["suite"].get(t, float("nan")) for t in tasks}
+                wins = [t for t in COPY_TASKS if t in diffs and diffs[t] > 0]
+                verdicts.append(all(diffs.get(t, 0) > 0 for t in COPY_TASKS if t in diffs))
+                lines.append(f"- {size}, seed {seed}, {r['variant']}: valid loss {r['valid_loss'] - off['valid_loss']:+.4f}; "
+                             + ", ".join(f"{t} {d:+.3f}" for t, d in diffs.items())
+                             + f" -- beats copy off on {len(wins)}/{len([t for t in COPY_TASKS if t in diffs])} of "
+                               f"{', '.join(COPY_TASKS)}")
+    if verdicts:
+        lines += ["", f"Copy on beat copy off on all of {', '.join(COPY_TASKS)} in {sum(verdicts)} of {len(verdicts)} "
+                      "matched pairs."]
+    lines += ["", "![validation loss](loss.png) ![suite](suite.png) ![suppression](suppression.png)", ""]
+    (out / "report.md").write_text("\n".join(lines))
+    plots(runs, tasks, out)
+    return "\n".join(lines)
+
+
+def plots(runs: list[dict], tasks: list[str], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r in runs:
+        pts = [(t, v) for t, v in r["valid_curve"] if t is not None]
+        ax.plot([t for t, _ in pts], [v for _, v in pts], marker="o", label=r["name"])
+    ax.set(xlabel="tokens", ylabel="validation loss", title="validation loss against tokens")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "loss.png", dpi=100)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(tasks) * len(runs) / 4), 4))
+    width = 0.8 / max(1, len(runs))
+    for i, r in enumerate(runs):
+        ax.bar([j + i * width for j in range(len(tasks))], [r["suite"].get(t, 0) for t in tasks], width, label=r["name"])
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(tasks))], tasks)
+    ax.set(ylabel="accuracy / exact match", title="copy and retrieval suite", ylim=(0, 1))
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "suite.png", dpi=100)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.bar([r["name"] for r in runs], [r["suppressed_fraction"] for r in runs])
+    ax.set(ylabel="suppressed fraction", title="LM-head gradient suppression", ylim=(0.8, 1.0))
+    ax.tick_params(axis="x", labelrotation=60, labelsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "suppression.png", dpi=100)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
