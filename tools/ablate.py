@@ -35,6 +35,7 @@ SIZES = {  # name -> overrides on the base config
 VARIANTS = {"off": ["copy.enabled=false"], "gate": ["copy.mix=gate"], "joint": ["copy.mix=joint"],
             "sentinel": ["copy.mix=sentinel"]}
 COPY_TASKS = ("induction", "mqar", "spamlang")
+MARGIN = 0.01  # a suite difference smaller than this (absolute accuracy) counts as a tie, not a win
 
 
 def parser() -> argparse.ArgumentParser:
@@ -152,15 +153,17 @@ def write_report(runs: list[dict], args, out: Path) -> str:
                 if (r["size"], r["seed"]) != (size, seed) or r["variant"] == "off":
                     continue
                 diffs = {t: r["suite"].get(t, float("nan")) - off["suite"].get(t, float("nan")) for t in tasks}
-                wins = [t for t in COPY_TASKS if t in diffs and diffs[t] > 0]
-                verdicts.append(all(diffs.get(t, 0) > 0 for t in COPY_TASKS if t in diffs))
+                scored = [t for t in COPY_TASKS if t in diffs]
+                wins = [t for t in scored if diffs[t] > MARGIN]
+                ties = [t for t in scored if abs(diffs[t]) <= MARGIN]
+                verdicts.append(len(wins) == len(scored))
                 lines.append(f"- {size}, seed {seed}, {r['variant']}: valid loss {r['valid_loss'] - off['valid_loss']:+.4f}; "
                              + ", ".join(f"{t} {d:+.3f}" for t, d in diffs.items())
-                             + f" -- beats copy off on {len(wins)}/{len([t for t in COPY_TASKS if t in diffs])} of "
-                               f"{', '.join(COPY_TASKS)}")
+                             + f" -- better than copy off by more than {MARGIN} on {len(wins)}/{len(scored)} of "
+                               f"{', '.join(scored)}" + (f" (within {MARGIN}: {', '.join(ties)})" if ties else ""))
     if verdicts:
-        lines += ["", f"Copy on beat copy off on all of {', '.join(COPY_TASKS)} in {sum(verdicts)} of {len(verdicts)} "
-                      "matched pairs."]
+        lines += ["", f"Copy on beat copy off by more than {MARGIN} on all of {', '.join(COPY_TASKS)} in "
+                      f"{sum(verdicts)} of {len(verdicts)} matched pairs."]
     lines += ["", "![validation loss](loss.png) ![suite](suite.png) ![suppression](suppression.png)", ""]
     (out / "report.md").write_text("\n".join(lines))
     plots(runs, tasks, out)
@@ -168,39 +171,22 @@ def write_report(runs: list[dict], args, out: Path) -> str:
 
 
 def plots(runs: list[dict], tasks: list[str], out: Path) -> None:
-    import matplotlib
+    from cplm_dist.plotting import figure, lines
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for r in runs:
-        pts = [(t, v) for t, v in r["valid_curve"] if t is not None]
-        ax.plot([t for t, _ in pts], [v for _, v in pts], marker="o", label=r["name"])
-    ax.set(xlabel="tokens", ylabel="validation loss", title="validation loss against tokens")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "loss.png", dpi=100)
-    plt.close(fig)
-
-    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(tasks) * len(runs) / 4), 4))
-    width = 0.8 / max(1, len(runs))
-    for i, r in enumerate(runs):
-        ax.bar([j + i * width for j in range(len(tasks))], [r["suite"].get(t, 0) for t in tasks], width, label=r["name"])
-    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(tasks))], tasks)
-    ax.set(ylabel="accuracy / exact match", title="copy and retrieval suite", ylim=(0, 1))
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "suite.png", dpi=100)
-    plt.close(fig)
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.bar([r["name"] for r in runs], [r["suppressed_fraction"] for r in runs])
-    ax.set(ylabel="suppressed fraction", title="LM-head gradient suppression", ylim=(0.8, 1.0))
-    ax.tick_params(axis="x", labelrotation=60, labelsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "suppression.png", dpi=100)
-    plt.close(fig)
+    with figure(out / "loss.png", size=(6, 4)) as ax:
+        curves = {r["name"]: [(t, v) for t, v in r["valid_curve"] if t is not None] for r in runs}
+        lines(ax, curves, xlabel="tokens", ylabel="validation loss", title="validation loss against tokens")
+    with figure(out / "suite.png", size=(max(6, 0.3 * len(tasks) * len(runs)), 4)) as ax:
+        width = 0.8 / max(1, len(runs))
+        for i, r in enumerate(runs):
+            ax.bar([j + i * width for j in range(len(tasks))], [r["suite"].get(t, 0) for t in tasks], width, label=r["name"])
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(tasks))], tasks)
+        ax.set(ylabel="accuracy / exact match", title="copy and retrieval suite", ylim=(0, 1))
+        ax.legend(fontsize=7)
+    with figure(out / "suppression.png", size=(6, 4)) as ax:
+        ax.bar([r["name"] for r in runs], [r["suppressed_fraction"] for r in runs])
+        ax.set(ylabel="suppressed fraction", title="LM-head gradient suppression", ylim=(0.8, 1.0))
+        ax.tick_params(axis="x", labelrotation=60, labelsize=7)
 
 
 if __name__ == "__main__":

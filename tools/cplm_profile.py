@@ -347,33 +347,20 @@ def sweep(args) -> int:
 
 def plot_sweep(results: list[dict], grid: dict, out: Path) -> list[Path]:
     """One PNG per swept variable: tokens/s and step memory against it, a line per other setting."""
-    try:
-        import matplotlib
+    from cplm_dist.plotting import figure, lines
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise UsageError("--sweep plots need matplotlib: pip install -e '.[bench]'") from None
     paths = []
     for var in grid:
-        fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(10, 4))
         others = [k for k in grid if k != var]
-        series = {}
+        key = lambda r: ", ".join(f"{k}={r[f'sweep_{k}']}" for k in others) or "all"  # noqa: E731
+        speed, memory = {}, {}
         for r in results:
-            key = ", ".join(f"{k}={r[f'sweep_{k}']}" for k in others) or "all"
-            series.setdefault(key, []).append(r)
-        for key, rows in series.items():
-            xs = [r[f"sweep_{var}"] for r in rows]
-            ax_t.plot(xs, [r["tokens_per_s"] for r in rows], marker="o", label=key)
-            ax_m.plot(xs, [r["step_memory_gb"] for r in rows], marker="o", label=key)
-        ax_t.set(xlabel=var, ylabel="tokens/s (global)", title=f"throughput vs {var}")
-        ax_m.set(xlabel=var, ylabel="GB above baseline (peak)", title=f"memory vs {var}")
-        if len(series) > 1:
-            ax_t.legend(fontsize=7)
-        fig.tight_layout()
+            speed.setdefault(key(r), []).append((r[f"sweep_{var}"], r["tokens_per_s"]))
+            memory.setdefault(key(r), []).append((r[f"sweep_{var}"], r["step_memory_gb"]))
         path = out / f"sweep_{var}.png"
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
+        with figure(path, ncols=2, size=(10, 4)) as (ax_t, ax_m):
+            lines(ax_t, speed, xlabel=var, ylabel="tokens/s (global)", title=f"throughput vs {var}")
+            lines(ax_m, memory, xlabel=var, ylabel="GB above baseline (peak)", title=f"memory vs {var}")
         paths.append(path)
     return paths
 

@@ -73,31 +73,22 @@ def print_table(results: dict, valid: dict | None) -> None:
 
 
 def plot(results: dict, out: Path) -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    """Per task: accuracy (or exact match) against its first setting key, a line per other setting."""
+    from cplm_dist.plotting import figure, lines
 
     paths = []
     for task, rows in results.items():
         if not rows:
             continue
-        keys = list(rows[0]["setting"])
-        x_key, group_keys = (keys[0], keys[1:])
+        x_key, *group_keys = list(rows[0]["setting"])
         metric = "exact_match" if "exact_match" in rows[0] else "accuracy"
-        fig, ax = plt.subplots(figsize=(5, 3.5))
-        groups = {}
+        series = {}
         for r in rows:
-            groups.setdefault(", ".join(f"{k}={r['setting'][k]}" for k in group_keys), []).append(r)
-        for label, rs in groups.items():
-            ax.plot([r["setting"][x_key] for r in rs], [r[metric] for r in rs], marker="o", label=label or None)
-        ax.set(xlabel=x_key, ylabel=metric.replace("_", " "), title=task, ylim=(-0.02, 1.02))
-        if len(groups) > 1:
-            ax.legend(fontsize=7)
-        fig.tight_layout()
+            label = ", ".join(f"{k}={r['setting'][k]}" for k in group_keys)
+            series.setdefault(label, []).append((r["setting"][x_key], r[metric]))
         path = out / f"{task}.png"
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
+        with figure(path) as ax:
+            lines(ax, series, xlabel=x_key, ylabel=metric.replace("_", " "), title=task, ylim=(-0.02, 1.02))
         paths.append(path)
     return paths
 

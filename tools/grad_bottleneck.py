@@ -112,25 +112,17 @@ def main(argv=None) -> int:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
+    from cplm_dist.plotting import figure, lines
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
-    for kind in dict.fromkeys(r["loss_of"] for r in rows):
-        rs = [r for r in rows if r["loss_of"] == kind]
-        a.plot([r["step"] for r in rs], [r["suppressed_fraction"] for r in rs], marker="o", label=kind)
+    suppression = {}
+    for r in rows:
+        suppression.setdefault(r["loss_of"], []).append((r["step"], r["suppressed_fraction"]))
     mixed = [r for r in rows if r["loss_of"] in ("mixture", "LM head")]
-    b.plot([r["step"] for r in mixed], [r["grad_norm_h_via_lm_head"] for r in mixed], marker="o", label="through the LM head")
-    b.plot([r["step"] for r in mixed], [r["grad_norm_h_via_copy_head"] for r in mixed], marker="o", label="through the copy head")
-    a.set(xlabel="step", ylabel="suppressed fraction of ||dL/dz||^2", title="LM-head gradient suppression")
-    b.set(xlabel="step", ylabel="||dL/dh||", title="gradient reaching the hidden states")
-    a.legend(fontsize=8)
-    b.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    norms = {"through the LM head": [(r["step"], r["grad_norm_h_via_lm_head"]) for r in mixed],
+             "through the copy head": [(r["step"], r["grad_norm_h_via_copy_head"]) for r in mixed]}
+    with figure(path, ncols=2, size=(10, 3.8)) as (a, b):
+        lines(a, suppression, xlabel="step", ylabel="suppressed fraction of ||dL/dz||^2", title="LM-head gradient suppression")
+        lines(b, norms, xlabel="step", ylabel="||dL/dh||", title="gradient reaching the hidden states")
 
 
 if __name__ == "__main__":
