@@ -39,7 +39,7 @@ from cplm_dist.model import build_model
 from cplm_dist.model.counting import parameter_count
 from cplm_dist.optim import grad_norm
 from cplm_dist.launch_env import LaunchEnv
-from cplm_dist.parallel import ParallelDims, check_world, destroy_distributed, init_distributed
+from cplm_dist.parallel import ParallelDims, check_world, default_device, destroy_distributed, init_distributed
 from cplm_dist.run_log import RunLog
 from cplm_dist.throughput import device_peak_flops, flops_per_token, peak_memory_bytes
 
@@ -127,7 +127,7 @@ def main(argv=None) -> int:
 
     # 3. distributed: process group, TP x DP groups -----------------------------------------------
     dims = init_distributed(cfg.parallel.tp)
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = default_device()
     stop = StopRequest()
     torch.manual_seed(cfg.seed)
 

@@ -69,11 +69,11 @@ def parser() -> argparse.ArgumentParser:
 
 
 def setup(cfg: Config, args):
-    from cplm_dist.parallel import init_distributed
+    from cplm_dist.parallel import default_device, init_distributed
     from cplm_dist.profiling import release_freed_memory_on_cpu
 
     dims = init_distributed(cfg.parallel.tp)
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = default_device()
     if device.type == "cpu":
         release_freed_memory_on_cpu()
     seq = args.seq_len or cfg.data.seq_length
