@@ -31,6 +31,7 @@ CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 MixMode = Literal["gate", "joint", "sentinel"]
 PasteMode = Literal["next", "self"]
+CopyImpl = Literal["chunked", "dense"]
 TokenizerBackend = Literal["sentencepiece", "huggingface"]
 Schedule = Literal["cosine", "wsd", "constant"]
 Precision = Literal["fp32", "bf16"]
@@ -79,6 +80,8 @@ class CopyConfig:
     rope: bool = False  # rotary position on the copy q/k
     init_std: float = 0.02
     gate_bias_init: float = 0.0  # gate mix: sigmoid(0) = half the mass to the LM head at init
+    impl: CopyImpl = "chunked"  # chunked: scores recomputed in backward per row block; dense: the reference
+    chunk_size: int = 256  # query rows per block of the chunked path
 
 
 @dataclass
@@ -366,7 +369,8 @@ def validate(cfg: Config) -> None:
         "model.num_heads": m.num_heads, "model.num_kv_heads": m.num_kv_heads,
         "model.ffn_hidden_size": m.ffn_hidden_size, "model.vocab_size": m.vocab_size,
         "model.max_seq_len": m.max_seq_len, "model.make_vocab_size_divisible_by": m.make_vocab_size_divisible_by,
-        "copy.num_heads": c.num_heads, "copy.head_dim": c.head_dim, "parallel.tp": tp,
+        "copy.num_heads": c.num_heads, "copy.head_dim": c.head_dim, "copy.chunk_size": c.chunk_size,
+        "parallel.tp": tp,
     }
     for name, value in positive.items():
         if value < 1:

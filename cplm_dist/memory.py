@@ -29,10 +29,14 @@ per layer, not counted). With activation checkpointing a layer keeps only its in
 (b D per token) and one layer's activations exist at a time, during its recomputation.
 
 Outside the layers, per token: the final norm (8 D + 4 + b D), the loss's [tokens, V/tp] fp32
-softmax (4 V/tp, plus the bf16 logits while they are cast), and the copy head: q and k
-(4 H_c d_c each) and its dense (B, H_c, T, T) fp32 score tensors: the masked exponentials for A_t
-and M_t kept for backward, and their gradients; measured on CPU, the dense path holds about 3
-score-sized tensors after forward and peaks at 6 during backward, which is what is counted.
+softmax (4 V/tp, plus the bf16 logits while they are cast), and the copy head's fp32 q and k
+(4 H_c d_c each), then by `copy.impl`:
+  - dense: its (B, H_c, T, T) fp32 score tensors, the masked exponentials for A_t and M_t kept for
+    backward and their gradients; measured on CPU, about 3 score-sized tensors after forward and 6
+    at the backward peak, which is what is counted;
+  - chunked: A_t and M_t per head (4 H_c each per token) kept for backward; during backward dq and
+    dk (q-sized) and one row block's tensors, (B, H_c, chunk, T) each, 5 counted (measured on
+    CPU: 4.5 block-sized tensors at T = 1024-4096, chunk 256 and 1024).
 
 The peak is whichever moment is larger, on top of parameters and optimizer states:
 
@@ -53,6 +57,7 @@ from cplm_dist.config import Config, padded_vocab_size
 
 GIB = 1024**3
 COPY_SCORE_TENSORS = 6  # (B, H_c, T, T) fp32 tensors alive at the dense copy head's peak (measured)
+COPY_BLOCK_TENSORS = 5  # (B, H_c, chunk, T) fp32 tensors at the chunked path's peak (measured 4.5)
 
 
 @dataclass
@@ -120,6 +125,17 @@ def layer_activation_bytes_per_token(cfg: Config, tp: int, act_bytes: int) -> fl
     return norms + attention + mlp
 
 
+def copy_head_bytes(cfg: Config, micro_batch: int, seq_len: int) -> float:
+    """The copy head's activation bytes at the backward peak (module docstring), per device."""
+    c = cfg.copy
+    tokens = micro_batch * seq_len
+    qk = tokens * 2 * 4 * c.num_heads * c.head_dim
+    if c.impl == "dense":
+        return qk + micro_batch * COPY_SCORE_TENSORS * 4 * c.num_heads * seq_len**2
+    block = micro_batch * 4 * c.num_heads * min(c.chunk_size, seq_len) * seq_len
+    return 2 * qk + tokens * 2 * 4 * c.num_heads + COPY_BLOCK_TENSORS * block
+
+
 def estimate(cfg: Config, *, tp: int, dp: int, micro_batch: int, seq_len: int, zero: int | None = None,
              precision: str | None = None, activation_checkpointing: bool | None = None) -> MemoryEstimate:
     """Bytes per device for one training step of `micro_batch` sequences of `seq_len` tokens."""
@@ -143,7 +159,7 @@ def estimate(cfg: Config, *, tp: int, dp: int, micro_batch: int, seq_len: int, z
     logits = tokens * v_local * (4 + (b if b != 4 else 0))
     copy_head = 0.0
     if c.enabled:
-        copy_head = tokens * 2 * 4 * c.num_heads * c.head_dim + micro_batch * COPY_SCORE_TENSORS * 4 * c.num_heads * seq_len**2
+        copy_head = copy_head_bytes(cfg, micro_batch, seq_len)
     embedding_grad = v_local * m.hidden_size * (g_b if zero < 2 else b)
     return MemoryEstimate(
         parameters=n_local * p_b,

@@ -8,16 +8,18 @@ import torch
 
 from cplm_dist import vocab_parallel as vp
 from cplm_dist.config import CopyConfig, ModelConfig
-from cplm_dist.model.copy_head import CopyHead, masked_logsumexp
+from cplm_dist.model.copy_head import CopyHead
+from cplm_dist.model.copy_scores import chunked_copy_lse, masked_logsumexp
 from tests import reference
 
 B, T, D, V = 2, 9, 16, 7  # a small vocabulary, so that context tokens repeat and get pasted
 CASES = [(mix, paste, heads) for mix in ("gate", "joint", "sentinel") for paste in ("next", "self") for heads in (1, 3)]
 
 
-def make_head(mix, paste, heads, rope=False, seed=0):
+def make_head(mix, paste, heads, rope=False, seed=0, impl="chunked", chunk_size=4):
     torch.manual_seed(seed)
-    head = CopyHead(ModelConfig(hidden_size=D), CopyConfig(num_heads=heads, head_dim=8, mix=mix, paste=paste, rope=rope))
+    head = CopyHead(ModelConfig(hidden_size=D), CopyConfig(num_heads=heads, head_dim=8, mix=mix, paste=paste, rope=rope,
+                                                           impl=impl, chunk_size=chunk_size))
     with torch.no_grad():
         for p in head.parameters():
             p.normal_(0, 0.5)
@@ -46,9 +48,10 @@ def per_head_parts(head, h):
     return scores.detach(), gate.detach()
 
 
+@pytest.mark.parametrize("impl", ["chunked", "dense"])
 @pytest.mark.parametrize("mix,paste,heads", CASES)
-def test_copy_terms_match_reference(mix, paste, heads):
-    head = make_head(mix, paste, heads)
+def test_copy_terms_match_reference(mix, paste, heads, impl):
+    head = make_head(mix, paste, heads, impl=impl)
     h, ids, labels, _ = inputs()
     terms = head(h, ids, labels)
     scores, _ = per_head_parts(head, h)
@@ -104,3 +107,88 @@ def test_masked_logsumexp_empty_rows_have_zero_gradient():
     torch.testing.assert_close(out[[0, 2]], torch.stack([x[0].logsumexp(0), x[2, [0, 2]].logsumexp(0)]))
     out[[0, 2]].sum().backward()
     assert torch.isfinite(x.grad).all() and (x.grad[1] == 0).all() and (x.grad[2, [1, 3, 4]] == 0).all()
+
+
+# --- the chunked path (cplm_dist.model.copy_scores) against the dense one ---------------------------
+
+
+def lse_inputs(paste, with_labels, T_=11, heads=2, d=8, seed=4):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, heads, T_, d, generator=g, dtype=torch.float64).requires_grad_(True)
+    k = torch.randn(B, heads, T_, d, generator=g, dtype=torch.float64).requires_grad_(True)
+    ids = torch.randint(0, 4, (B, T_), generator=g)
+    labels = torch.randint(0, 4, (B, T_), generator=g) if with_labels else None
+    if with_labels:
+        labels[0, 2] = vp.IGNORE_INDEX
+        labels[1, 5] = 99  # a label no candidate pastes: M_t = -inf
+    head = make_head("gate", paste, heads, impl="dense")
+    return q, k, head.source_ids(ids), labels, head
+
+
+def finite_weighted_sum(outputs, seed=5):
+    g = torch.Generator().manual_seed(seed)
+    total = 0.0
+    for x in outputs:
+        if x is not None:
+            total = total + (x.masked_fill(~torch.isfinite(x), 0) * torch.randn(x.shape, generator=g, dtype=x.dtype)).sum()
+    return total
+
+
+@pytest.mark.parametrize("paste", ["next", "self"])
+@pytest.mark.parametrize("with_labels", [True, False])
+@pytest.mark.parametrize("chunk", [1, 3, 11, 64])
+def test_chunked_log_sum_exps_equal_the_dense_path_in_float64(paste, with_labels, chunk):
+    q, k, src, labels, head = lse_inputs(paste, with_labels)
+    shift = -1 if paste == "next" else 0
+    dense = head.dense_lse(q, k, src, labels)
+    chunked = chunked_copy_lse(q, k, src, labels, shift, chunk)
+    for want, got in zip(dense, chunked):
+        if want is None:
+            assert got is None
+            continue
+        assert torch.equal(torch.isfinite(want), torch.isfinite(got)), "the same rows must be empty"
+        torch.testing.assert_close(got.masked_fill(~torch.isfinite(got), 0), want.masked_fill(~torch.isfinite(want), 0),
+                                   rtol=1e-12, atol=1e-12)
+    if with_labels:
+        assert torch.isinf(dense[1][1, :, 5]).all() and torch.isfinite(dense[1]).any()
+    grads = [torch.autograd.grad(finite_weighted_sum(out), [q, k]) for out in (dense, chunked)]
+    for want, got in zip(*grads):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert grads[1][0].abs().sum() > 0 and grads[1][1].abs().sum() > 0
+
+
+@pytest.mark.parametrize("paste", ["next", "self"])
+def test_chunked_log_sum_exps_pass_gradcheck(paste):
+    q, k, src, labels, _ = lse_inputs(paste, True, T_=6)
+    shift = -1 if paste == "next" else 0
+
+    def f(q, k):
+        return tuple(x.masked_fill(~torch.isfinite(x), 0) for x in chunked_copy_lse(q, k, src, labels, shift, 4))
+
+    assert torch.autograd.gradcheck(f, (q, k))
+
+
+@pytest.mark.parametrize("impl", ["chunked", "dense"])
+def test_only_the_dense_path_keeps_a_score_matrix_for_backward(impl):
+    """The chunked path saves q, k and per-row sums; no saved tensor grows with T x T."""
+    Tn, heads = 48, 2
+    head = make_head("joint", "next", heads, impl=impl, chunk_size=8)
+    g = torch.Generator().manual_seed(6)
+    h = torch.randn(B, Tn, D, generator=g, requires_grad=True)
+    ids = torch.randint(0, V, (B, Tn), generator=g)
+    labels = torch.randint(0, V, (B, Tn), generator=g)
+    saved = []
+
+    def pack(t):
+        saved.append(t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        terms = head(h, ids, labels)
+    score_sized = B * heads * Tn * Tn
+    if impl == "dense":
+        assert max(saved) >= score_sized
+    else:
+        assert max(saved) < score_sized / 4, f"largest saved tensor {max(saved)} elements"
+    (terms.copy_match - terms.copy_all).masked_fill(~torch.isfinite(terms.copy_match), 0).sum().backward()
+    assert torch.isfinite(h.grad).all() and h.grad.abs().sum() > 0

@@ -159,3 +159,22 @@ def test_gpu_check_script_runs_end_to_end_in_smoke_mode(tmp_path):
     table = (tmp_path / "table.md").read_text().splitlines()
     # smoke mode stands the tiny config in for both models: 2 x (ZeRO-1, ZeRO-2, copy overhead)
     assert len(table) == 2 + 6 and table[2].startswith("| tiny-zero1 |") and "tiny-copy-overhead" in table[4]
+    copy_rows = (tmp_path / "copy_head.md").read_text()
+    assert "| 128 | dense |" in copy_rows and "| 128 | chunked (32) |" in copy_rows
+
+
+def test_copy_head_bench_reports_both_paths_their_agreement_and_the_estimate(tmp_path):
+    """tools/bench_copy_head.py: dense and chunked points, each in its own process; the chunked
+    path agrees with the dense one, and the estimator's copy-head term is near the measured peak."""
+    out = tmp_path / "copy.json"
+    proc = subprocess.run([sys.executable, str(REPO / "tools/bench_copy_head.py"), "--seq-lens", "1024", "--chunk", "128",
+                           "--repeat", "2", "--json", str(out)], capture_output=True, text=True, timeout=300, cwd=REPO,
+                          env={**os.environ, "OMP_NUM_THREADS": "2"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    assert [(r["seq_len"], r["impl"]) for r in rows] == [(1024, "dense"), (1024, "chunked")]
+    for r in rows:
+        assert r["max_abs_diff_lse"] < 1e-4 and r["max_rel_diff_grad"] < 1e-4, r
+        assert r["seconds"] > 0 and r["peak_mb"] > 0
+        assert 0.7 < r["estimated_mb"] / r["peak_mb"] < 1.5, r
+    assert "| 1024 | chunked (128) |" in proc.stdout

@@ -39,6 +39,8 @@ SWEEPABLE = {  # --sweep name -> config override (a value list follows the '=')
     "micro": "train.micro_batch_size",
     "ckpt": "train.activation_checkpointing",
     "copy": "copy.enabled",
+    "copy_impl": "copy.impl",
+    "chunk": "copy.chunk_size",
     "seq": "data.seq_length",
     "precision": "train.precision",
 }
@@ -100,6 +102,7 @@ def describe(cfg: Config, dims, seq: int, accumulation: int) -> dict:
     return {
         "date": datetime.date.today().isoformat(), "device": device, "config": cfg.model.name,
         "parameters": parameter_count(cfg)["total"], "copy": f"{cfg.copy.mix}/{cfg.copy.paste}" if cfg.copy.enabled else "off",
+        "copy_impl": f"{cfg.copy.impl}/{cfg.copy.chunk_size}" if cfg.copy.impl == "chunked" else cfg.copy.impl,
         "tp": dims.tp_size, "dp": dims.dp_size, "world": dims.world_size, "zero": cfg.train.zero_stage,
         "precision": cfg.train.precision, "micro_batch": cfg.train.micro_batch_size, "accumulation": accumulation,
         "global_batch": cfg.train.global_batch_size, "seq_len": seq, "activation_checkpointing": cfg.train.activation_checkpointing,

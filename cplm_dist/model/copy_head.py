@@ -13,8 +13,11 @@ Several heads are combined into one (A_t, M_t) so that the loss interface stays 
     A_t = log mean_h exp(A_h), M_t = log mean_h exp(M_h), and the sentinel score likewise.
 With one head both reduce to the formulas above.
 
-This is the dense path: it forms the (B, H_c, T, T) scores and is the reference every faster
-path (chunked, flex_attention) is tested against.
+Two paths compute the per-head (A, M), chosen by `copy.impl`:
+  - dense: forms the (B, H_c, T, T) scores and lets autograd keep what it needs; the reference
+    every faster path is tested against;
+  - chunked (default): cplm_dist.model.copy_scores, query rows in blocks of `copy.chunk_size`,
+    scores recomputed in backward; memory linear in T for a fixed block.
 """
 
 from __future__ import annotations
@@ -25,25 +28,10 @@ from dataclasses import dataclass
 import torch
 
 from cplm_dist.config import CopyConfig, ModelConfig
+from cplm_dist.model.copy_scores import chunked_copy_lse, masked_logsumexp
 from cplm_dist.model.rotary import apply_rope, rope_tables
 
 NEG_INF = float("-inf")
-
-
-def masked_logsumexp(x: torch.Tensor, mask: torch.Tensor | None, dim: int) -> torch.Tensor:
-    """logsumexp over `dim` of the entries where mask is True; -inf with zero gradient where none.
-
-    torch.logsumexp gives -inf forward but nan backward on an all -inf row; the where() guards
-    keep those rows' gradients at exactly zero.
-    """
-    if mask is not None:
-        x = x.masked_fill(~mask, NEG_INF)
-    m = x.detach().amax(dim=dim, keepdim=True)
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    total = torch.exp(x - m).sum(dim=dim, keepdim=True)
-    nonempty = total > 0
-    out = torch.where(nonempty, m + torch.log(torch.where(nonempty, total, torch.ones_like(total))), NEG_INF)
-    return out.squeeze(dim)
 
 
 @dataclass
@@ -113,22 +101,30 @@ class CopyHead(torch.nn.Module):
 
     def forward(self, h: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tensor | None) -> CopyTerms:
         """h (B, T, D) final-norm states, input_ids (B, T), labels (B, T) global ids or -100."""
-        T = h.shape[1]
         q, k = self.project(h)
-        scores = q @ k.transpose(-1, -2) / math.sqrt(self.head_dim)  # (B, H, T, T)
-        cand = self.candidate_mask(T, h.device)  # (T, T)
-        a_heads = masked_logsumexp(scores, cand, dim=-1)  # (B, H, T)
+        src = self.source_ids(input_ids)  # (B, T)
+        if self.cfg.impl == "chunked":
+            shift = -1 if self.cfg.paste == "next" else 0
+            a_heads, m_heads = chunked_copy_lse(q, k, src, labels, shift, self.cfg.chunk_size)  # (B, H, T) each
+        else:
+            a_heads, m_heads = self.dense_lse(q, k, src, labels)
         if self.cfg.mix == "gate":
             copy_all = torch.where(torch.isfinite(a_heads[:, 0]), 0.0, NEG_INF)  # (B, T)
         else:
             copy_all = self._combine(a_heads, a_heads)
-        copy_match = None
-        if labels is not None:
-            src = self.source_ids(input_ids)  # (B, T)
-            match = cand & (src.unsqueeze(1) == labels.unsqueeze(2))  # (B, T, T): j pastes y_t
-            m_heads = masked_logsumexp(scores, match.unsqueeze(1), dim=-1)  # (B, H, T)
-            copy_match = self._combine(m_heads, a_heads)
+        copy_match = self._combine(m_heads, a_heads) if labels is not None else None
         return CopyTerms(copy_all, copy_match, self.gate_logit(h, q))
+
+    def dense_lse(self, q: torch.Tensor, k: torch.Tensor, src: torch.Tensor, labels: torch.Tensor | None):
+        """Per-head (A, M) (B, H, T) from the full (B, H, T, T) scores; M is None without labels."""
+        T = q.shape[2]
+        scores = q @ k.transpose(-1, -2) / math.sqrt(self.head_dim)  # (B, H, T, T)
+        cand = self.candidate_mask(T, q.device)  # (T, T)
+        a_heads = masked_logsumexp(scores, cand, dim=-1)  # (B, H, T)
+        if labels is None:
+            return a_heads, None
+        match = cand & (src.unsqueeze(1) == labels.unsqueeze(2))  # (B, T, T): j pastes y_t
+        return a_heads, masked_logsumexp(scores, match.unsqueeze(1), dim=-1)
 
     # --- evaluation: the copy distribution over positions ------------------------------------------
 

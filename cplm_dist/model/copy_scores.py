@@ -1,0 +1,119 @@
+"""The copy head's per-head log-sum-exps A_t, M_t without a (T x T) tensor kept for backward.
+
+For one head, s_tj = q_t . k_j / sqrt(d_c) and (DESIGN.md, "The copy head")
+    A_t = logsumexp_{j in C_t} s_tj,    M_t = logsumexp_{j in C_t, src_j = y_t} s_tj,
+with C_t = {j <= t + shift} (shift -1 for paste `next`, 0 for `self`).
+
+The dense path (CopyHead with copy.impl=dense) forms all (B, H, T, T) scores and autograd keeps
+about six score-sized tensors alive at its peak. This path walks the query rows in blocks of
+`chunk`, keeps only q, k, A and M for backward and recomputes each block's scores there, as
+flash attention does. The gradient of a log-sum-exp is its softmax, so for a row block
+
+    dL/ds_tj = gA_t exp(s_tj - A_t) [j in C_t] + gM_t exp(s_tj - M_t) [j in C_t, src_j = y_t]
+    dq_t = sum_j dL/ds_tj k_j / sqrt(d_c),   dk_j += sum_t dL/ds_tj q_t / sqrt(d_c)
+
+Rows with no candidate (A_t = -inf) or no matching candidate (M_t = -inf) pass no gradient, as in
+the dense path. A block only reads the keys its rows can see (j < r1 + shift), so the causal half
+of the score matrix is never computed. Peak extra memory: a few (B, H, chunk, T) tensors.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+NEG_INF = float("-inf")
+
+
+def masked_logsumexp(x: torch.Tensor, mask: torch.Tensor | None, dim: int) -> torch.Tensor:
+    """logsumexp over `dim` of the entries where mask is True; -inf with zero gradient where none.
+
+    torch.logsumexp gives -inf forward but nan backward on an all -inf row; the where() guards
+    keep those rows' gradients at exactly zero.
+    """
+    if mask is not None:
+        x = x.masked_fill(~mask, NEG_INF)
+    m = x.detach().amax(dim=dim, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    total = torch.exp(x - m).sum(dim=dim, keepdim=True)
+    nonempty = total > 0
+    out = torch.where(nonempty, m + torch.log(torch.where(nonempty, total, torch.ones_like(total))), NEG_INF)
+    return out.squeeze(dim)
+
+
+def _blocks(T: int, chunk: int, shift: int):
+    """(r0, r1, kend): query rows r0..r1-1 see keys 0..kend-1 at most."""
+    for r0 in range(0, T, chunk):
+        r1 = min(T, r0 + chunk)
+        yield r0, r1, max(0, min(T, r1 + shift))
+
+
+def _block_masks(r0: int, r1: int, kend: int, shift: int, src, labels):
+    """cand (rows, kend) and match (B, 1, rows, kend) or None, as the dense path's masks."""
+    cand = torch.ones(r1 - r0, kend, dtype=torch.bool, device=src.device).tril(diagonal=r0 + shift)
+    match = None
+    if labels is not None:
+        match = (cand & (src[:, None, :kend] == labels[:, r0:r1, None])).unsqueeze(1)
+    return cand, match
+
+
+def _softmax_weights(scores: torch.Tensor, mask: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """exp(s - lse) on the mask, 0 elsewhere and on rows whose lse is -inf."""
+    safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse)).unsqueeze(-1)
+    return torch.exp(scores.masked_fill(~mask, NEG_INF) - safe)
+
+
+class _ChunkedCopyLSE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, src, labels, shift: int, chunk: int):
+        B, H, T, d = q.shape
+        scale = 1.0 / math.sqrt(d)
+        a = q.new_full((B, H, T), NEG_INF)
+        m = q.new_full((B, H, T), NEG_INF) if labels is not None else None
+        for r0, r1, kend in _blocks(T, chunk, shift):
+            if kend == 0:
+                continue  # no row of this block has a candidate
+            scores = (q[:, :, r0:r1] @ k[:, :, :kend].transpose(-1, -2)) * scale  # (B, H, rows, kend)
+            cand, match = _block_masks(r0, r1, kend, shift, src, labels)
+            a[:, :, r0:r1] = masked_logsumexp(scores, cand, dim=-1)
+            if m is not None:
+                m[:, :, r0:r1] = masked_logsumexp(scores, match, dim=-1)
+        ctx.shift, ctx.chunk, ctx.has_labels = shift, chunk, labels is not None
+        ctx.save_for_backward(q, k, src, labels if labels is not None else src, a, m if m is not None else a)
+        if m is None:
+            return a
+        return a, m
+
+    @staticmethod
+    def backward(ctx, grad_a, grad_m=None):
+        q, k, src, labels, a, m = ctx.saved_tensors
+        labels = labels if ctx.has_labels else None
+        B, H, T, d = q.shape
+        scale = 1.0 / math.sqrt(d)
+        dq, dk = torch.zeros_like(q), torch.zeros_like(k)
+        for r0, r1, kend in _blocks(T, ctx.chunk, ctx.shift):
+            if kend == 0:
+                continue
+            qb, kb = q[:, :, r0:r1], k[:, :, :kend]
+            scores = (qb @ kb.transpose(-1, -2)) * scale
+            cand, match = _block_masks(r0, r1, kend, ctx.shift, src, labels)
+            ds = grad_a[:, :, r0:r1, None] * _softmax_weights(scores, cand, a[:, :, r0:r1])
+            if labels is not None and grad_m is not None:
+                ds = ds + grad_m[:, :, r0:r1, None] * _softmax_weights(scores, match, m[:, :, r0:r1])
+            ds = ds * scale
+            dq[:, :, r0:r1] = ds @ kb
+            dk[:, :, :kend] += ds.transpose(-1, -2) @ qb
+        return dq, dk, None, None, None, None
+
+
+def chunked_copy_lse(q: torch.Tensor, k: torch.Tensor, src: torch.Tensor, labels: torch.Tensor | None,
+                     shift: int, chunk: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-head (A, M), each (B, H, T), from q, k (B, H, T, d) float32, src (B, T) pasted ids
+    (-1: none), labels (B, T) or None (then M is None); shift -1 (`next`) or 0 (`self`)."""
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
+    out = _ChunkedCopyLSE.apply(q, k, src, labels, shift, chunk)
+    if labels is None:
+        return out, None
+    return out
