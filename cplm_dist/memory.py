@@ -36,7 +36,8 @@ softmax (4 V/tp, plus the bf16 logits while they are cast), and the copy head's 
     at the backward peak, which is what is counted;
   - chunked: A_t and M_t per head (4 H_c each per token) kept for backward; during backward dq and
     dk (q-sized) and one row block's tensors, (B, H_c, chunk, T) each, 5 counted (measured on
-    CPU: 4.5 block-sized tensors at T = 1024-4096, chunk 256 and 1024).
+    CPU: 4.5 block-sized tensors at T = 1024-4096, chunk 256 and 1024); with T <= chunk the
+    head takes the dense path and is counted as such.
 
 The peak is whichever moment is larger, on top of parameters and optimizer states:
 
@@ -130,9 +131,9 @@ def copy_head_bytes(cfg: Config, micro_batch: int, seq_len: int) -> float:
     c = cfg.copy
     tokens = micro_batch * seq_len
     qk = tokens * 2 * 4 * c.num_heads * c.head_dim
-    if c.impl == "dense":
+    if c.impl == "dense" or seq_len <= c.chunk_size:  # one block: CopyHead takes the dense path
         return qk + micro_batch * COPY_SCORE_TENSORS * 4 * c.num_heads * seq_len**2
-    block = micro_batch * 4 * c.num_heads * min(c.chunk_size, seq_len) * seq_len
+    block = micro_batch * 4 * c.num_heads * c.chunk_size * seq_len
     return 2 * qk + tokens * 2 * 4 * c.num_heads + COPY_BLOCK_TENSORS * block
 
 

@@ -192,3 +192,25 @@ def test_only_the_dense_path_keeps_a_score_matrix_for_backward(impl):
         assert max(saved) < score_sized / 4, f"largest saved tensor {max(saved)} elements"
     (terms.copy_match - terms.copy_all).masked_fill(~torch.isfinite(terms.copy_match), 0).sum().backward()
     assert torch.isfinite(h.grad).all() and h.grad.abs().sum() > 0
+
+
+
+def graph_node_names(t: torch.Tensor) -> set[str]:
+    names, stack, seen = set(), [t.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        names.add(type(node).__name__)
+        stack.extend(n for n, _ in node.next_functions)
+    return names
+
+
+@pytest.mark.parametrize("chunk,chunked", [(T, False), (T + 5, False), (T - 1, True), (1, True)])
+def test_a_sequence_within_one_block_takes_the_dense_path(chunk, chunked):
+    """T <= chunk_size keeps the dense graph (the same peak memory, no recomputation)."""
+    head = make_head("gate", "next", 1, chunk_size=chunk)
+    h, ids, labels, _ = inputs()
+    terms = head(h.requires_grad_(True), ids, labels)
+    assert any("ChunkedCopyLSE" in n for n in graph_node_names(terms.copy_match)) == chunked

@@ -13,12 +13,14 @@ from tests.spawn import run_ranks
 VARIANTS = {
     "copy-off": ["copy.enabled=false"],
     "copy-off-padded-untied": ["copy.enabled=false", "model.vocab_size=300", "model.tie_embeddings=false"],
-    "gate-next-2heads-rope": ["copy.mix=gate", "copy.paste=next", "copy.num_heads=2", "copy.rope=true"],
+    # copy.chunk_size=5 < T = 24: these variants run the chunked copy head, the others the dense one
+    "gate-next-2heads-rope": ["copy.mix=gate", "copy.paste=next", "copy.num_heads=2", "copy.rope=true", "copy.chunk_size=5"],
     "gate-self": ["copy.mix=gate", "copy.paste=self"],
     "joint-next": ["copy.mix=joint", "copy.paste=next"],
     # vocab 300 pads to 384 at tp=1 and 512 at tp=2, 4: the padding must not change the model
-    "joint-self-padded-untied": ["copy.mix=joint", "copy.paste=self", "model.vocab_size=300", "model.tie_embeddings=false"],
-    "sentinel-next-2heads": ["copy.mix=sentinel", "copy.paste=next", "copy.num_heads=2"],
+    "joint-self-padded-untied": ["copy.mix=joint", "copy.paste=self", "model.vocab_size=300", "model.tie_embeddings=false",
+                                 "copy.chunk_size=5"],
+    "sentinel-next-2heads": ["copy.mix=sentinel", "copy.paste=next", "copy.num_heads=2", "copy.chunk_size=7"],
     "sentinel-self": ["copy.mix=sentinel", "copy.paste=self"],
 }
 TPS = (1, 2, 4)

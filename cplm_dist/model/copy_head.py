@@ -17,7 +17,8 @@ Two paths compute the per-head (A, M), chosen by `copy.impl`:
   - dense: forms the (B, H_c, T, T) scores and lets autograd keep what it needs; the reference
     every faster path is tested against;
   - chunked (default): cplm_dist.model.copy_scores, query rows in blocks of `copy.chunk_size`,
-    scores recomputed in backward; memory linear in T for a fixed block.
+    scores recomputed in backward; memory linear in T for a fixed block. A sequence that fits in
+    one block (T <= chunk_size) takes the dense path: the same peak memory, no recomputation.
 """
 
 from __future__ import annotations
@@ -103,7 +104,7 @@ class CopyHead(torch.nn.Module):
         """h (B, T, D) final-norm states, input_ids (B, T), labels (B, T) global ids or -100."""
         q, k = self.project(h)
         src = self.source_ids(input_ids)  # (B, T)
-        if self.cfg.impl == "chunked":
+        if self.cfg.impl == "chunked" and q.shape[2] > self.cfg.chunk_size:
             shift = -1 if self.cfg.paste == "next" else 0
             a_heads, m_heads = chunked_copy_lse(q, k, src, labels, shift, self.cfg.chunk_size)  # (B, H, T) each
         else:
