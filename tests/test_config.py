@@ -59,6 +59,8 @@ BAD = [
     (["copy.enabled=maybe"], r"^copy\.enabled='maybe' must be true or false"),
     (["model.hidden_size=100"], r"^model\.hidden_size=100 must be divisible by model\.num_heads=8"),
     (["parallel.tp=0"], r"^parallel\.tp=0 must be a positive integer"),
+    (["copy.impl=flash"], r"^copy\.impl='flash' is not valid: choose one of \['chunked', 'dense'\]"),
+    (["copy.chunk_size=0"], r"^copy\.chunk_size=0 must be a positive integer"),
     (["model.num_layers"], r"^override 'model\.num_layers' must look like section\.field=value"),
 ]
 
