@@ -221,6 +221,28 @@ def test_ablation_in_miniature(small_data, tmp_path):
     assert "train tiny" not in again
 
 
+
+def test_ablation_summarises_paired_differences_across_seeds():
+    from argparse import Namespace
+
+    from cplm_dist_tools.ablate import across_seeds
+
+    def run(variant, seed, loss, induction):
+        return {"size": "tiny", "variant": variant, "seed": seed, "valid_loss": loss,
+                "suite": {"induction": induction, "mqar": 0.0, "spamlang": 0.0, "needle": 0.0}}
+
+    runs = [run("off", 1, 5.0, 0.0), run("gate", 1, 4.0, 0.30), run("off", 2, 5.0, 0.10), run("gate", 2, 5.005, 0.105),
+            run("off", 3, 4.0, 0.0), run("gate", 3, 4.5, 0.2)]
+    table = across_seeds(runs, Namespace(sizes=["tiny"], variants=["off", "gate"]), ["induction", "mqar", "needle", "spamlang"])
+    row = next(line for line in table.splitlines() if line.startswith("| tiny | gate |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[2] == "3"
+    # valid loss differences -1.0, +0.005, +0.5: mean -0.165, one win (only -1.0 is lower by > 0.01)
+    assert cells[3] == "-0.165 [-1.000, +0.500], won 1/3"
+    # induction +0.30, +0.005 (a tie), +0.20
+    assert cells[4] == "+0.168 [+0.005, +0.300], won 2/3"
+    assert "needle" not in table.splitlines()[2]  # only the copy tasks are summarised
+
 # --- lm-eval adapter --------------------------------------------------------------------------------
 
 

@@ -164,10 +164,44 @@ def write_report(runs: list[dict], args, out: Path) -> str:
     if verdicts:
         lines += ["", f"Copy on beat copy off by more than {MARGIN} on all of {', '.join(COPY_TASKS)} in "
                       f"{sum(verdicts)} of {len(verdicts)} matched pairs."]
+    if len(args.seeds) > 1:
+        lines += ["", "## Across seeds", "", across_seeds(runs, args, tasks)]
     lines += ["", "![validation loss](loss.png) ![suite](suite.png) ![suppression](suppression.png)", ""]
     (out / "report.md").write_text("\n".join(lines))
     plots(runs, tasks, out)
     return "\n".join(lines)
+
+
+def paired_differences(runs: list[dict], size: str, variant: str, metric) -> list[float]:
+    """metric(variant run) - metric(copy-off run) for every seed that has both."""
+    by = {(r["size"], r["variant"], r["seed"]): r for r in runs}
+    return [metric(r) - metric(by[(size, "off", seed)]) for (sz, v, seed), r in by.items()
+            if (sz, v) == (size, variant) and (size, "off", seed) in by]
+
+
+def across_seeds(runs: list[dict], args, tasks: list[str]) -> str:
+    """Copy on minus copy off per size and variant: mean [min, max] over seeds, and how many seeds
+    it won (valid loss: lower by more than 0.01 nats; suite: higher by more than MARGIN)."""
+    metrics = {"valid loss": lambda r: r["valid_loss"]}
+    metrics.update({t: (lambda r, t=t: r["suite"].get(t, float("nan"))) for t in tasks if t in COPY_TASKS})
+    rows = ["| size | variant | seeds | " + " | ".join(metrics) + " |", "|---" * (3 + len(metrics)) + "|"]
+    for size in args.sizes:
+        for variant in args.variants:
+            if variant == "off":
+                continue
+            cells, n = [], 0
+            for name, metric in metrics.items():
+                d = paired_differences(runs, size, variant, metric)
+                n = max(n, len(d))
+                if not d:
+                    cells.append("-")
+                    continue
+                won = sum(x < -0.01 for x in d) if name == "valid loss" else sum(x > MARGIN for x in d)
+                cells.append(f"{statistics.mean(d):+.3f} [{min(d):+.3f}, {max(d):+.3f}], won {won}/{len(d)}")
+            if n:
+                rows.append(f"| {size} | {variant} | {n} | " + " | ".join(cells) + " |")
+    return ("Copy on minus copy off, mean [min, max] over seeds; a valid-loss win is lower by more than 0.01 "
+            f"nats, a suite win higher by more than {MARGIN}.\n\n" + "\n".join(rows))
 
 
 def plots(runs: list[dict], tasks: list[str], out: Path) -> None:
@@ -176,12 +210,19 @@ def plots(runs: list[dict], tasks: list[str], out: Path) -> None:
     with figure(out / "loss.png", size=(6, 4)) as ax:
         curves = {r["name"]: [(t, v) for t, v in r["valid_curve"] if t is not None] for r in runs}
         lines(ax, curves, xlabel="tokens", ylabel="validation loss", title="validation loss against tokens")
-    with figure(out / "suite.png", size=(max(6, 0.3 * len(tasks) * len(runs)), 4)) as ax:
-        width = 0.8 / max(1, len(runs))
-        for i, r in enumerate(runs):
-            ax.bar([j + i * width for j in range(len(tasks))], [r["suite"].get(t, 0) for t in tasks], width, label=r["name"])
+    groups: dict[str, list[dict]] = {}  # size-variant -> its runs, one per seed
+    for r in runs:
+        groups.setdefault(f"{r['size']}-{r['variant']}", []).append(r)
+    with figure(out / "suite.png", size=(max(6, 0.3 * len(tasks) * len(groups)), 4)) as ax:
+        width = 0.8 / max(1, len(groups))
+        for i, (name, rs) in enumerate(groups.items()):
+            values = [[r["suite"].get(t, 0) for r in rs] for t in tasks]
+            means = [statistics.mean(v) for v in values]
+            spread = [[m - min(v) for m, v in zip(means, values)], [max(v) - m for m, v in zip(means, values)]]
+            ax.bar([j + i * width for j in range(len(tasks))], means, width, yerr=spread if len(rs) > 1 else None,
+                   capsize=2, label=f"{name} ({len(rs)} seed{'s' if len(rs) > 1 else ''})")
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(tasks))], tasks)
-        ax.set(ylabel="accuracy / exact match", title="copy and retrieval suite", ylim=(0, 1))
+        ax.set(ylabel="accuracy / exact match (mean, min-max)", title="copy and retrieval suite", ylim=(0, 1))
         ax.legend(fontsize=7)
     with figure(out / "suppression.png", size=(6, 4)) as ax:
         ax.bar([r["name"] for r in runs], [r["suppressed_fraction"] for r in runs])
