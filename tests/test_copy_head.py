@@ -168,6 +168,22 @@ def test_chunked_log_sum_exps_pass_gradcheck(paste):
     assert torch.autograd.gradcheck(f, (q, k))
 
 
+def test_chunked_empty_rows_pass_nothing_back_whatever_arrives():
+    """A row without candidates (A = -inf) gives zero gradient even if inf/nan reaches it, as the
+    dense path's guards do."""
+    q, k, src, labels, head = lse_inputs("next", True)
+    a, m = chunked_copy_lse(q, k, src, labels, -1, 3)
+    assert torch.isinf(a[:, :, 0]).all()  # position 0 has no candidate in `next` mode
+    grad_a = torch.ones_like(a)
+    grad_a[:, :, 0] = float("inf")
+    grad_m = torch.where(torch.isfinite(m), 1.0, float("nan")).to(m.dtype)
+    got = torch.autograd.grad([a, m], [q, k], [grad_a, grad_m])
+    ad, md = head.dense_lse(q, k, src, labels)
+    want = torch.autograd.grad([ad, md], [q, k], [grad_a.nan_to_num(posinf=0.0), grad_m.nan_to_num(nan=0.0)])
+    for g, w in zip(got, want):
+        assert torch.isfinite(g).all()
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+
 @pytest.mark.parametrize("impl", ["chunked", "dense"])
 def test_only_the_dense_path_keeps_a_score_matrix_for_backward(impl):
     """The chunked path saves q, k and per-row sums; no saved tensor grows with T x T."""

@@ -64,6 +64,13 @@ def _softmax_weights(scores: torch.Tensor, mask: torch.Tensor, lse: torch.Tensor
     return torch.exp(scores.masked_fill(~mask, NEG_INF) - safe)
 
 
+def _row_grad(grad: torch.Tensor, lse: torch.Tensor, r0: int, r1: int) -> torch.Tensor:
+    """The incoming gradient of rows r0..r1-1, zero where the row is empty (lse = -inf): such a
+    row passes nothing back, whatever arrives (an inf there would otherwise make 0 * inf = nan)."""
+    g, rows = grad[:, :, r0:r1], lse[:, :, r0:r1]
+    return torch.where(torch.isfinite(rows), g, torch.zeros_like(g)).unsqueeze(-1)
+
+
 class _ChunkedCopyLSE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, src, labels, shift: int, chunk: int):
@@ -98,9 +105,9 @@ class _ChunkedCopyLSE(torch.autograd.Function):
             qb, kb = q[:, :, r0:r1], k[:, :, :kend]
             scores = (qb @ kb.transpose(-1, -2)) * scale
             cand, match = _block_masks(r0, r1, kend, ctx.shift, src, labels)
-            ds = grad_a[:, :, r0:r1, None] * _softmax_weights(scores, cand, a[:, :, r0:r1])
+            ds = _row_grad(grad_a, a, r0, r1) * _softmax_weights(scores, cand, a[:, :, r0:r1])
             if labels is not None and grad_m is not None:
-                ds = ds + grad_m[:, :, r0:r1, None] * _softmax_weights(scores, match, m[:, :, r0:r1])
+                ds = ds + _row_grad(grad_m, m, r0, r1) * _softmax_weights(scores, match, m[:, :, r0:r1])
             ds = ds * scale
             dq[:, :, r0:r1] = ds @ kb
             dk[:, :, :kend] += ds.transpose(-1, -2) @ qb
