@@ -101,6 +101,17 @@ def test_zero_stages_at_dp2_match_one_rank(small_data, tmp_path, one_rank, zero)
         assert abs(got[step] - one_rank[step]) < 1e-4, (step, got[step], one_rank[step])
 
 
+def test_zero3_with_the_sentinel_mix_matches_one_rank(small_data, tmp_path):
+    """The sentinel key is the copy head's own parameter (not a submodule's): ZeRO-3 must gather it
+    again for backward, which needs its hooks to see the copy head's outputs (a NamedTuple)."""
+    ref, out = tmp_path / "one", tmp_path / "z3"
+    assert train(1, _layout_args(small_data, ref, 0, 1, "train.micro_batch_size=4", "copy.mix=sentinel")) == [0]
+    assert train(2, _layout_args(small_data, out, 3, 1, "train.micro_batch_size=2", "copy.mix=sentinel")) == [0, 0]
+    want, got = losses(ref), losses(out)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    for step in got:
+        assert abs(got[step] - want[step]) < 1e-4, (step, got[step], want[step])
+
 def test_activation_checkpointing_changes_nothing(small_data, tmp_path, one_rank):
     out = tmp_path / "ckpt"
     assert train(1, _layout_args(small_data, out, 0, 1, "train.micro_batch_size=4",

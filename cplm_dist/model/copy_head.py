@@ -24,7 +24,7 @@ Two paths compute the per-head (A, M), chosen by `copy.impl`:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -35,9 +35,11 @@ from cplm_dist.model.rotary import apply_rope, rope_tables
 NEG_INF = float("-inf")
 
 
-@dataclass
-class CopyTerms:
-    """Per-token summary of the copy side, each (B, T) float32."""
+class CopyTerms(NamedTuple):
+    """Per-token summary of the copy side, each (B, T) float32. A NamedTuple, not a dataclass, so
+    that ZeRO-3's module hooks find its tensors: with a dataclass the copy head got no pre-backward
+    hook, its own parameter (the sentinel key) was already released when backward needed it, and
+    ZeRO-3 with the sentinel mix failed."""
 
     copy_all: torch.Tensor  # A_t, -inf where no candidate
     copy_match: torch.Tensor | None  # M_t, -inf where no candidate pastes the label (None without labels)
