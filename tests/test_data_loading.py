@@ -127,6 +127,35 @@ def test_tp_ranks_read_identical_batches(single):
     assert torch.equal(read, torch.cat([b["input_ids"] for b in out["batches"]])[: len(read)])
 
 
+def _rebuilt_worker(cfg, prefix, raw, tokenizer_path):
+    """Build datasets, rebuild the dataset in place with fewer documents (preprocess --overwrite),
+    build again with the same config and cache: the second read must come from the new files."""
+    from cplm_dist.data.gpt_data import build_datasets
+    from cplm_dist.data.indexed_data import write_indexed_dataset
+    from cplm_dist.data.sources import iter_documents
+    from cplm_dist.data.tokenizer import load_tokenizer
+    from cplm_dist.parallel import init_distributed
+
+    init_distributed(1)
+    tok = load_tokenizer(tokenizer_path)
+    write_indexed_dataset(iter_documents([raw]), tok, prefix, progress=False)
+    before = build_datasets(cfg, (500, 0, 0)).train
+    first = before[0]["tokens"]
+    docs = [d for i, d in enumerate(iter_documents([raw])) if i < 60]
+    write_indexed_dataset(iter(docs), tok, prefix, progress=False, overwrite=True)
+    after = build_datasets(cfg, (500, 0, 0)).train
+    return first, len(after.dataset), [after[i]["tokens"] for i in range(len(after))]
+
+
+def test_a_dataset_rebuilt_in_place_gets_fresh_indices(small_data, tmp_path):
+    prefix = str(tmp_path / "rebuilt")
+    cfg = load_config("tiny", [f"data.tokenizer={small_data.tokenizer}", f"data.blend=[{{path: {prefix}}}]",
+                               "data.seq_length=64", "data.split=100,0,0", "data.num_workers=0",
+                               f"data.cache_dir={tmp_path / 'cache'}"])
+    first, documents, samples = run_ranks(_rebuilt_worker, 1, args=(cfg, prefix, small_data.raw["copy"], small_data.tokenizer))[0]
+    assert documents == 60 and len(samples) >= 500  # megatron repeats the 60 documents over whole epochs
+    assert len(list((tmp_path / "cache").iterdir())) == 2, "one cache directory per dataset contents"
+
 def test_bad_data_configs_are_refused_before_reading(small_data, tmp_path):
     with pytest.raises(DataError, match=r"^data.blend is empty"):
         check_data(load_config("tiny", [f"data.tokenizer={small_data.tokenizer}"]))

@@ -143,6 +143,20 @@ def test_corrupt_datasets_are_detected_when_opened(tmp_path, small_data):
         check_indexed_dataset(small_data.prefixes["copy"], vocab_size=100)
 
 
+def test_meta_must_describe_the_files_and_name_the_tokenizer(tmp_path, small_data):
+    """Another dataset's .bin/.idx under an old .meta.json, or data made with another tokenizer,
+    are refused by name before anything reads them."""
+    code, copy = dataset_files(small_data.prefixes["code"]), dataset_files(small_data.prefixes["copy"])
+    for kind in ("bin", "idx"):
+        (tmp_path / f"mixed.{kind}").write_bytes(code[kind].read_bytes())
+    (tmp_path / "mixed.meta.json").write_bytes(copy["meta"].read_bytes())
+    with pytest.raises(DataError, match=r"mixed\.meta\.json describes another dataset .* copied or mixed files"):
+        check_indexed_dataset(tmp_path / "mixed")
+    tok = load_tokenizer(small_data.tokenizer)
+    check_indexed_dataset(small_data.prefixes["copy"], tokenizer_sha256=tok.fingerprint)
+    with pytest.raises(DataError, match=r"was made with another tokenizer .* point data.tokenizer at the one it was made with"):
+        check_indexed_dataset(small_data.prefixes["copy"], tokenizer_sha256="0" * 64)
+
 def test_existing_output_is_never_replaced_without_overwrite(tmp_path, small_data):
     tok = load_tokenizer(small_data.tokenizer)
     prefix = tmp_path / "out"

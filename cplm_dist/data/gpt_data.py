@@ -9,6 +9,7 @@ must have been made with that tokenizer's vocabulary.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +17,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from cplm_dist.config import Config, parse_split
-from cplm_dist.data.indexed_data import check_indexed_dataset
+from cplm_dist.data.indexed_data import check_indexed_dataset, content_fingerprint
 from cplm_dist.data.tokenizer import Tokenizer, check_tokenizer_fits_model, load_tokenizer
 from cplm_dist.errors import DataError
 from cplm_dist.megatron_compat import BlendedMegatronDatasetBuilder, GPTDataset, GPTDatasetConfig
@@ -47,7 +48,7 @@ def check_data(cfg: Config, samples: tuple[int, int, int] = (0, 0, 0)) -> Tokeni
         raise DataError("data.blend is empty: add at least one {path: <prefix>, weight: 1.0} made by tools/preprocess_data.py")
     tokenizer = tokenizer_for(cfg)
     for entry in d.blend:
-        check_indexed_dataset(entry.path, vocab_size=cfg.model.vocab_size)
+        check_indexed_dataset(entry.path, vocab_size=cfg.model.vocab_size, tokenizer_sha256=tokenizer.fingerprint)
     for name, n, frac in zip(SPLITS, samples, parse_split(d.split)):
         if n > 0 and frac == 0:
             raise DataError(f"{n} {name} samples requested but data.split={d.split!r} gives the {name} split no documents")
@@ -68,7 +69,11 @@ def build_datasets(cfg: Config, samples: tuple[int, int, int]) -> Datasets:
     logging.getLogger("megatron.core.datasets").setLevel(logging.WARNING)
     paths = [e.path for e in d.blend]
     weights = [e.weight for e in d.blend] if len(paths) > 1 else None
-    cache = d.cache_dir or str(Path(paths[0]).parent / "index-cache")
+    # megatron keys its cache on paths, seed, split, lengths and tokenizer, not on the contents: a
+    # dataset rebuilt in place (preprocess --overwrite) would reuse stale indices. One cache
+    # directory per content fingerprint of the blend keeps them apart.
+    fingerprint = hashlib.sha256("".join(content_fingerprint(p) for p in paths).encode()).hexdigest()[:16]
+    cache = str(Path(d.cache_dir or Path(paths[0]).parent / "index-cache") / fingerprint)
     config = GPTDatasetConfig(
         random_seed=d.seed,
         sequence_length=d.seq_length,

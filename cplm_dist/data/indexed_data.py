@@ -14,6 +14,7 @@ files, monotone offsets and document bounds, and token ids against the model's v
 
 from __future__ import annotations
 
+import hashlib
 import json
 import multiprocessing as mp
 import os
@@ -192,6 +193,22 @@ def _progress(enabled: bool):
 # --- checking ---------------------------------------------------------------------------------
 
 
+def content_fingerprint(prefix: str | Path) -> str:
+    """A cheap identity of the dataset's contents, not its path or times: the sizes of .bin/.idx,
+    the first and last MiB of the index and the .meta.json (which a rebuild always changes)."""
+    files = dataset_files(prefix)
+    h = hashlib.sha256()
+    for kind in ("bin", "idx"):
+        h.update(str(files[kind].stat().st_size).encode())
+    with open(files["idx"], "rb") as f:
+        h.update(f.read(1 << 20))
+        f.seek(max(0, files["idx"].stat().st_size - (1 << 20)))
+        h.update(f.read())
+    if files["meta"].is_file():
+        h.update(files["meta"].read_bytes())
+    return h.hexdigest()
+
+
 @dataclass
 class IndexSummary:
     prefix: str
@@ -202,8 +219,10 @@ class IndexSummary:
     max_token_id: int | None  # from .meta.json when present
 
 
-def check_indexed_dataset(prefix: str | Path, vocab_size: int | None = None) -> IndexSummary:
-    """Validate `<prefix>.bin/.idx` (and `.meta.json` if present); DataError names what is wrong."""
+def check_indexed_dataset(prefix: str | Path, vocab_size: int | None = None,
+                          tokenizer_sha256: str | None = None) -> IndexSummary:
+    """Validate `<prefix>.bin/.idx` (and `.meta.json` if present: it must describe these files and,
+    given `tokenizer_sha256`, name that tokenizer); DataError names what is wrong."""
     files = dataset_files(prefix)
     redo = "rebuild it with tools/preprocess_data.py"
     for kind in ("idx", "bin"):
@@ -238,9 +257,20 @@ def check_indexed_dataset(prefix: str | Path, vocab_size: int | None = None) -> 
     max_id = None
     if files["meta"].is_file():
         try:
-            max_id = int(json.loads(files["meta"].read_text())["max_token_id"])
+            meta = json.loads(files["meta"].read_text())
+            max_id = int(meta["max_token_id"])
+            described = (int(meta["documents"]), int(meta["tokens"]), int(meta["bin_bytes"]), str(meta["dtype"]))
         except (ValueError, KeyError, TypeError):
             raise DataError(f"dataset {prefix}: {files['meta']} is unreadable; {redo}") from None
+        found = (n_doc - 1, tokens, bin_size, np.dtype(DTYPES[code]).name)
+        if described != found:
+            raise DataError(f"dataset {prefix}: {files['meta']} describes another dataset (documents, tokens, bytes, "
+                            f"dtype {described} but the files hold {found}: copied or mixed files); {redo}")
+        made_with = meta.get("tokenizer_sha256")
+        if tokenizer_sha256 and made_with and made_with != tokenizer_sha256:
+            raise DataError(f"dataset {prefix} was made with another tokenizer ({meta.get('tokenizer')}, sha256 "
+                            f"{made_with[:12]}...) than data.tokenizer (sha256 {tokenizer_sha256[:12]}...): point "
+                            "data.tokenizer at the one it was made with, or re-run tools/preprocess_data.py")
     if vocab_size is not None:
         if max_id is None:  # a dataset made elsewhere: read the ids once
             data = np.memmap(files["bin"], dtype=DTYPES[code], mode="r")
