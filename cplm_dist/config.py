@@ -454,6 +454,15 @@ def validate_train(cfg: Config) -> None:
         raise ConfigError(f"optim.decay_fraction={o.decay_fraction} must be within [0, 1]")
     if o.weight_decay < 0 or o.clip_grad < 0:
         raise ConfigError("optim.weight_decay and optim.clip_grad must be >= 0")
+    decay_start = t.train_steps - int(round(o.decay_fraction * t.train_steps))
+    if o.schedule == "wsd" and o.warmup_steps > decay_start:
+        raise ConfigError(f"optim.warmup_steps={o.warmup_steps} overlaps the WSD decay, which starts at step {decay_start} "
+                          f"(optim.decay_fraction={o.decay_fraction} of train.train_steps={t.train_steps}): "
+                          "lower one of them")
+    if t.precision == "bf16" and t.zero_stage == 0 and cfg.parallel.tp > 1 and o.clip_grad > 0:
+        raise ConfigError("train.precision=bf16 with train.zero_stage=0 at parallel.tp>1 and optim.clip_grad>0: DeepSpeed's "
+                          "bf16 stage-0 optimizer clips with a norm that misses the other tp ranks' shards; use "
+                          "train.zero_stage=1 (it also shards the optimizer states)")
 
 
 def batch_layout(cfg: Config, dp_size: int) -> int:

@@ -27,6 +27,8 @@ def choose(logprobs: torch.Tensor, temperature: float, top_k: int, top_p: float,
     if temperature <= 0:
         return logprobs.argmax(dim=-1)
     scores = logprobs.float() / temperature
+    if not torch.isfinite(scores.amax(dim=-1)).all():  # a temperature so small that the scores overflow
+        return logprobs.argmax(dim=-1)
     if top_k > 0:
         kth = torch.topk(scores, min(top_k, scores.shape[-1]), dim=-1).values[..., -1:]
         scores = scores.masked_fill(scores < kth, float("-inf"))
@@ -34,6 +36,7 @@ def choose(logprobs: torch.Tensor, temperature: float, top_k: int, top_p: float,
         sorted_scores, order = torch.sort(scores, descending=True, dim=-1)
         cumulative = torch.softmax(sorted_scores, dim=-1).cumsum(dim=-1)
         drop = cumulative - torch.softmax(sorted_scores, dim=-1) >= top_p  # keep the smallest set reaching top_p
+        drop[..., 0] = False  # the most likely token always stays (top_p -> 0 is greedy, never an empty set)
         sorted_scores = sorted_scores.masked_fill(drop, float("-inf"))
         scores = torch.full_like(scores, float("-inf")).scatter(-1, order, sorted_scores)
     probs = torch.softmax(scores, dim=-1)

@@ -161,9 +161,21 @@ def main(argv=None) -> int:
              f"{t.micro_batch_size} x {accumulation} x {dims.dp_size}, {tokens_per_step:,} tokens/step"
              + (f", resuming {resume_tag}" if resume_tag else "") + (f"\n  note: {note}" if note else ""))
 
+    # The step whose state is on disk in our checkpoint directory, and where: a stop request (or a
+    # stop for bad steps) right after a save, or right after resuming, must not write that step
+    # again in place, which a kill during the rewrite would leave half-written under `latest`.
+    saved = None
+    if resume_tag is not None and Path(resume_root).resolve() == ckpt.root.resolve():
+        saved = (step, ckpt.root / resume_tag)
+
     def save(reason: str) -> Path:
+        nonlocal saved
+        if saved is not None and saved[0] == step:
+            log.info(f"step {step}: {saved[1]} already holds this state ({reason})")
+            return saved[1]
         path = ckpt.save(engine, step, {"loader": loader.state_dict(), "bad_steps_total": bad_total,
                                         "consumed_tokens": loader.consumed_samples * cfg.data.seq_length})
+        saved = (step, path)
         log.info(f"step {step}: saved {path} ({reason})")
         return path
 
@@ -195,6 +207,7 @@ def main(argv=None) -> int:
             engine.backward(loss)
             if engine.is_gradient_accumulation_boundary():
                 optimizer.skipped_last = False
+                lr_used = scheduler.get_last_lr()[0]  # engine.step() advances the schedule
                 if t.zero_stage == 0:
                     norm0 = grad_norm(engine.module, dims.tp_group)
             engine.step()
@@ -239,7 +252,7 @@ def main(argv=None) -> int:
             mean = (lambda xs: sum(xs) / len(xs) if xs else float("nan"))
             record = {
                 "step": step, "consumed_tokens": loader.consumed_samples * cfg.data.seq_length,
-                "lr": scheduler.get_last_lr()[0], "loss": mean(window["loss"]), "lm_loss": mean(window["lm"]),
+                "lr": lr_used, "loss": mean(window["loss"]), "lm_loss": mean(window["lm"]),
                 "copy_share": mean(window["share"]), "grad_norm": norm, "skipped_steps": bad_total,
                 "tokens_per_s": tps, "tokens_per_s_per_device": tps / dims.world_size,
                 "tflops_per_device": flops_token * tps / dims.world_size / 1e12,

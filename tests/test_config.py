@@ -61,6 +61,10 @@ BAD = [
     (["parallel.tp=0"], r"^parallel\.tp=0 must be a positive integer"),
     (["copy.impl=flash"], r"^copy\.impl='flash' is not valid: choose one of \['chunked', 'dense'\]"),
     (["copy.chunk_size=0"], r"^copy\.chunk_size=0 must be a positive integer"),
+    (["train.precision=bf16", "train.zero_stage=0", "parallel.tp=2", "optim.clip_grad=1.0"],
+     r"^train\.precision=bf16 with train\.zero_stage=0 at parallel\.tp>1 .* use train\.zero_stage=1"),
+    (["optim.schedule=wsd", "train.train_steps=100", "optim.decay_fraction=0.5", "optim.warmup_steps=60"],
+     r"^optim\.warmup_steps=60 overlaps the WSD decay, which starts at step 50"),
     (["model.num_layers"], r"^override 'model\.num_layers' must look like section\.field=value"),
 ]
 

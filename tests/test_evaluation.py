@@ -3,6 +3,7 @@ with a KV cache against full recomputation at tp = 1 and 2, generation, the grad
 figure against a direct computation, the tools end to end, and the lm-eval adapter."""
 
 import json
+import re
 import math
 import subprocess
 import sys
@@ -198,6 +199,41 @@ def test_evaluate_generate_and_bottleneck_tools(trained, tmp_path):
     assert [r["step"] for r in rows] == [3, 3, 6, 6] and all(0.5 < r["suppressed_fraction"] < 1 for r in rows)
     assert (tmp_path / "b.png").exists() and "suppressed" in stdout
 
+
+def test_evaluation_tools_refuse_bad_input_with_one_line(trained, small_data, tmp_path):
+    """Bad values, a tokenizer the model cannot take, a too-long sequence, a damaged checkpoint:
+    one line, exit 2, nothing written."""
+    import shutil
+
+    from cplm_dist.data.corpora import synthetic_copy_documents
+    from cplm_dist.data.tokenizer import train_sentencepiece
+
+    big_tok = tmp_path / "big.model"
+    train_sentencepiece(synthetic_copy_documents(400, seed=1), big_tok, vocab_size=700)  # the model has 512 ids
+    damaged = tmp_path / "damaged"
+    shutil.copytree(trained, damaged)
+    step = damaged / "checkpoints" / (damaged / "checkpoints" / "latest").read_text().strip()
+    states = next(step.glob("*model_states.pt"))
+    states.write_bytes(states.read_bytes()[:1000])
+    cases = [
+        (["tools/generate.py", "--checkpoint", str(trained), "--prompt", "x", "--top-p", "0"], r"0 < top-p <= 1"),
+        (["tools/generate.py", "--checkpoint", str(trained), "--prompt", "x", "--max-new-tokens", "0"], r"max-new-tokens >= 1"),
+        (["tools/generate.py", "--checkpoint", str(trained), "--prompt", "x", "--tokenizer", str(big_tok)],
+         r"has 700 ids but model.vocab_size=512"),
+        (["tools/evaluate.py", "--checkpoint", str(trained), "--samples", "0"], r"need samples >= 1"),
+        (["tools/evaluate.py", "--checkpoint", str(trained), "data.seq_length=512"],
+         r"data.seq_length=512 exceeds the checkpoint's model.max_seq_len=128"),
+        (["tools/evaluate.py", "--checkpoint", str(trained), f"data.tokenizer={big_tok}", "--valid-batches", "0"],
+         r"has 700 ids but model.vocab_size=512"),
+        (["tools/generate.py", "--checkpoint", str(damaged), "--prompt", "x"], r"model_states\.pt cannot be read .* damaged"),
+    ]
+    for args, pattern in cases:
+        proc = subprocess.run([sys.executable, *args, "--out" if "evaluate" in args[0] else "--seed",
+                               str(tmp_path / "out") if "evaluate" in args[0] else "0"],
+                              capture_output=True, text=True, timeout=300, cwd=REPO)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1 and re.search(pattern, lines[0]), (args, proc.stderr[-1500:])
+    assert not (tmp_path / "out").exists()
 
 def test_ablation_in_miniature(small_data, tmp_path):
     blend = ", ".join(f"{{path: {small_data.prefixes[n]}, weight: 0.5}}" for n in ("code", "copy"))

@@ -71,6 +71,12 @@ def test_bad_tokenizers_are_refused(tmp_path, small_data):
     with pytest.raises(DataError, match=r"no text to train the tokenizer on"):
         train_sentencepiece(["", "   "], tmp_path / "empty.model", vocab_size=100)
     assert not (tmp_path / "empty.model").exists()
+    pytest.importorskip("tokenizers")
+    broken = tmp_path / "hf"
+    broken.mkdir()
+    (broken / "tokenizer.json").write_text('{"version": "1.0", "model": ')
+    with pytest.raises(DataError, match=r"tokenizer\.json is not a Hugging Face tokenizer.json .*save_pretrained"):
+        load_tokenizer(broken, "huggingface")
 
 
 def test_train_tokenizer_cli(tmp_path, small_data):
@@ -80,6 +86,12 @@ def test_train_tokenizer_cli(tmp_path, small_data):
     assert ok.returncode == 0, ok.stderr
     assert out.exists() and "vocabulary of 400" in ok.stdout
     bad = subprocess.run([sys.executable, str(REPO / "tools/train_tokenizer.py"), "--input", str(tmp_path / "missing.jsonl"),
-                          "--output", str(out)], capture_output=True, text=True, timeout=120)
+                          "--output", str(tmp_path / "other.model")], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2
     assert bad.stderr.strip().splitlines() == [f"error: input {tmp_path / 'missing.jsonl'} does not exist: check the path"]
+    # an existing tokenizer is never replaced without --overwrite: datasets made with it would stop matching
+    before = out.read_bytes()
+    again = subprocess.run([sys.executable, str(REPO / "tools/train_tokenizer.py"), "--input", str(small_data.raw["code"]),
+                            "--vocab-size", "300", "--output", str(out)], capture_output=True, text=True, timeout=120)
+    assert again.returncode == 2 and "already exists" in again.stderr and "--overwrite" in again.stderr
+    assert out.read_bytes() == before

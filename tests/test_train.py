@@ -58,6 +58,8 @@ def test_loss_goes_down_and_the_run_reports_everything(small_data, tmp_path):
                 "tokens_per_s_per_device", "tflops_per_device", "mfu", "peak_memory_gb", "skipped_steps"):
         assert key in log[40], key
     assert log[40]["consumed_tokens"] == 40 * 16 * 64 and log[40]["mfu"] is None  # no MFU on CPU
+    # the logged lr is the one the step used: half the peak in step 1 of a 2-step warmup
+    assert log[1]["lr"] == pytest.approx(log[2]["lr"] / 2)
     valid = read_metrics(out / "logs" / "metrics.jsonl", "valid")
     assert sorted(valid) == [20, 40] and valid[40]["loss"] < valid[20]["loss"]
     assert list((out / "logs" / "tensorboard").glob("events.out.tfevents.*"))

@@ -96,24 +96,32 @@ def plot(results: dict, out: Path) -> list[Path]:
 @exit_on_usage_error
 def main(argv=None) -> int:
     from cplm_dist.data.corpora import stdlib_documents
-    from cplm_dist.data.tokenizer import load_tokenizer
-    from cplm_dist.errors import DataError
+    from cplm_dist.data.tokenizer import check_tokenizer_fits_model, load_tokenizer
+    from cplm_dist.errors import ConfigError, DataError
     from cplm_dist.evaluation.loading import load_checkpoint_config, load_model
     from cplm_dist.parallel import destroy_distributed, init_distributed
 
     args = parser().parse_intermixed_args(argv)
     if any(not o.startswith("data.") for o in args.overrides):
         raise UsageError("evaluate.py takes only data.* overrides (the model is the checkpoint's)")
+    if args.samples < 1 or args.valid_batches < 0:
+        raise UsageError(f"--samples {args.samples} / --valid-batches {args.valid_batches}: need samples >= 1, "
+                         "valid-batches >= 0 (0: no perplexity)")
     cfg, info = load_checkpoint_config(args.checkpoint)
     dims = init_distributed(info["layout"]["tp"])
     model, cfg, info = load_model(args.checkpoint)
     if args.overrides:
         cfg = from_dict(apply_overrides(to_dict(cfg), args.overrides))
+        if cfg.data.seq_length > cfg.model.max_seq_len:
+            raise ConfigError(f"data.seq_length={cfg.data.seq_length} exceeds the checkpoint's model.max_seq_len="
+                              f"{cfg.model.max_seq_len}: evaluate at {cfg.model.max_seq_len} or less")
     try:
         tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_backend) if cfg.data.tokenizer else None
     except DataError as e:
         print(f"note: text tasks skipped: {e}")
         tokenizer = None
+    if tokenizer is not None:
+        check_tokenizer_fits_model(tokenizer, cfg.model.vocab_size)  # a wrong data.tokenizer is an error, not a skip
     valid, filler = validation(model, cfg, args.valid_batches) if args.valid_batches else (None, [])
     ctx = EvalContext(vocab_size=cfg.model.vocab_size, max_len=cfg.model.max_seq_len, tokenizer=tokenizer,
                       filler=filler or list(stdlib_documents(2_000_000)))

@@ -21,7 +21,7 @@ from cplm_dist.errors import UsageError
 
 @exit_on_usage_error
 def main(argv=None) -> int:
-    from cplm_dist.data.tokenizer import load_tokenizer
+    from cplm_dist.data.tokenizer import check_tokenizer_fits_model, load_tokenizer
     from cplm_dist.evaluation.loading import load_checkpoint_config, load_model
     from cplm_dist.generation import generate
     from cplm_dist.parallel import destroy_distributed, init_distributed
@@ -37,6 +37,10 @@ def main(argv=None) -> int:
     p.add_argument("--mark-copies", action="store_true")
     p.add_argument("--tokenizer", help="default: the run's data.tokenizer")
     args = p.parse_args(argv)
+    if args.max_new_tokens < 1 or args.temperature < 0 or args.top_k < 0 or not 0 < args.top_p <= 1:
+        raise UsageError(f"--max-new-tokens {args.max_new_tokens}, --temperature {args.temperature}, --top-k {args.top_k}, "
+                         f"--top-p {args.top_p}: need max-new-tokens >= 1, temperature >= 0 (0: greedy), top-k >= 0 "
+                         "(0: off) and 0 < top-p <= 1")
     _, info = load_checkpoint_config(args.checkpoint)
     dims = init_distributed(info["layout"]["tp"])
     model, cfg, info = load_model(args.checkpoint)
@@ -44,6 +48,7 @@ def main(argv=None) -> int:
     if not tok_path:
         raise UsageError("the run has no data.tokenizer: pass --tokenizer")
     tok = load_tokenizer(tok_path, cfg.data.tokenizer_backend)
+    check_tokenizer_fits_model(tok, cfg.model.vocab_size)
     for i, prompt in enumerate(args.prompt):
         ids = tok.encode(prompt)
         if not ids or len(ids) + args.max_new_tokens > cfg.model.max_seq_len:

@@ -15,10 +15,12 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 from cplm_dist.cli import exit_on_usage_error
 from cplm_dist.data.sources import ON_BAD, ReadStats, expand_inputs, iter_documents
 from cplm_dist.data.tokenizer import train_sentencepiece
+from cplm_dist.errors import UsageError
 
 
 def parser() -> argparse.ArgumentParser:
@@ -32,12 +34,19 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--text-key", default="text")
     p.add_argument("--on-bad-record", choices=ON_BAD, default="stop")
     p.add_argument("--max-lines", type=int, default=2_000_000, help="train on at most this many lines")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing tokenizer at --output (every "
+                   "dataset made with the old one must then be rebuilt)")
     return p
 
 
 @exit_on_usage_error
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
+    if Path(args.output).exists() and not args.overwrite:
+        raise UsageError(f"{args.output} already exists (datasets made with it would no longer match): choose "
+                         "another --output or pass --overwrite")
+    if args.max_lines < 1:
+        raise UsageError(f"--max-lines {args.max_lines}: give at least 1")
     stats = ReadStats()
     start = time.perf_counter()
     files = expand_inputs(args.input)

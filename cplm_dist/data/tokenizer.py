@@ -113,7 +113,11 @@ class HuggingFaceTokenizer(Tokenizer):
         if not file.is_file():
             raise DataError(f"tokenizer {path}: no tokenizer.json there (give a local Hugging Face tokenizer directory)")
         self.path = path
-        self.tok = HFTokenizer.from_file(str(file))
+        try:
+            self.tok = HFTokenizer.from_file(str(file))
+        except Exception as e:  # the tokenizers library raises a bare Exception on a malformed file
+            raise DataError(f"tokenizer {file} is not a Hugging Face tokenizer.json ({str(e).splitlines()[0][:120]}): "
+                            "point data.tokenizer at a directory written by save_pretrained") from None
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
         config = {}
         for name in ("tokenizer_config.json", "special_tokens_map.json"):

@@ -34,10 +34,27 @@ def _model_states_file(step_dir: Path, tp_rank: int) -> Path:
     return plain if plain.is_file() else step_dir / f"zero_pp_rank_0_mp_rank_{tp_rank:02d}_model_states.pt"
 
 
+def _load_states(file: Path) -> dict:
+    """torch.load of a DeepSpeed model-states file; a missing or damaged one is a CheckpointError."""
+    try:
+        state = torch.load(file, map_location="cpu", weights_only=False)
+    except FileNotFoundError:
+        raise CheckpointError(f"{file} is missing although its checkpoint is marked complete: use an earlier step "
+                              "(--checkpoint <run>/checkpoints/step-*)") from None
+    except Exception as e:  # torch raises RuntimeError, EOFError, UnpicklingError ... on a damaged file
+        raise CheckpointError(f"{file} cannot be read ({type(e).__name__}: {str(e).splitlines()[0][:100]}): the file is "
+                              "damaged; use an earlier step (--checkpoint <run>/checkpoints/step-*)") from None
+    if not isinstance(state, dict) or "module" not in state:
+        raise CheckpointError(f"{file} is not a DeepSpeed model-states file (no 'module'): point --checkpoint at a run")
+    return state
+
+
 def load_checkpoint_config(path: str | Path) -> tuple[Config, dict]:
     """The resolved config a checkpoint was trained with, and its client state (step, layout, ...)."""
     root, tag = resolve_checkpoint(path)
-    state = torch.load(_model_states_file(root / tag, 0), map_location="cpu", weights_only=False)
+    state = _load_states(_model_states_file(root / tag, 0))
+    if "config" not in state:
+        raise CheckpointError(f"{root / tag} was not written by cplm-train (no resolved config in its client state)")
     return from_dict(state["config"]), {k: state[k] for k in ("step", "layout") if k in state} | {"root": root, "tag": tag}
 
 
@@ -57,7 +74,7 @@ def load_model(path: str | Path, device=None, dtype=torch.float32):
     cfg.train.activation_checkpointing = False
     model = build_model(cfg, device=device, dtype=dtype)
     step_dir = info["root"] / info["tag"]
-    module = torch.load(_model_states_file(step_dir, tp_rank), map_location="cpu", weights_only=False)["module"]
+    module = _load_states(_model_states_file(step_dir, tp_rank))["module"]
     if any(getattr(v, "numel", lambda: 1)() == 0 for v in module.values()):  # ZeRO-3: weights live in the optimizer shards
         if tp != 1:
             raise CheckpointError(f"{path}: ZeRO-3 checkpoints are merged for evaluation at tp=1 only")
