@@ -19,6 +19,7 @@ MFU = achieved FLOP/s per device / the device's dense peak for the training prec
 
 from __future__ import annotations
 
+import re
 import resource
 import sys
 
@@ -30,12 +31,14 @@ from cplm_dist.config import Config
 PEAK_FLOPS = {
     "H200": {"bf16": 989e12, "fp32": 494.5e12},
     "H100 PCIe": {"bf16": 756e12, "fp32": 378e12},
+    "H100 NVL": {"bf16": 835e12, "fp32": 417.5e12},
     "H100": {"bf16": 989e12, "fp32": 494.5e12},  # SXM
     "GH200": {"bf16": 989e12, "fp32": 494.5e12},
     "B200": {"bf16": 2250e12, "fp32": 1100e12},
     "A100": {"bf16": 312e12, "fp32": 156e12},
     "A10G": {"bf16": 70e12, "fp32": 35e12},
     "L40S": {"bf16": 362e12, "fp32": 183e12},
+    "L40": {"bf16": 181e12, "fp32": 90.5e12},
     "L4": {"bf16": 121e12, "fp32": 60e12},
     "MI300X": {"bf16": 1307e12, "fp32": 653.7e12},
 }
@@ -64,10 +67,15 @@ def device_peak_flops(precision: str, device: torch.device | None = None) -> flo
     """The dense peak of this rank's accelerator for `precision`, or None (CPU, unknown GPU)."""
     if not torch.cuda.is_available() or (device is not None and device.type != "cuda"):
         return None
-    name = torch.cuda.get_device_name(device)
-    for fragment, peaks in PEAK_FLOPS.items():  # ordered: "H100 PCIe" before "H100"
-        if fragment in name:
-            return peaks[precision]
+    return peak_for_name(torch.cuda.get_device_name(device), precision)
+
+
+def peak_for_name(name: str, precision: str) -> float | None:
+    """The PEAK_FLOPS entry whose fragment appears in `name` as whole words, longest fragment
+    first: "NVIDIA L40" is not an L4, "NVIDIA H100 NVL" not an H100 SXM, "NVIDIA GH200" not an H200."""
+    for fragment in sorted(PEAK_FLOPS, key=len, reverse=True):
+        if re.search(rf"(?<![A-Za-z0-9]){re.escape(fragment)}(?![A-Za-z0-9])", name):
+            return PEAK_FLOPS[fragment][precision]
     return None
 
 

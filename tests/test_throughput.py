@@ -1,8 +1,10 @@
 """The FLOP count that training logs and the profiler share, against a count by hand."""
 
+import pytest
+
 from cplm_dist.config import load_config
 from cplm_dist.model.counting import parameter_count
-from cplm_dist.throughput import PEAK_FLOPS, flops_per_token, matmul_parameters
+from cplm_dist.throughput import PEAK_FLOPS, flops_per_token, matmul_parameters, peak_for_name
 
 
 def test_flops_per_token_tiny_by_hand():
@@ -31,3 +33,12 @@ def test_six_n_dominates_at_scale_and_matches_the_parameter_count():
 def test_peak_table_lists_bf16_and_fp32_for_every_device():
     assert PEAK_FLOPS["H100"]["bf16"] == 989e12 and PEAK_FLOPS["H200"]["bf16"] == 989e12
     assert all(set(p) == {"bf16", "fp32"} and p["fp32"] < p["bf16"] for p in PEAK_FLOPS.values())
+
+
+@pytest.mark.parametrize("name,entry", [
+    ("NVIDIA H200", "H200"), ("NVIDIA GH200 480GB", "GH200"), ("NVIDIA H100 80GB HBM3", "H100"),
+    ("NVIDIA H100 PCIe", "H100 PCIe"), ("NVIDIA H100 NVL", "H100 NVL"), ("NVIDIA A100-SXM4-80GB", "A100"),
+    ("NVIDIA L4", "L4"), ("NVIDIA L40", "L40"), ("NVIDIA L40S", "L40S"), ("NVIDIA GeForce RTX 4090", None),
+])
+def test_device_names_find_their_own_peak(name, entry):
+    assert peak_for_name(name, "bf16") == (PEAK_FLOPS[entry]["bf16"] if entry else None)
