@@ -298,7 +298,22 @@ def _harness_worker(run_dir):
     expected = sum(float(direct[len(ctx_ids) - 1 + i, t]) for i, t in enumerate(cont_ids))
     rolling = adapter.loglikelihood_rolling([req("a b c " * 60)])
     gen = adapter.generate_until([req("Items: x, y.", {"until": ["."], "max_gen_toks": 8})])
-    return {"ll": ll, "expected": expected, "rolling": rolling, "gen": gen}
+    # a continuation longer than the window: scored in windows, each token once, as a short
+    # window over the same text (the model's max_seq_len is 128; the text is ~3x longer)
+    long_text = "x = y + 1; " * 40
+    short = HarnessAdapter(model, tok, max_length=16)
+    windows = [short.loglikelihood([req("Start:", long_text)])[0][0],
+               short.loglikelihood_rolling([req(long_text)])[0], adapter.loglikelihood([req("Start:", long_text)])[0][0]]
+    ids = [tok.eod] + tok.encode(long_text)
+    by_hand = 0.0
+    for start in range(1, len(ids), 16):  # windows of 16 predicted tokens, each with up to 16 before it
+        end = min(len(ids), start + 16)
+        window = ids[max(0, end - 17):end]
+        lp = model.next_token_logprobs(torch.tensor([window[:-1]]))[0]
+        by_hand += float(lp[-(end - start):].gather(-1, torch.tensor(window[-(end - start):])[:, None]).sum())
+    edge = adapter.generate_until([req("", {"until": [], "max_gen_toks": 500})])
+    return {"ll": ll, "expected": expected, "rolling": rolling, "gen": gen, "windows": windows, "by_hand": by_hand,
+            "long_tokens": len(ids), "edge": edge}
 
 
 def test_lm_eval_adapter_answers_from_the_mixed_distribution(trained):
@@ -307,3 +322,8 @@ def test_lm_eval_adapter_answers_from_the_mixed_distribution(trained):
     assert isinstance(r["ll"][0][1], bool) and r["ll"][1][0] < 0
     assert r["rolling"][0] < 0 and math.isfinite(r["rolling"][0])
     assert len(r["gen"]) == 1 and "." not in r["gen"][0]
+    short_ll, short_rolling, long_ll = r["windows"]
+    assert r["long_tokens"] > 128 and all(math.isfinite(x) and x < 0 for x in r["windows"])
+    assert short_rolling == pytest.approx(r["by_hand"], rel=1e-5)
+    assert short_ll != short_rolling  # another context, another score
+    assert len(r["edge"]) == 1 and isinstance(r["edge"][0], str)  # empty context, max_gen_toks past the window

@@ -23,12 +23,21 @@ class HarnessAdapter:
         self.max_length = max_length or model.cfg.model.max_seq_len
 
     def _continuation_logprob(self, context_ids: list[int], cont_ids: list[int]) -> tuple[float, bool]:
-        ids = (context_ids + cont_ids)[-(self.max_length + 1):]
-        logprobs = self.model.next_token_logprobs(torch.tensor([ids[:-1]]))[0]  # (T, V)
-        n = len(cont_ids)
-        targets = torch.tensor(ids[-n:])
-        lp = logprobs[-n:].gather(-1, targets[:, None]).squeeze(-1)
-        return float(lp.sum()), bool((logprobs[-n:].argmax(-1) == targets).all())
+        """log p(continuation | context) and whether greedy decoding gives it. A continuation longer
+        than the model's window is scored in windows of max_length tokens, each token predicted
+        once from as much preceding text as fits (context_ids must not be empty)."""
+        ids, start = context_ids + cont_ids, len(context_ids)
+        total, greedy = 0.0, True
+        while start < len(ids):
+            end = min(len(ids), start + self.max_length)
+            window = ids[max(0, end - self.max_length - 1):end]
+            logprobs = self.model.next_token_logprobs(torch.tensor([window[:-1]]))[0]  # (T, V)
+            n = end - start
+            targets = torch.tensor(window[-n:])
+            total += float(logprobs[-n:].gather(-1, targets[:, None]).sum())
+            greedy = greedy and bool((logprobs[-n:].argmax(-1) == targets).all())
+            start = end
+        return total, greedy
 
     def loglikelihood(self, requests) -> list[tuple[float, bool]]:
         out = []
@@ -40,17 +49,7 @@ class HarnessAdapter:
 
     def loglikelihood_rolling(self, requests) -> list[float]:
         """Whole-text log-likelihood, in windows of max_length tokens, each token predicted once."""
-        out = []
-        for req in requests:
-            ids = [self.tok.eod] + self.tok.encode(req.args[0])
-            total, start = 0.0, 1
-            while start < len(ids):
-                end = min(len(ids), start + self.max_length)
-                context = ids[max(0, end - self.max_length - 1):start]
-                total += self._continuation_logprob(context, ids[start:end])[0]
-                start = end
-            out.append(total)
-        return out
+        return [self._continuation_logprob([self.tok.eod], self.tok.encode(req.args[0]))[0] for req in requests]
 
     def generate_until(self, requests) -> list[str]:
         out = []
@@ -58,8 +57,8 @@ class HarnessAdapter:
             context, kwargs = req.args[0], dict(req.args[1])
             until = kwargs.get("until") or []
             until = [until] if isinstance(until, str) else until
-            max_new = int(kwargs.get("max_gen_toks", 64))
-            ids = self.tok.encode(context)[-(self.max_length - max_new):]
+            max_new = max(1, min(int(kwargs.get("max_gen_toks", 64)), self.max_length - 1))
+            ids = (self.tok.encode(context) or [self.tok.eod])[-(self.max_length - max_new):]  # room for max_new
             gen = generate(self.model, torch.tensor([ids]), max_new, temperature=float(kwargs.get("temperature", 0.0)),
                            eos_id=self.tok.eod)
             tokens = gen.tokens[0].tolist()
@@ -76,7 +75,7 @@ def register() -> None:
     from lm_eval.api.model import LM
     from lm_eval.api.registry import register_model
 
-    from cplm_dist.data.tokenizer import load_tokenizer
+    from cplm_dist.data.tokenizer import check_tokenizer_fits_model, load_tokenizer
     from cplm_dist.evaluation.loading import load_checkpoint_config, load_model
     from cplm_dist.parallel import init_distributed
 
@@ -87,7 +86,9 @@ def register() -> None:
             _, info = load_checkpoint_config(checkpoint)
             init_distributed(info["layout"]["tp"])
             model, cfg, _ = load_model(checkpoint)
-            self.adapter = HarnessAdapter(model, load_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_backend))
+            tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_backend)
+            check_tokenizer_fits_model(tokenizer, cfg.model.vocab_size)
+            self.adapter = HarnessAdapter(model, tokenizer)
 
         def loglikelihood(self, requests):
             return self.adapter.loglikelihood(requests)
