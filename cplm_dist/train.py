@@ -195,6 +195,7 @@ def main(argv=None) -> int:
         sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss, LM-only loss, copy share
         skipped_before = engine.skipped_steps
         norm0 = None
+        lr_used = scheduler.get_last_lr()[0]  # this step's rate: engine.step() advances the schedule
         for _ in range(accumulation):
             batch = next(loader)
             input_ids, labels = batch["input_ids"].to(device), batch["labels"].to(device)
@@ -207,7 +208,6 @@ def main(argv=None) -> int:
             engine.backward(loss)
             if engine.is_gradient_accumulation_boundary():
                 optimizer.skipped_last = False
-                lr_used = scheduler.get_last_lr()[0]  # engine.step() advances the schedule
                 if t.zero_stage == 0:
                     norm0 = grad_norm(engine.module, dims.tp_group)
             engine.step()

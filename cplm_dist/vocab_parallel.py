@@ -268,11 +268,12 @@ def vocab_parallel_log_softmax(logits: torch.Tensor, tp_group: dist.ProcessGroup
 
 
 @torch.no_grad()
-def gather_vocab(shard: torch.Tensor, tp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """[..., V/tp] shards -> [..., V] on every rank (the only gather of the vocabulary; eval only)."""
+def gather_vocab(shard: torch.Tensor, tp_group: dist.ProcessGroup | None = None, dim: int = -1) -> torch.Tensor:
+    """Vocabulary shards (V/tp along `dim`: the last for logits, 0 for an LM-head weight) -> the
+    whole vocabulary on every rank (the only gather of the vocabulary; evaluation only)."""
     if tp_group is None or dist.get_world_size(tp_group) == 1:
         return shard
     # (megatron's gather_from_tensor_model_parallel_region allocates on CUDA unconditionally)
     parts = [torch.empty_like(shard) for _ in range(dist.get_world_size(tp_group))]
     dist.all_gather(parts, shard.contiguous(), group=tp_group)
-    return torch.cat(parts, dim=-1)
+    return torch.cat(parts, dim=dim)

@@ -15,17 +15,8 @@ the two heads as two separate leaves, so autograd reports each path on its own.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from cplm_dist import vocab_parallel as vp
-
-
-def _gather_vocab_rows(t: torch.Tensor, tp_group, dim: int) -> torch.Tensor:
-    if tp_group is None or dist.get_world_size(tp_group) == 1:
-        return t
-    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(tp_group))]
-    dist.all_gather(parts, t.contiguous(), group=tp_group)
-    return torch.cat(parts, dim=dim)
 
 
 def suppressed_fraction(grad_logits: torch.Tensor, lm_weight: torch.Tensor) -> float:
@@ -54,9 +45,9 @@ def measure(model, input_ids: torch.Tensor, labels: torch.Tensor, lm_only: bool 
     loss = -(log_p * keep).sum() / keep.sum()
     loss.backward()
     vocab = model.vocab_size
-    grad = _gather_vocab_rows(logits.grad.flatten(0, 1), model.tp_group, dim=1)[:, :vocab]  # (N, V)
+    grad = vp.gather_vocab(logits.grad.flatten(0, 1), model.tp_group)[:, :vocab]  # (N, V)
     weight = model.embedding.weight if model.cfg.model.tie_embeddings else model.lm_head.weight
-    weight = _gather_vocab_rows(weight.detach(), model.tp_group, dim=0)[:vocab]  # (V, D)
+    weight = vp.gather_vocab(weight.detach(), model.tp_group, dim=0)[:vocab]  # (V, D)
     via_copy = h_copy.grad.norm().item() if h_copy.grad is not None else 0.0
     model.zero_grad(set_to_none=True)
     return {

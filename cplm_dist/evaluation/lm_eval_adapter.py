@@ -75,7 +75,7 @@ def register() -> None:
     from lm_eval.api.model import LM
     from lm_eval.api.registry import register_model
 
-    from cplm_dist.data.tokenizer import check_tokenizer_fits_model, load_tokenizer
+    from cplm_dist.data.gpt_data import tokenizer_for
     from cplm_dist.evaluation.loading import load_checkpoint_config, load_model
     from cplm_dist.parallel import init_distributed
 
@@ -86,9 +86,7 @@ def register() -> None:
             _, info = load_checkpoint_config(checkpoint)
             init_distributed(info["layout"]["tp"])
             model, cfg, _ = load_model(checkpoint)
-            tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_backend)
-            check_tokenizer_fits_model(tokenizer, cfg.model.vocab_size)
-            self.adapter = HarnessAdapter(model, tokenizer)
+            self.adapter = HarnessAdapter(model, tokenizer_for(cfg))  # loaded and checked against the model
 
         def loglikelihood(self, requests):
             return self.adapter.loglikelihood(requests)

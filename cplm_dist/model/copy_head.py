@@ -52,6 +52,7 @@ class CopyHead(torch.nn.Module):
         self.cfg = cfg
         self.heads, self.head_dim = cfg.num_heads, cfg.head_dim
         self.rope_theta = model_cfg.rope_theta
+        self.shift = -1 if cfg.paste == "next" else 0  # C_t = {j <= t + shift}: next j < t, self j <= t
         width = cfg.num_heads * cfg.head_dim
         self.q = torch.nn.Linear(model_cfg.hidden_size, width, bias=False, device=device, dtype=dtype)
         self.k = torch.nn.Linear(model_cfg.hidden_size, width, bias=False, device=device, dtype=dtype)
@@ -65,8 +66,7 @@ class CopyHead(torch.nn.Module):
     def candidate_mask(self, T: int, device, offset: int = 0, keys: int | None = None) -> torch.Tensor:
         """(T, keys) bool, [i, j] = j in C_t for the query at position t = offset + i."""
         keys = T if keys is None else keys
-        shift = -1 if self.cfg.paste == "next" else 0  # next: j < t; self: j <= t
-        return torch.ones(T, keys, dtype=torch.bool, device=device).tril(diagonal=offset + shift)
+        return torch.ones(T, keys, dtype=torch.bool, device=device).tril(diagonal=offset + self.shift)
 
     def source_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         """(B, T) id pasted from position j; -1 where position j pastes nothing."""
@@ -107,8 +107,7 @@ class CopyHead(torch.nn.Module):
         q, k = self.project(h)
         src = self.source_ids(input_ids)  # (B, T)
         if self.cfg.impl == "chunked" and q.shape[2] > self.cfg.chunk_size:
-            shift = -1 if self.cfg.paste == "next" else 0
-            a_heads, m_heads = chunked_copy_lse(q, k, src, labels, shift, self.cfg.chunk_size)  # (B, H, T) each
+            a_heads, m_heads = chunked_copy_lse(q, k, src, labels, self.shift, self.cfg.chunk_size)  # (B, H, T) each
         else:
             a_heads, m_heads = self.dense_lse(q, k, src, labels)
         if self.cfg.mix == "gate":

@@ -86,8 +86,8 @@ class _ChunkedCopyLSE(torch.autograd.Function):
             a[:, :, r0:r1] = masked_logsumexp(scores, cand, dim=-1)
             if m is not None:
                 m[:, :, r0:r1] = masked_logsumexp(scores, match, dim=-1)
-        ctx.shift, ctx.chunk, ctx.has_labels = shift, chunk, labels is not None
-        ctx.save_for_backward(q, k, src, labels if labels is not None else src, a, m if m is not None else a)
+        ctx.shift, ctx.chunk = shift, chunk
+        ctx.save_for_backward(q, k, src, labels, a, m)  # labels, m: None without labels
         if m is None:
             return a
         return a, m
@@ -95,7 +95,6 @@ class _ChunkedCopyLSE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_a, grad_m=None):
         q, k, src, labels, a, m = ctx.saved_tensors
-        labels = labels if ctx.has_labels else None
         B, H, T, d = q.shape
         scale = 1.0 / math.sqrt(d)
         dq, dk = torch.zeros_like(q), torch.zeros_like(k)
