@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -27,7 +26,11 @@ import yaml
 
 from cplm_dist.errors import ConfigError
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+# The shipped configs: the repository's configs/ in a checkout (and an editable install); an
+# installed wheel carries them as package data in cplm_dist/configs.
+_PACKAGE_DIR = Path(__file__).resolve().parent
+CONFIG_DIR = next((d for d in (_PACKAGE_DIR / "configs", _PACKAGE_DIR.parent / "configs") if d.is_dir()),
+                  _PACKAGE_DIR.parent / "configs")
 
 MixMode = Literal["gate", "joint", "sentinel"]
 PasteMode = Literal["next", "self"]
@@ -163,30 +166,6 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     seed: int = 1234  # model initialisation
-
-
-# ---------------------------------------------------------------------------------------------
-# Derived sizes
-# ---------------------------------------------------------------------------------------------
-
-
-def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
-    """Megatron's padding: the smallest multiple of divisible_by * tp not below vocab_size."""
-    multiple = divisible_by * tp
-    return int(math.ceil(vocab_size / multiple) * multiple)
-
-
-def vocab_padding_note(cfg: Config) -> str | None:
-    """One line describing the vocabulary padding at this tp, or None when there is none."""
-    m = cfg.model
-    padded = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, cfg.parallel.tp)
-    if padded == m.vocab_size:
-        return None
-    return (
-        f"model.vocab_size={m.vocab_size} padded to {padded} (+{padded - m.vocab_size} ids, a "
-        f"multiple of {m.make_vocab_size_divisible_by}*tp={m.make_vocab_size_divisible_by * cfg.parallel.tp}); "
-        "padded ids are masked out of every softmax"
-    )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -41,7 +41,7 @@ from cplm_dist.optim import grad_norm
 from cplm_dist.launch_env import LaunchEnv
 from cplm_dist.parallel import ParallelDims, check_world, default_device, destroy_distributed, init_distributed
 from cplm_dist.run_log import RunLog
-from cplm_dist.throughput import device_peak_flops, flops_per_token, peak_memory_bytes
+from cplm_dist.profiling.throughput import device_peak_flops, flops_per_token, peak_memory_bytes
 
 EXIT_BAD_STEPS = 3
 

@@ -1,16 +1,21 @@
 """All vocabulary-sharded math: the LM head's logits live as [N, V/tp] shards and never get gathered.
 
-The pieces, in the order a loss uses them (DESIGN.md, "The copy head"):
+The pieces, in the order a loss uses them (docs/copy_head.md):
 
+0. `padded_vocab_size`, `vocab_range`: Megatron's padded vocabulary and the ids a rank's shard holds.
 1. `target_logit_and_lse`  z_{t,y} and LSE_V(z_t) per row from the shards: Megatron's vocab-parallel
    cross-entropy steps (all-reduce MAX of the local max, the target logit from its owner by
    all-reduce SUM, all-reduce SUM of the local sum-exp) in an autograd Function that keeps one
    [N, V/tp] buffer, the softmax, for backward.
-2. `mixed_log_prob`        log p(y_t) of the copy/LM mixture from z_y, LSE_V, A_t, M_t and the gate:
-   per-row scalars only, so ordinary autograd differentiates the copy side. Chained with (1) the
-   logits gradient is the closed form of DESIGN.md: the Function receives dL/dLSE = r_t and
-   dL/dz_y = -r_t (gate, sentinel) or the joint pair, and returns r_t softmax - r_t onehot.
-3. `mixed_nll`             the public loss: (1) then (2), 0 where labels = -100.
+2. `MIXES`                 each mix defined once, as the log-weights of its two components:
+       log p(w) = logaddexp(lm + log softmax_V(z)_w,  copy + log copy_mass_w)
+   where copy_mass_w = sum_{j in C_t, src_j = w} exp(s_tj) (M_t at w = y_t). The per-row loss and
+   the full distribution are both this one line; the copy side's share of the mass is 1 - exp(lm).
+3. `mixed_nll`             THE loss, copy on or off (copy off: LSE_V - z_y, the same Function on
+   the same group), with the LM head's own loss and the copy share as detached statistics. Chained
+   with (1) the logits gradient is the closed form of docs/copy_head.md: the Function receives
+   dL/dLSE = r_t and dL/dz_y = -r_t (gate, sentinel) or the joint pair, and returns
+   r_t softmax - r_t onehot; the copy side (A_t, M_t, gate) gets its gradient by autograd.
 4. `mixed_log_probs`       the full next-token distribution, this rank's vocabulary shard, with the
    copy mass scattered into the ids the rank owns (`scatter_copy_log_probs`); `gather_vocab`
    assembles [.., V] for evaluation and generation.
@@ -21,14 +26,51 @@ float64 reference in tests/reference.py that the tests compare against at tp = 1
 
 from __future__ import annotations
 
+import math
+from typing import Callable, NamedTuple
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from cplm_dist.megatron_compat import VocabParallelCrossEntropy
 
-IGNORE_INDEX = -100
-MIX_MODES = ("gate", "joint", "sentinel")
+IGNORE_INDEX = -100  # a label that is not trained on (Megatron's and torch's convention)
+NEG_INF = float("-inf")
+
+
+class CopyTerms(NamedTuple):
+    """What the mixture needs from the copy head, per token, each (..., ) float32. A NamedTuple,
+    not a dataclass, so that ZeRO-3's module hooks find its tensors: with a dataclass the copy head
+    got no pre-backward hook, its own parameter (the sentinel key) was already released when
+    backward needed it, and ZeRO-3 with the sentinel mix failed."""
+
+    copy_all: torch.Tensor  # A_t, -inf where no candidate
+    copy_match: torch.Tensor | None  # M_t, -inf where no candidate pastes the label (None without labels)
+    gate: torch.Tensor | None  # gate logit (gate), sentinel score (sentinel), None (joint)
+
+
+class TokenLoss(NamedTuple):
+    """Per-token results of `mixed_nll`; a NamedTuple so that ZeRO-3's hooks see its tensors."""
+
+    nll: torch.Tensor  # float32 loss of the mixture, 0 where labels = -100
+    lm_nll: torch.Tensor  # the LM head alone, LSE_V - z_y (detached statistic)
+    copy_share: torch.Tensor  # the copy side's share of the next-token mass (detached; 0 copy off)
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
+    """Megatron's padding: the smallest multiple of divisible_by * tp not below vocab_size."""
+    multiple = divisible_by * tp
+    return int(math.ceil(vocab_size / multiple) * multiple)
+
+
+def vocab_padding_note(vocab_size: int, divisible_by: int, tp: int) -> str | None:
+    """One line describing the vocabulary padding at this tp, or None when there is none."""
+    padded = padded_vocab_size(vocab_size, divisible_by, tp)
+    if padded == vocab_size:
+        return None
+    return (f"model.vocab_size={vocab_size} padded to {padded} (+{padded - vocab_size} ids, a multiple of "
+            f"{divisible_by}*tp={divisible_by * tp}); padded ids are masked out of every softmax")
 
 
 def tp_rank_size(tp_group: dist.ProcessGroup | None) -> tuple[int, int]:
@@ -108,84 +150,88 @@ def target_logit_and_lse(
 
 
 # ---------------------------------------------------------------------------------------------
-# 2. the mixture, per row
+# 2. the mixtures, each defined once by its two log-weights
 # ---------------------------------------------------------------------------------------------
 
 
-def mixed_log_prob(
-    z_y: torch.Tensor,
-    lse: torch.Tensor,
-    copy_all: torch.Tensor,
-    copy_match: torch.Tensor,
-    gate: torch.Tensor | None,
-    mix: str,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """log p(y_t) of the mixture and the copy side's share of the next-token mass (no gradient).
+class MixWeights(NamedTuple):
+    lm: torch.Tensor  # log weight of softmax_V(z): log g (gate, sentinel), LSE_V - log Z (joint)
+    copy: torch.Tensor  # log weight of the copy mass: log(1 - g) - A (gate), -S (sentinel), -log Z (joint)
 
-    copy_all A_t is -inf where a row has no candidate, copy_match M_t is -inf where no candidate
-    pastes y_t. Those -inf are replaced by finite stand-ins wherever a difference is formed, so
-    that masked rows get zero gradient instead of nan.
-    """
-    has_cand = torch.isfinite(copy_all)
-    neg_inf = torch.full_like(z_y, float("-inf"))
-    lm_log_softmax = z_y - lse  # log softmax_V(z)_y
-    if mix == "gate":
-        # g = sigmoid(gate); an empty candidate set forces g = 1.
-        log_g = torch.where(has_cand, F.logsigmoid(gate), torch.zeros_like(z_y))
-        copy_log_p = copy_match - torch.where(has_cand, copy_all, torch.zeros_like(z_y))  # M - A
-        copy_term = torch.where(has_cand, F.logsigmoid(-gate) + copy_log_p, neg_inf)
-        log_p = torch.logaddexp(log_g + lm_log_softmax, copy_term)
-        share = torch.where(has_cand, torch.sigmoid(-gate.detach()), torch.zeros_like(z_y))
-    elif mix == "joint":
-        # One softmax over vocabulary entries and context positions.
-        log_z = torch.logaddexp(lse, copy_all)
-        log_p = torch.logaddexp(z_y, copy_match) - log_z
-        share = torch.exp((copy_all - log_z).detach())
-    elif mix == "sentinel":
-        # The sentinel joins the copy softmax; its share is the LM head's weight.
-        s_t = torch.logaddexp(gate, copy_all)
-        log_g = gate - s_t
-        log_p = torch.logaddexp(log_g + lm_log_softmax, copy_match - s_t)
-        share = -torch.expm1(log_g.detach())
-    else:
+
+def _gate(lse, copy_all, gate, has_cand) -> MixWeights:
+    """g = sigmoid(gate); an empty candidate set forces g = 1 (and no copy mass)."""
+    safe_all = torch.where(has_cand, copy_all, torch.zeros_like(copy_all))
+    return MixWeights(torch.where(has_cand, F.logsigmoid(gate), torch.zeros_like(gate)),
+                      torch.where(has_cand, F.logsigmoid(-gate) - safe_all, torch.full_like(gate, NEG_INF)))
+
+
+def _joint(lse, copy_all, gate, has_cand) -> MixWeights:
+    """One softmax over vocabulary entries and context positions: Z = exp(LSE_V) + exp(A)."""
+    log_z = torch.logaddexp(lse, copy_all)
+    return MixWeights(lse - log_z, -log_z)
+
+
+def _sentinel(lse, copy_all, gate, has_cand) -> MixWeights:
+    """The sentinel (score `gate`) joins the copy softmax, S = logaddexp(sentinel, A); its share is g."""
+    s = torch.logaddexp(gate, copy_all)
+    return MixWeights(gate - s, -s)
+
+
+MIXES: dict[str, Callable[..., MixWeights]] = {"gate": _gate, "joint": _joint, "sentinel": _sentinel}
+MIX_MODES = tuple(MIXES)
+
+
+def mix_weights(lse: torch.Tensor, copy: CopyTerms, mix: str) -> MixWeights:
+    """The two log-weights of `mix` per row from LSE_V and the copy terms (any matching shapes)."""
+    if mix not in MIXES:
         raise ValueError(f"mix={mix!r} is not one of {MIX_MODES}")
-    return log_p, share
+    copy_all = copy.copy_all.to(lse.dtype)
+    gate = None if copy.gate is None else copy.gate.to(lse.dtype)
+    return MIXES[mix](lse, copy_all, gate, torch.isfinite(copy_all))
+
+
+def mixture(w: MixWeights, lm_log_softmax: torch.Tensor, copy_log_mass: torch.Tensor) -> torch.Tensor:
+    """log p = logaddexp(lm + log softmax_V(z), copy + log copy_mass): the one formula of every mix."""
+    return torch.logaddexp(w.lm + lm_log_softmax, w.copy + copy_log_mass)
 
 
 # ---------------------------------------------------------------------------------------------
-# 3. the public loss
+# 3. the loss
 # ---------------------------------------------------------------------------------------------
 
 
 def mixed_nll(
     lm_logits: torch.Tensor,
-    copy_all: torch.Tensor,
-    copy_match: torch.Tensor,
-    gate: torch.Tensor | None,
     labels: torch.Tensor,
-    mix: str,
+    copy: CopyTerms | None = None,
+    mix: str = "gate",
     tp_group: dist.ProcessGroup | None = None,
     *,
     inplace: bool = False,
-) -> torch.Tensor:
-    """Per-token negative log-likelihood of the copy/LM mixture, 0 where labels = -100.
+) -> TokenLoss:
+    """Per-token negative log-likelihood of the copy/LM mixture (copy=None: the LM head alone).
 
     float32 (float64 for float64 logits, as gradcheck uses). Training passes inplace=True (see
-    `target_logit_and_lse`).
+    `target_logit_and_lse`). Rows with labels = -100 give 0 and pass no gradient.
 
-    lm_logits  [N, V/tp] this rank's vocabulary shard (fp32 or bf16)
-    copy_all   [N] A_t  (-inf where a row has no candidate)
-    copy_match [N] M_t  (-inf where no candidate pastes the label)
-    gate       [N] gate logit (mix="gate"), sentinel score (mix="sentinel"); ignored for "joint"
-    labels     [N] global vocabulary ids; -100 = ignore
+    lm_logits [..., V/tp] this rank's vocabulary shard (fp32 or bf16)
+    labels    [...] global vocabulary ids; -100 = ignore
+    copy      CopyTerms [...] each: A_t (-inf: no candidate), M_t (-inf: no candidate pastes the
+              label), gate logit (gate) or sentinel score (sentinel), None (joint)
     """
-    if mix not in MIX_MODES:
-        raise ValueError(f"mix={mix!r} is not one of {MIX_MODES}")
     z_y, lse = target_logit_and_lse(lm_logits, labels, tp_group, inplace=inplace)
-    dtype = z_y.dtype
-    gate = None if mix == "joint" else gate.to(dtype)
-    log_p, _ = mixed_log_prob(z_y, lse, copy_all.to(dtype), copy_match.to(dtype), gate, mix)
-    return torch.where(labels == IGNORE_INDEX, torch.zeros_like(log_p), -log_p)
+    lm_log_p = z_y - lse  # log softmax_V(z)_y
+    if copy is None:
+        log_p, share = lm_log_p, torch.zeros_like(lm_log_p)
+    else:
+        w = mix_weights(lse, copy, mix)
+        log_p = mixture(w, lm_log_p, copy.copy_match.to(lse.dtype))
+        share = -torch.expm1(w.lm.detach())
+    keep = labels != IGNORE_INDEX
+    zero = torch.zeros_like(log_p)
+    return TokenLoss(torch.where(keep, -log_p, zero), torch.where(keep, -lm_log_p.detach(), zero),
+                     torch.where(keep, share, zero))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -226,45 +272,24 @@ def scatter_copy_log_probs(
 @torch.no_grad()
 def mixed_log_probs(
     lm_logits: torch.Tensor,
-    copy_log_probs: torch.Tensor,
-    copy_all: torch.Tensor,
-    gate: torch.Tensor | None,
-    mix: str,
+    copy_log_probs: torch.Tensor | None = None,
+    copy: CopyTerms | None = None,
+    mix: str = "gate",
     tp_group: dist.ProcessGroup | None = None,
-    *,
-    with_copy_part: bool = False,
-):
-    """log p_w of the mixture for this rank's vocabulary shard [..., V/tp], float32.
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(log p_w of the mixture, log of the copy component's mass on w) for this rank's vocabulary
+    shard [..., V/tp], float32; copy=None: (log softmax_V(z), None), the model without copy head.
 
-    copy_log_probs [..., V/tp] log p_copy(w) from `scatter_copy_log_probs`; copy_all [...] A_t.
-    with_copy_part=True also returns the copy component's share of it, log of its mass on w.
+    copy_log_probs [..., V/tp] log p_copy(w) from `scatter_copy_log_probs`; copy.copy_all [...] A_t.
     """
     z = lm_logits.float()
     lse = vocab_parallel_lse(z, tp_group).unsqueeze(-1)
-    a = copy_all.float().unsqueeze(-1)
-    has_cand = torch.isfinite(a)
-    copy_mass = a + copy_log_probs  # log of the unnormalised copy mass on w (-inf where none)
-    if mix == "gate":
-        g = gate.float().unsqueeze(-1)
-        log_g = torch.where(has_cand, F.logsigmoid(g), torch.zeros_like(g))
-        log_1mg = torch.where(has_cand, F.logsigmoid(-g), torch.full_like(g, float("-inf")))
-        lm_part, copy_part = log_g + z - lse, log_1mg + copy_log_probs
-    elif mix == "joint":
-        log_z = torch.logaddexp(lse, a)
-        lm_part, copy_part = z - log_z, copy_mass - log_z
-    elif mix == "sentinel":
-        s_t = torch.logaddexp(gate.float().unsqueeze(-1), a)
-        lm_part, copy_part = gate.float().unsqueeze(-1) - s_t + z - lse, copy_mass - s_t
-    else:
-        raise ValueError(f"mix={mix!r} is not one of {MIX_MODES}")
-    log_p = torch.logaddexp(lm_part, copy_part)
-    return (log_p, copy_part) if with_copy_part else log_p
-
-
-@torch.no_grad()
-def vocab_parallel_log_softmax(logits: torch.Tensor, tp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """log softmax_V(z) for this rank's shard, float32 (the distribution with the copy head off)."""
-    return logits.float() - vocab_parallel_lse(logits, tp_group).unsqueeze(-1)
+    if copy is None:
+        return z - lse, None
+    copy = CopyTerms(copy.copy_all.float().unsqueeze(-1), None, None if copy.gate is None else copy.gate.float().unsqueeze(-1))
+    w = mix_weights(lse, copy, mix)
+    copy_log_mass = copy.copy_all + copy_log_probs  # log sum_{j: src_j = w} exp(s_tj) (-inf where none)
+    return mixture(w, z - lse, copy_log_mass), w.copy + copy_log_mass
 
 
 @torch.no_grad()

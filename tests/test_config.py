@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from cplm_dist.config import CONFIG_DIR, Config, ConfigError, load_config, padded_vocab_size, vocab_padding_note
+from cplm_dist.config import CONFIG_DIR, Config, ConfigError, load_config
+from cplm_dist.vocab_parallel import padded_vocab_size, vocab_padding_note
 from cplm_dist.model.counting import parameter_count
 
 REPO = Path(__file__).resolve().parent.parent
@@ -89,9 +90,9 @@ def test_vocab_padding_is_megatron_style_and_reported():
     assert padded_vocab_size(49152, 128, 8) == 49152
     assert padded_vocab_size(50000, 128, 1) == 50048
     assert padded_vocab_size(50000, 128, 2) == 50176
-    cfg = load_config("tiny", ["model.vocab_size=300", "parallel.tp=2"])
-    assert vocab_padding_note(cfg).startswith("model.vocab_size=300 padded to 512 (+212 ids")
-    assert vocab_padding_note(load_config("tiny")) is None
+    assert vocab_padding_note(300, 128, 2).startswith("model.vocab_size=300 padded to 512 (+212 ids")
+    tiny = load_config("tiny").model
+    assert vocab_padding_note(tiny.vocab_size, tiny.make_vocab_size_divisible_by, 1) is None
 
 
 def test_cli_config_error_exits_2_with_one_line():
@@ -133,4 +134,8 @@ def test_every_subpackage_is_packaged():
 
     listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     found = {".".join(p.parent.relative_to(REPO).parts) for p in (REPO / "cplm_dist").rglob("__init__.py")}
-    assert found | {"cplm_dist_tools"} == listed
+    configs = {".".join(("cplm_dist",) + p.relative_to(REPO).parts) for p in (REPO / "configs").rglob("*")
+               if p.is_dir()} | {"cplm_dist.configs"}
+    assert found | configs | {"cplm_dist_tools"} == listed
+    data = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    assert set(data) == configs and all(v == ["*.yaml"] for v in data.values())

@@ -9,7 +9,7 @@ import torch
 from cplm_dist import vocab_parallel as vp
 from cplm_dist.config import CopyConfig, ModelConfig
 from cplm_dist.model.copy_head import CopyHead
-from cplm_dist.model.copy_scores import chunked_copy_lse, masked_logsumexp
+from cplm_dist.model.copy_lse import chunked_copy_lse, dense_copy_lse, masked_logsumexp
 from tests import reference
 
 B, T, D, V = 2, 9, 16, 7  # a small vocabulary, so that context tokens repeat and get pasted
@@ -71,11 +71,9 @@ def test_training_and_evaluation_paths_match_the_written_out_mixture(mix, paste,
     # evaluation path: the full next-token distribution
     weights, src, terms = head.position_weights(h, ids)
     copy_lp = vp.scatter_copy_log_probs(weights, src, V)
-    log_probs = vp.mixed_log_probs(logits, copy_lp, terms.copy_all, terms.gate, mix)
+    log_probs, _ = vp.mixed_log_probs(logits, copy_lp, terms, mix)
     # training path: per-token nll from A_t, M_t
-    train = head(h, ids, labels)
-    nll = vp.mixed_nll(logits.reshape(-1, V), train.copy_all.reshape(-1), train.copy_match.reshape(-1),
-                       None if train.gate is None else train.gate.reshape(-1), labels.reshape(-1), mix).view(B, T)
+    nll = vp.mixed_nll(logits, labels, head(h, ids, labels), mix).nll
     for b in range(B):
         ref = reference.next_token_distribution(logits[b], scores[b], gate[b], ids[b], mix, paste)
         torch.testing.assert_close(log_probs[b].exp().double(), ref, rtol=1e-5, atol=1e-6)
@@ -91,9 +89,7 @@ def test_gradients_are_finite_through_empty_rows(mix):
     h, ids, labels, logits = inputs(seed=3)
     h.requires_grad_(True)
     terms = head(h, ids, labels)
-    nll = vp.mixed_nll(logits.reshape(-1, V), terms.copy_all.reshape(-1), terms.copy_match.reshape(-1),
-                       None if terms.gate is None else terms.gate.reshape(-1), labels.reshape(-1), mix)
-    nll.sum().backward()
+    vp.mixed_nll(logits, labels, terms, mix).nll.sum().backward()
     assert torch.isfinite(h.grad).all()
     assert all(torch.isfinite(p.grad).all() for p in head.parameters())
     assert h.grad.abs().sum() > 0
@@ -109,7 +105,7 @@ def test_masked_logsumexp_empty_rows_have_zero_gradient():
     assert torch.isfinite(x.grad).all() and (x.grad[1] == 0).all() and (x.grad[2, [1, 3, 4]] == 0).all()
 
 
-# --- the chunked path (cplm_dist.model.copy_scores) against the dense one ---------------------------
+# --- the chunked path (cplm_dist.model.copy_lse) against the dense one ---------------------------
 
 
 def lse_inputs(paste, with_labels, T_=11, heads=2, d=8, seed=4):
@@ -140,7 +136,7 @@ def finite_weighted_sum(outputs, seed=5):
 def test_chunked_log_sum_exps_equal_the_dense_path_in_float64(paste, with_labels, chunk):
     q, k, src, labels, head = lse_inputs(paste, with_labels)
     shift = -1 if paste == "next" else 0
-    dense = head.dense_lse(q, k, src, labels)
+    dense = dense_copy_lse(q, k, src, labels, head.shift)
     chunked = chunked_copy_lse(q, k, src, labels, shift, chunk)
     for want, got in zip(dense, chunked):
         if want is None:
@@ -178,7 +174,7 @@ def test_chunked_empty_rows_pass_nothing_back_whatever_arrives():
     grad_a[:, :, 0] = float("inf")
     grad_m = torch.where(torch.isfinite(m), 1.0, float("nan")).to(m.dtype)
     got = torch.autograd.grad([a, m], [q, k], [grad_a, grad_m])
-    ad, md = head.dense_lse(q, k, src, labels)
+    ad, md = dense_copy_lse(q, k, src, labels, head.shift)
     want = torch.autograd.grad([ad, md], [q, k], [grad_a.nan_to_num(posinf=0.0), grad_m.nan_to_num(nan=0.0)])
     for g, w in zip(got, want):
         assert torch.isfinite(g).all()

@@ -16,7 +16,8 @@ import torch
 from cplm_dist.config import load_config
 from cplm_dist.data.corpora import synthetic_copy_documents
 from cplm_dist.data.tokenizer import load_tokenizer
-from cplm_dist.evaluation.tasks import GENERATORS, TASKS, EvalContext, OracleModel, UniformModel, default_settings, run_suite
+from cplm_dist.evaluation.tasks import GENERATORS, TASKS, EvalContext, default_settings, run_suite
+from tests.reference_models import OracleModel, UniformModel
 from tests.spawn import run_ranks
 from tests.test_train import argv
 
@@ -70,7 +71,7 @@ def test_oracle_scores_perfectly_and_uniform_at_chance(ctx):
 
 
 def _decode_worker(tp):
-    from cplm_dist.generation import generate
+    from cplm_dist.evaluation.generation import generate
     from cplm_dist.model import build_model
     from cplm_dist.parallel import init_distributed
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from cplm_dist.config import load_config
-from cplm_dist.memory import estimate, largest_micro_batch, layer_activation_bytes_per_token
+from cplm_dist.profiling.memory import estimate, largest_micro_batch, layer_activation_bytes_per_token
 from tests.spawn import run_ranks
 
 REPO = Path(__file__).resolve().parent.parent

@@ -3,8 +3,8 @@
 import pytest
 
 from cplm_dist.config import load_config
-from cplm_dist.model.counting import parameter_count
-from cplm_dist.throughput import PEAK_FLOPS, flops_per_token, matmul_parameters, peak_for_name
+from cplm_dist.model.counting import matmul_parameters, parameter_count
+from cplm_dist.profiling.throughput import PEAK_FLOPS, flops_per_token, peak_for_name
 
 
 def test_flops_per_token_tiny_by_hand():

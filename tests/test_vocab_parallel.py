@@ -31,6 +31,11 @@ def make_inputs(seed=0, dtype=torch.float64, n=N, v=V):
     return logits, copy_all, copy_match, gate, labels
 
 
+def nll(z, a, m, g, labels, mix, tp_group=None, **kw):
+    """mixed_nll's loss from flat per-row tensors."""
+    return vp.mixed_nll(z, labels, vp.CopyTerms(a, m, g), mix, tp_group, **kw).nll
+
+
 def grads_of(fn, tensors, weights):
     tensors = [t.detach().clone().requires_grad_(True) for t in tensors]
     out = fn(*tensors)
@@ -42,7 +47,7 @@ def grads_of(fn, tensors, weights):
 def test_matches_dense_reference_values_and_gradients(mix):
     logits, copy_all, copy_match, gate, labels = make_inputs()
     weights = torch.rand(N, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-    got, got_grads = grads_of(lambda z, a, m, g: vp.mixed_nll(z, a, m, g, labels, mix), (logits, copy_all, copy_match, gate), weights)
+    got, got_grads = grads_of(lambda z, a, m, g: nll(z, a, m, g, labels, mix), (logits, copy_all, copy_match, gate), weights)
     ref, ref_grads = grads_of(lambda z, a, m, g: reference.mixture_nll(z, a, m, g, labels, mix), (logits, copy_all, copy_match, gate), weights)
     torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
     assert (got[[3, 9]] == 0).all()
@@ -56,20 +61,20 @@ def test_matches_dense_reference_values_and_gradients(mix):
 def test_gradcheck(mix):
     logits, copy_all, copy_match, gate, labels = make_inputs(n=10, v=9)
     inputs = tuple(t.requires_grad_(True) for t in (logits, copy_all, copy_match, gate))
-    assert torch.autograd.gradcheck(lambda z, a, m, g: vp.mixed_nll(z, a, m, g, labels, mix), inputs)
+    assert torch.autograd.gradcheck(lambda z, a, m, g: nll(z, a, m, g, labels, mix), inputs)
 
 
 @pytest.mark.parametrize("mix", ["gate", "sentinel", "joint"])
 def test_logits_gradient_is_the_closed_form(mix):
     logits, copy_all, copy_match, gate, labels = make_inputs(seed=3)
     logits.requires_grad_(True)
-    vp.mixed_nll(logits, copy_all, copy_match, gate, labels, mix).sum().backward()
+    nll(logits, copy_all, copy_match, gate, labels, mix).sum().backward()
     z = logits.detach()
     softmax = torch.softmax(z, -1)
     keep = labels != vp.IGNORE_INDEX
     y = labels.clamp(min=0)
     onehot = torch.nn.functional.one_hot(y, V).double()
-    nll = vp.mixed_nll(z, copy_all, copy_match, gate, labels, mix)
+    loss = nll(z, copy_all, copy_match, gate, labels, mix)
     lm_log_p = z.gather(1, y[:, None]).squeeze(1) - torch.logsumexp(z, -1)
     if mix == "joint":
         log_z = torch.logaddexp(torch.logsumexp(z, -1), copy_all)
@@ -80,7 +85,7 @@ def test_logits_gradient_is_the_closed_form(mix):
             log_g = torch.where(torch.isfinite(copy_all), torch.nn.functional.logsigmoid(gate), 0.0)
         else:
             log_g = gate - torch.logaddexp(gate, copy_all)
-        r = torch.exp(log_g + lm_log_p + nll)  # posterior weight of the LM component
+        r = torch.exp(log_g + lm_log_p + loss)  # posterior weight of the LM component
         expected = r[:, None] * (softmax - onehot)
     expected[~keep] = 0
     torch.testing.assert_close(logits.grad, expected, rtol=1e-10, atol=1e-12)
@@ -89,22 +94,24 @@ def test_logits_gradient_is_the_closed_form(mix):
 def test_inplace_mode_equals_copying_mode_and_bf16_is_close():
     logits, copy_all, copy_match, gate, labels = [t.float() if t.is_floating_point() else t for t in make_inputs(seed=4)]
     weights = torch.rand(N)
-    ref, ref_grads = grads_of(lambda z: vp.mixed_nll(z, copy_all, copy_match, gate, labels, "gate"), (logits,), weights)
+    ref, ref_grads = grads_of(lambda z: nll(z, copy_all, copy_match, gate, labels, "gate"), (logits,), weights)
 
     def inplace(z):
-        return vp.mixed_nll(z * 1.0, copy_all, copy_match, gate, labels, "gate", inplace=True)
+        return nll(z * 1.0, copy_all, copy_match, gate, labels, "gate", inplace=True)
 
     got, got_grads = grads_of(inplace, (logits,), weights)
     torch.testing.assert_close(got, ref, rtol=0, atol=0)
     torch.testing.assert_close(got_grads[0], ref_grads[0], rtol=0, atol=0)
-    low, _ = grads_of(lambda z: vp.mixed_nll(z, copy_all, copy_match, gate, labels, "gate"), (logits.bfloat16(),), weights)
+    low, _ = grads_of(lambda z: nll(z, copy_all, copy_match, gate, labels, "gate"), (logits.bfloat16(),), weights)
     assert low.dtype == torch.float32
     torch.testing.assert_close(low, ref, rtol=0.02, atol=0.05)
 
 
 def test_full_distribution_pieces_without_copy_are_log_softmax():
     z = torch.randn(3, 5, 40)
-    torch.testing.assert_close(vp.vocab_parallel_log_softmax(z), torch.log_softmax(z, -1))
+    log_p, copy_part = vp.mixed_log_probs(z)
+    torch.testing.assert_close(log_p, torch.log_softmax(z, -1))
+    assert copy_part is None
 
 
 # --- tensor parallel: tp = 2 and 4 against one process ------------------------------------------
@@ -120,10 +127,10 @@ def _tp_worker(tp):
         full, copy_all, copy_match, gate, labels = make_inputs(seed=7, dtype=torch.float32)
         shard = take_shard(full, spec, dims.tp_rank, tp).clone().requires_grad_(True)
         a, m, g = (t.clone().requires_grad_(True) for t in (copy_all, copy_match, gate))
-        nll = vp.mixed_nll(shard, a, m, g, labels, mix, dims.tp_group)
-        (nll * torch.linspace(0.5, 1.5, N)).sum().backward()
+        loss = nll(shard, a, m, g, labels, mix, dims.tp_group)
+        (loss * torch.linspace(0.5, 1.5, N)).sum().backward()
         results[mix] = {
-            "nll": nll.detach(),
+            "nll": loss.detach(),
             "d_logits": gather_full(shard.grad, spec, dims.tp_group),
             "d_copy": torch.stack([t.grad if t.grad is not None else torch.zeros_like(t) for t in (a, m, g)]),
         }
@@ -133,7 +140,8 @@ def _tp_worker(tp):
     src = torch.tensor([[5, V - 1, 17], [40, 40, 2]])
     shard = take_shard(logits, ShardSpec(dim=2), dims.tp_rank, tp)
     copy_lp = vp.scatter_copy_log_probs(copy_w, src, V // tp, dims.tp_group)
-    lp = vp.mixed_log_probs(shard, copy_lp, torch.zeros(2, 3), torch.zeros(2, 3), "gate", dims.tp_group)
+    lp, _ = vp.mixed_log_probs(shard, copy_lp, vp.CopyTerms(torch.zeros(2, 3), None, torch.zeros(2, 3)), "gate",
+                               dims.tp_group)
     results["dist"] = vp.gather_vocab(lp, dims.tp_group)
     assert dist.get_world_size(dims.tp_group) == tp
     return results
@@ -150,7 +158,7 @@ def test_tp_equals_one_process(tp_results, tp, mix):
     one = tp_results[1][0][mix]
     # the tp=1 run in a process group equals the tp_group=None path
     full, copy_all, copy_match, gate, labels = make_inputs(seed=7, dtype=torch.float32)
-    torch.testing.assert_close(one["nll"], vp.mixed_nll(full, copy_all, copy_match, gate, labels, mix))
+    torch.testing.assert_close(one["nll"], nll(full, copy_all, copy_match, gate, labels, mix))
     for rank, res in enumerate(tp_results[tp]):
         r = res[mix]
         torch.testing.assert_close(r["nll"], one["nll"], rtol=1e-6, atol=1e-6, msg=f"nll, rank {rank}")

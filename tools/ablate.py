@@ -205,7 +205,7 @@ def across_seeds(runs: list[dict], args, tasks: list[str]) -> str:
 
 
 def plots(runs: list[dict], tasks: list[str], out: Path) -> None:
-    from cplm_dist.plotting import figure, lines
+    from cplm_dist.profiling.plotting import figure, lines
 
     with figure(out / "loss.png", size=(6, 4)) as ax:
         curves = {r["name"]: [(t, v) for t, v in r["valid_curve"] if t is not None] for r in runs}

@@ -26,11 +26,11 @@ FIELDS = ("seq_len", "impl", "chunk", "peak_mb", "estimated_mb", "seconds", "max
 
 
 def estimated_mb(args, T: int, impl: str) -> float:
-    """cplm_dist.memory's copy-head term for this point (what the training estimate counts), plus
+    """cplm_dist.profiling.memory's copy-head term for this point (what the training estimate counts), plus
     the gradient with respect to h that this measurement also holds (in training it is counted
     with the layers' gradients)."""
     from cplm_dist.config import Config, CopyConfig
-    from cplm_dist.memory import copy_head_bytes
+    from cplm_dist.profiling.memory import copy_head_bytes
 
     cfg = Config(copy=CopyConfig(num_heads=args.heads, head_dim=args.head_dim, impl=impl, chunk_size=args.chunk))
     return (copy_head_bytes(cfg, args.batch, T) + 4 * args.batch * T * args.hidden) / 1e6
@@ -71,7 +71,7 @@ def run_head(head, h, ids, labels):
 
 def measure(args, T: int, impl: str) -> dict:
     """One point in this process: peak memory above the start, seconds (best of --repeat)."""
-    from cplm_dist.profiling import PeakMeter, current_memory_bytes, release_freed_memory_on_cpu
+    from cplm_dist.profiling.measure import PeakMeter, current_memory_bytes, release_freed_memory_on_cpu
 
     device = torch.device(args.device)
     release_freed_memory_on_cpu()

@@ -8,8 +8,8 @@
     python tools/cplm_profile.py --config cplm-135m --peer                          # against transformers' Llama
 
 Reports tokens/s (global, per device), the step-time breakdown (forward, backward, optimizer;
-tensor-parallel and data-parallel / ZeRO communication), TFLOP/s and MFU (cplm_dist.throughput),
-peak memory and the estimate of cplm_dist.memory, as a console table, a JSON file (--json) and one
+tensor-parallel and data-parallel / ZeRO communication), TFLOP/s and MFU (cplm_dist.profiling.throughput),
+peak memory and the estimate of cplm_dist.profiling.memory, as a console table, a JSON file (--json) and one
 row appended to a CSV (--csv). --trace FILE writes a torch.profiler Chrome trace of one step.
 """
 
@@ -31,7 +31,7 @@ import torch
 from cplm_dist.cli import config_parser, exit_on_usage_error, load_from_args
 from cplm_dist.config import Config, batch_layout, load_config
 from cplm_dist.errors import UsageError
-from cplm_dist.memory import estimate
+from cplm_dist.profiling.memory import estimate
 
 SWEEPABLE = {  # --sweep name -> config override (a value list follows the '=')
     "tp": "parallel.tp",
@@ -72,7 +72,7 @@ def parser() -> argparse.ArgumentParser:
 
 def setup(cfg: Config, args):
     from cplm_dist.parallel import default_device, init_distributed
-    from cplm_dist.profiling import release_freed_memory_on_cpu
+    from cplm_dist.profiling.measure import release_freed_memory_on_cpu
 
     dims = init_distributed(cfg.parallel.tp)
     device = default_device()
@@ -110,7 +110,7 @@ def describe(cfg: Config, dims, seq: int, accumulation: int) -> dict:
 
 
 def profile_one(cfg: Config, args) -> dict:
-    from cplm_dist.profiling import current_memory_bytes, measure
+    from cplm_dist.profiling.measure import current_memory_bytes, measure
 
     dims, device, seq, accumulation = setup(cfg, args)
     baseline = current_memory_bytes(device)
@@ -134,7 +134,7 @@ def alternate(engines: dict, cfg: Config, args, dims, device, seq: int, accumula
     import statistics
     import time
 
-    from cplm_dist.profiling import PeakMeter, _sync, current_memory_bytes, train_step
+    from cplm_dist.profiling.measure import PeakMeter, _sync, current_memory_bytes, train_step
 
     gen = torch.Generator().manual_seed(0)
     times = {name: [] for name in engines}
@@ -164,7 +164,7 @@ def alternate(engines: dict, cfg: Config, args, dims, device, seq: int, accumula
 
 
 def build_measured(make, device):
-    from cplm_dist.profiling import current_memory_bytes
+    from cplm_dist.profiling.measure import current_memory_bytes
 
     before = current_memory_bytes(device)
     engine = make()
@@ -212,12 +212,12 @@ class HFAdapter(torch.nn.Module):
         self.model = model
 
     def forward(self, input_ids, labels):
-        from cplm_dist.model.cplm import CPLMOutput
+        from cplm_dist.vocab_parallel import TokenLoss
 
         logits = self.model(input_ids=input_ids).logits
         nll = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none")
         nll = nll.view_as(labels)
-        return CPLMOutput(nll, nll.detach(), torch.zeros_like(nll))
+        return TokenLoss(nll, nll.detach(), torch.zeros_like(nll))
 
 
 def peer(cfg: Config, args) -> dict:
@@ -350,7 +350,7 @@ def sweep(args) -> int:
 
 def plot_sweep(results: list[dict], grid: dict, out: Path) -> list[Path]:
     """One PNG per swept variable: tokens/s and step memory against it, a line per other setting."""
-    from cplm_dist.plotting import figure, lines
+    from cplm_dist.profiling.plotting import figure, lines
 
     paths = []
     for var in grid:

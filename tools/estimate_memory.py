@@ -4,7 +4,7 @@
     python tools/estimate_memory.py --config cplm-70b --tp 8 --dp 64 --zero 3 --seq-len 4096 --gpu-gb 80
     python tools/estimate_memory.py --config configs/runs/cplm-7b.yaml --dp 32     # layout fields from the config
 
-The formulas (cplm_dist/memory.py, docs/performance.md): model states by ZeRO stage and precision,
+The formulas (cplm_dist/profiling/memory.py, docs/performance.md): model states by ZeRO stage and precision,
 activations per layer of our block with and without checkpointing, the copy head's scores, the
 [tokens, V/tp] softmax buffer, and the larger of the two transient peaks.
 """
@@ -15,7 +15,7 @@ import sys
 
 from cplm_dist.cli import config_parser, exit_on_usage_error, load_from_args
 from cplm_dist.errors import UsageError
-from cplm_dist.memory import GIB, estimate, largest_micro_batch
+from cplm_dist.profiling.memory import GIB, estimate, largest_micro_batch
 
 
 @exit_on_usage_error

@@ -74,7 +74,7 @@ def print_table(results: dict, valid: dict | None) -> None:
 
 def plot(results: dict, out: Path) -> list[Path]:
     """Per task: accuracy (or exact match) against its first setting key, a line per other setting."""
-    from cplm_dist.plotting import figure, lines
+    from cplm_dist.profiling.plotting import figure, lines
 
     paths = []
     for task, rows in results.items():

@@ -112,7 +112,7 @@ def main(argv=None) -> int:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    from cplm_dist.plotting import figure, lines
+    from cplm_dist.profiling.plotting import figure, lines
 
     suppression = {}
     for r in rows:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from cplm_dist.generation import generate
+from cplm_dist.evaluation.generation import generate
 
 
 class HarnessAdapter:

@@ -11,19 +11,18 @@
 Token tasks draw ids from [first_id, vocab_size) (first_id skips the tokenizer's special ids);
 text tasks go through the tokenizer. Each generator is deterministic in (seed, setting). A model
 is anything with `vocab_size` and `next_token_logprobs(ids) -> (B, T, V)` (a CPLM, or the
-`OracleModel` / `UniformModel` the tests score the suite with).
+the oracle and uniform reference models in tests/reference_models.py).
 """
 
 from __future__ import annotations
 
-import math
 import random
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
-from cplm_dist.generation import generate
+from cplm_dist.evaluation.generation import generate
 
 TASKS = ("induction", "mqar", "phonebook", "needle", "spamlang")
 
@@ -216,36 +215,3 @@ def run_suite(model, ctx: EvalContext, tasks=TASKS, samples: int = 32, seed: int
             rows.append({"setting": setting, **score})
         results[task] = rows
     return results
-
-
-# --- reference models ----------------------------------------------------------------------------
-
-
-class UniformModel:
-    """Every next token equally likely: the suite's chance level."""
-
-    def __init__(self, vocab_size: int):
-        self.vocab_size = vocab_size
-
-    def next_token_logprobs(self, ids: torch.Tensor) -> torch.Tensor:
-        return torch.full((*ids.shape, self.vocab_size), -math.log(self.vocab_size))
-
-
-class OracleModel:
-    """Knows the sequences it is evaluated on: puts all mass on the true next token wherever the
-    input is a prefix of one of them (uniform elsewhere). The suite must score it perfectly."""
-
-    def __init__(self, vocab_size: int, sequences: list[list[int]]):
-        self.vocab_size = vocab_size
-        self.sequences = [tuple(s) for s in sequences]
-
-    def next_token_logprobs(self, ids: torch.Tensor) -> torch.Tensor:
-        out = torch.full((*ids.shape, self.vocab_size), -math.log(self.vocab_size))
-        for b, row in enumerate(ids.tolist()):
-            full = next((s for s in self.sequences if s[: len(row)] == tuple(row)), None)
-            if full is None:
-                continue
-            for t in range(min(len(row), len(full) - 1)):
-                out[b, t] = float("-inf")
-                out[b, t, full[t + 1]] = 0.0
-        return out

@@ -1,4 +1,4 @@
-"""The Copy-Paste head (DESIGN.md, "The copy head"), replicated on every tp rank.
+"""The Copy-Paste head (docs/copy_head.md), replicated on every tp rank.
 
 H_c heads of width d_c score every context position j for every position t:
     q_t = W_q h_t,  k_j = W_k h_j,  s_tj = q_t . k_j / sqrt(d_c)          (optional RoPE on q, k)
@@ -13,38 +13,23 @@ Several heads are combined into one (A_t, M_t) so that the loss interface stays 
     A_t = log mean_h exp(A_h), M_t = log mean_h exp(M_h), and the sentinel score likewise.
 With one head both reduce to the formulas above.
 
-Two paths compute the per-head (A, M), chosen by `copy.impl`:
+Two paths in cplm_dist.model.copy_lse compute the per-head (A, M), chosen by `copy.impl`:
   - dense: forms the (B, H_c, T, T) scores and lets autograd keep what it needs; the reference
     every faster path is tested against;
-  - chunked (default): cplm_dist.model.copy_scores, query rows in blocks of `copy.chunk_size`,
-    scores recomputed in backward; memory linear in T for a fixed block. A sequence that fits in
-    one block (T <= chunk_size) takes the dense path: the same peak memory, no recomputation.
+  - chunked (default): query rows in blocks of `copy.chunk_size`, scores recomputed in backward;
+    memory linear in T for a fixed block. A sequence that fits in one block (T <= chunk_size)
+    takes the dense path: the same peak memory, no recomputation.
 """
 
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
-
 import torch
 
 from cplm_dist.config import CopyConfig, ModelConfig
-from cplm_dist.model.copy_scores import chunked_copy_lse, masked_logsumexp
+from cplm_dist.model.copy_lse import candidate_mask, chunked_copy_lse, dense_copy_lse, masked_logsumexp
 from cplm_dist.model.rotary import apply_rope, rope_tables
-
-NEG_INF = float("-inf")
-
-
-class CopyTerms(NamedTuple):
-    """Per-token summary of the copy side, each (B, T) float32. A NamedTuple, not a dataclass, so
-    that ZeRO-3's module hooks find its tensors: with a dataclass the copy head got no pre-backward
-    hook, its own parameter (the sentinel key) was already released when backward needed it, and
-    ZeRO-3 with the sentinel mix failed."""
-
-    copy_all: torch.Tensor  # A_t, -inf where no candidate
-    copy_match: torch.Tensor | None  # M_t, -inf where no candidate pastes the label (None without labels)
-    gate: torch.Tensor | None  # gate logit (gate), sentinel score (sentinel), None (joint)
-
+from cplm_dist.vocab_parallel import NEG_INF, CopyTerms
 
 class CopyHead(torch.nn.Module):
     def __init__(self, model_cfg: ModelConfig, cfg: CopyConfig, *, device=None, dtype=None):
@@ -62,11 +47,6 @@ class CopyHead(torch.nn.Module):
             self.sentinel = torch.nn.Parameter(torch.empty(cfg.num_heads, cfg.head_dim, device=device, dtype=dtype))
 
     # --- pieces ---------------------------------------------------------------------------------
-
-    def candidate_mask(self, T: int, device, offset: int = 0, keys: int | None = None) -> torch.Tensor:
-        """(T, keys) bool, [i, j] = j in C_t for the query at position t = offset + i."""
-        keys = T if keys is None else keys
-        return torch.ones(T, keys, dtype=torch.bool, device=device).tril(diagonal=offset + self.shift)
 
     def source_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         """(B, T) id pasted from position j; -1 where position j pastes nothing."""
@@ -109,24 +89,13 @@ class CopyHead(torch.nn.Module):
         if self.cfg.impl == "chunked" and q.shape[2] > self.cfg.chunk_size:
             a_heads, m_heads = chunked_copy_lse(q, k, src, labels, self.shift, self.cfg.chunk_size)  # (B, H, T) each
         else:
-            a_heads, m_heads = self.dense_lse(q, k, src, labels)
+            a_heads, m_heads = dense_copy_lse(q, k, src, labels, self.shift)
         if self.cfg.mix == "gate":
             copy_all = torch.where(torch.isfinite(a_heads[:, 0]), 0.0, NEG_INF)  # (B, T)
         else:
             copy_all = self._combine(a_heads, a_heads)
         copy_match = self._combine(m_heads, a_heads) if labels is not None else None
         return CopyTerms(copy_all, copy_match, self.gate_logit(h, q))
-
-    def dense_lse(self, q: torch.Tensor, k: torch.Tensor, src: torch.Tensor, labels: torch.Tensor | None):
-        """Per-head (A, M) (B, H, T) from the full (B, H, T, T) scores; M is None without labels."""
-        T = q.shape[2]
-        scores = q @ k.transpose(-1, -2) / math.sqrt(self.head_dim)  # (B, H, T, T)
-        cand = self.candidate_mask(T, q.device)  # (T, T)
-        a_heads = masked_logsumexp(scores, cand, dim=-1)  # (B, H, T)
-        if labels is None:
-            return a_heads, None
-        match = cand & (src.unsqueeze(1) == labels.unsqueeze(2))  # (B, T, T): j pastes y_t
-        return a_heads, masked_logsumexp(scores, match.unsqueeze(1), dim=-1)
 
     # --- evaluation: the copy distribution over positions ------------------------------------------
 
@@ -143,7 +112,7 @@ class CopyHead(torch.nn.Module):
         (B, H, Tk, d) of the positions 0..Tk-1 whose ids are `ids` (B, Tk); h (B, Tq, D) for the gate."""
         Tq, Tk = q.shape[2], k.shape[2]
         scores = q @ k.transpose(-1, -2) / math.sqrt(self.head_dim)  # (B, H, Tq, Tk)
-        cand = self.candidate_mask(Tq, q.device, offset, Tk)
+        cand = candidate_mask(Tq, Tk, offset, self.shift, q.device)
         scores = scores.masked_fill(~cand, NEG_INF)
         a_heads = masked_logsumexp(scores, None, dim=-1)  # (B, H, Tq)
         if self.cfg.mix == "gate":

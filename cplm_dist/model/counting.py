@@ -1,4 +1,6 @@
-"""Exact parameter counts from a config alone (no allocation), for any size up to 70B and beyond.
+"""Exact parameter counts from a config alone (no allocation), for any size up to 70B and beyond:
+the one place they are written. The training log, the FLOP count (`matmul_parameters`) and the
+memory estimator (`parameters_per_device`) all read them from here.
 
 A test ties `parameter_count` to the real module at tiny size, so the figures for the shipped
 large configs can be trusted without building them.
@@ -6,7 +8,24 @@ large configs can be trusted without building them.
 
 from __future__ import annotations
 
-from cplm_dist.config import Config, padded_vocab_size
+from cplm_dist.config import Config
+from cplm_dist.vocab_parallel import padded_vocab_size
+
+
+def _layer_matrices(cfg: Config) -> int:
+    """Weight-matrix parameters of one transformer layer (QKV, attention out, SwiGLU fc1 and fc2)."""
+    m = cfg.model
+    D, hd = m.hidden_size, m.head_dim
+    return D * (m.num_heads + 2 * m.num_kv_heads) * hd + m.num_heads * hd * D + 3 * D * m.ffn_hidden_size
+
+
+def _copy_head(cfg: Config) -> tuple[int, int]:
+    """(matrix parameters: q, k and the gate's weight; vectors: the gate's bias or the sentinel keys)."""
+    c, D = cfg.copy, cfg.model.hidden_size
+    if not c.enabled:
+        return 0, 0
+    width = c.num_heads * c.head_dim
+    return 2 * D * width + (D if c.mix == "gate" else 0), {"gate": 1, "sentinel": width, "joint": 0}[c.mix]
 
 
 def parameter_count(cfg: Config, *, padded: bool = False) -> dict[str, int]:
@@ -14,21 +33,33 @@ def parameter_count(cfg: Config, *, padded: bool = False) -> dict[str, int]:
 
     padded=True counts Megatron's vocabulary padding rows too (what the module holds at parallel.tp).
     """
-    m, c = cfg.model, cfg.copy
+    m = cfg.model
     vocab = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, cfg.parallel.tp) if padded else m.vocab_size
-    D, hd = m.hidden_size, m.head_dim
-    attn = D * (m.num_heads + 2 * m.num_kv_heads) * hd + m.num_heads * hd * D
-    mlp = D * 2 * m.ffn_hidden_size + m.ffn_hidden_size * D
-    per_layer = attn + mlp + 2 * D  # two RMSNorm weights
+    D = m.hidden_size
     parts = {
         "embedding": vocab * D,
-        "layers": m.num_layers * per_layer,
+        "layers": m.num_layers * (_layer_matrices(cfg) + 2 * D),  # + two RMSNorm weights
         "final_norm": D,
         "lm_head": 0 if m.tie_embeddings else vocab * D,
-        "copy_head": 0,
+        "copy_head": sum(_copy_head(cfg)),
     }
-    if c.enabled:
-        width = c.num_heads * c.head_dim
-        parts["copy_head"] = 2 * D * width + {"gate": D + 1, "sentinel": width, "joint": 0}[c.mix]
     parts["total"] = sum(parts.values())
     return parts
+
+
+def parameters_per_device(cfg: Config, tp: int) -> float:
+    """Parameters one tp rank holds (before ZeRO-3 sharding), padded vocabulary included: the
+    tp-split matrices / tp, plus what every rank replicates (norms, the copy head)."""
+    m = cfg.model
+    vocab = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp)
+    split = m.num_layers * _layer_matrices(cfg) + vocab * m.hidden_size * (1 if m.tie_embeddings else 2)
+    replicated = (2 * m.num_layers + 1) * m.hidden_size + sum(_copy_head(cfg))
+    return split / tp + replicated
+
+
+def matmul_parameters(cfg: Config) -> int:
+    """Parameters that multiply an activation once per token (docs/performance.md): every weight
+    matrix of the layers, the LM head (V x D, tied or not), the copy head's q, k and gate; not
+    the embedding lookup, the norms or biases."""
+    m = cfg.model
+    return m.num_layers * _layer_matrices(cfg) + m.vocab_size * m.hidden_size + _copy_head(cfg)[0]

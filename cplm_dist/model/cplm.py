@@ -2,30 +2,31 @@
 head, and the copy head beside it, mixed without gathering the vocabulary.
 
     model = build_model(cfg)                  # tp from the initialised parallel state
-    out = model(input_ids, labels)            # out.nll (B, T), out.copy_share (B, T)
+    out = model(input_ids, labels)            # TokenLoss: out.nll, out.lm_nll, out.copy_share (B, T)
     logp = model.next_token_logprobs(ids)     # (B, T, V) full mixed distribution (evaluation)
 
 Data flow of a forward, per tp rank:
     ids -> VocabParallelEmbedding -> L x TransformerLayer -> RMSNorm -> h (B, T, D), replicated
     h -> LM head (ColumnParallelLinear) -> logits (B, T, V/tp), this rank's vocabulary shard
     h -> CopyHead (replicated) -> A_t, M_t, gate (B, T)
-    vocab_parallel: (logits shard, A, M, gate, labels) -> nll (B, T)
-The model never calls torch.distributed itself: collectives live in the megatron layers and in
-cplm_dist.vocab_parallel, on the tp group handed in.
+    vocab_parallel.mixed_nll: (logits shard, labels, copy terms or None) -> nll (B, T)
+Copy on or off, the loss is the same function (copy off: no copy terms), so the matched baseline
+shares every line of loss code except the copy terms. The model never calls torch.distributed
+itself: collectives live in the megatron layers and in cplm_dist.vocab_parallel, on the tp group
+handed in. It is built from the model and copy sections and explicit flags, not the whole config.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 import torch.utils.checkpoint
 
 from cplm_dist import vocab_parallel
-from cplm_dist.config import Config, padded_vocab_size, vocab_padding_note
+from cplm_dist.config import Config, CopyConfig, ModelConfig
 from cplm_dist.megatron_compat import ModelParallelConfig, parallel_state, tensor_parallel
 from cplm_dist.model.block import TransformerLayer
 from cplm_dist.model.copy_head import CopyHead
@@ -51,14 +52,6 @@ class DecodeState:
         return 0 if self.ids is None else self.ids.shape[1]
 
 
-class CPLMOutput(NamedTuple):
-    """A NamedTuple, so that ZeRO-3's hooks see its tensors (they walk tuples, lists, dicts)."""
-
-    nll: torch.Tensor  # (B, T) float32 per-token loss of the mixture, 0 where labels = -100
-    lm_nll: torch.Tensor  # (B, T) the LM head alone, -log softmax(z)_y (detached statistic)
-    copy_share: torch.Tensor  # (B, T) copy side's share of the next-token mass (detached; 0 copy off)
-
-
 def megatron_config(tp_size: int, device: torch.device, dtype: torch.dtype) -> ModelParallelConfig:
     return ModelParallelConfig(
         tensor_model_parallel_size=tp_size,
@@ -71,16 +64,19 @@ def megatron_config(tp_size: int, device: torch.device, dtype: torch.dtype) -> M
 
 
 class CPLM(torch.nn.Module):
-    def __init__(self, cfg: Config, tp_group: dist.ProcessGroup | None, *, device=None, dtype=torch.float32):
+    def __init__(self, model_cfg: ModelConfig, copy_cfg: CopyConfig, tp_group: dist.ProcessGroup | None, *,
+                 seed: int, activation_checkpointing: bool = False, device=None, dtype=torch.float32):
+        """copy_cfg.enabled=False builds the matched baseline (no copy head). activation_checkpointing:
+        recompute each transformer layer in backward instead of keeping its activations."""
         super().__init__()
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
-        self.cfg, self.tp_group = cfg, tp_group
+        self.model_cfg, self.copy_cfg, self.tp_group = model_cfg, copy_cfg, tp_group
         self.tp_rank, self.tp_size = vocab_parallel.tp_rank_size(tp_group)
-        m = cfg.model
+        m = model_cfg
         self.vocab_size = m.vocab_size
-        self.padded_vocab_size = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, self.tp_size)
+        self.padded_vocab_size = vocab_parallel.padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, self.tp_size)
         self.v_local = self.padded_vocab_size // self.tp_size
         start, _ = vocab_parallel.vocab_range(self.v_local, tp_group)
         self.real_local = max(0, min(self.v_local, m.vocab_size - start))  # shard columns before the padding
@@ -101,11 +97,10 @@ class CPLM(torch.nn.Module):
             if p is not None:
                 mark_split(p, dim=0)
                 p.full_rows = m.vocab_size  # rows past it are padding (initialised to zero)
-        self.copy_head = CopyHead(m, cfg.copy, device=device, dtype=dtype) if cfg.copy.enabled else None
-        # Recompute each layer in backward instead of keeping its activations (train.activation_checkpointing).
-        self.activation_checkpointing = cfg.train.activation_checkpointing
+        self.copy_head = CopyHead(m, copy_cfg, device=device, dtype=dtype) if copy_cfg.enabled else None
+        self.activation_checkpointing = activation_checkpointing
         self.to(device)
-        init_parameters(self, cfg, self.tp_rank, self.tp_size)
+        init_parameters(self, model_cfg, copy_cfg, seed, self.tp_rank, self.tp_size)
 
     # --- shared trunk --------------------------------------------------------------------------
 
@@ -113,9 +108,9 @@ class CPLM(torch.nn.Module):
         """Final-norm hidden states h (B, T, D), identical on every tp rank; with a decode
         `state`, of positions state.length.. (its caches are extended)."""
         T, offset = input_ids.shape[1], (state.length if state is not None else 0)
-        if offset + T > self.cfg.model.max_seq_len:
-            raise ValueError(f"sequence length {offset + T} exceeds model.max_seq_len={self.cfg.model.max_seq_len}")
-        cos, sin = rope_tables(offset + T, self.cfg.model.head_dim, self.cfg.model.rope_theta, device=input_ids.device)
+        if offset + T > self.model_cfg.max_seq_len:
+            raise ValueError(f"sequence length {offset + T} exceeds model.max_seq_len={self.model_cfg.max_seq_len}")
+        cos, sin = rope_tables(offset + T, self.model_cfg.head_dim, self.model_cfg.rope_theta, device=input_ids.device)
         cos, sin = cos[offset:], sin[offset:]
         x = self.embedding(input_ids)  # (B, T, D)
         for i, layer in enumerate(self.layers):
@@ -129,7 +124,7 @@ class CPLM(torch.nn.Module):
 
     def lm_logits(self, h: torch.Tensor) -> torch.Tensor:
         """This rank's vocabulary shard of the LM logits (B, T, V/tp); padded ids at -inf."""
-        weight = self.embedding.weight if self.cfg.model.tie_embeddings else None
+        weight = self.embedding.weight if self.model_cfg.tie_embeddings else None
         logits, _ = self.lm_head(h, weight=weight)  # (B, T, V/tp)
         if self.real_local < self.v_local:
             logits[..., self.real_local :] = float("-inf")
@@ -137,27 +132,13 @@ class CPLM(torch.nn.Module):
 
     # --- training ------------------------------------------------------------------------------
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> CPLMOutput:
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> vocab_parallel.TokenLoss:
         """input_ids (B, T); labels (B, T) global ids, -100 to ignore; default: the next input id."""
         if labels is None:
             labels = torch.cat([input_ids[:, 1:], torch.full_like(input_ids[:, :1], vocab_parallel.IGNORE_INDEX)], 1)
         h = self.hidden_states(input_ids)
-        logits = self.lm_logits(h)
-        ignore = labels == vocab_parallel.IGNORE_INDEX
-        if self.copy_head is None:
-            # Copy off: the matched baseline is Megatron's own vocab-parallel cross entropy.
-            nll = tensor_parallel.vocab_parallel_cross_entropy(logits, labels)
-            nll = torch.where(ignore, torch.zeros_like(nll), nll)
-            return CPLMOutput(nll, nll.detach(), torch.zeros_like(nll))
-        terms = self.copy_head(h, input_ids, labels)
-        z_y, lse = vocab_parallel.target_logit_and_lse(logits, labels, self.tp_group, inplace=True)
-        log_p, share = vocab_parallel.mixed_log_prob(
-            z_y, lse, terms.copy_all, terms.copy_match, terms.gate, self.cfg.copy.mix
-        )
-        zero = torch.zeros_like(log_p)
-        nll = torch.where(ignore, zero, -log_p)
-        lm_nll = torch.where(ignore, zero, (lse - z_y).detach())
-        return CPLMOutput(nll, lm_nll, torch.where(ignore, zero, share))
+        copy = self.copy_head(h, input_ids, labels) if self.copy_head is not None else None
+        return vocab_parallel.mixed_nll(self.lm_logits(h), labels, copy, self.copy_cfg.mix, self.tp_group, inplace=True)
 
     # --- evaluation ----------------------------------------------------------------------------
 
@@ -178,22 +159,21 @@ class CPLM(torch.nn.Module):
         h = self.hidden_states(input_ids, state)
         logits = self.lm_logits(h)
         state.ids = input_ids if state.ids is None else torch.cat([state.ids, input_ids], dim=1)
-        if self.copy_head is None:
-            shard, copy_part = vocab_parallel.vocab_parallel_log_softmax(logits, self.tp_group), None
-        else:
+        copy_lp, terms = None, None
+        if self.copy_head is not None:
             q, k = self.copy_head.project(h, offset)
             state.copy_k = k if state.copy_k is None else torch.cat([state.copy_k, k], dim=2)
             weights, src, terms = self.copy_head.weights_for(q, state.copy_k, state.ids, offset, h)
             copy_lp = vocab_parallel.scatter_copy_log_probs(weights, src, self.v_local, self.tp_group)
-            shard, copy_part = vocab_parallel.mixed_log_probs(
-                logits, copy_lp, terms.copy_all, terms.gate, self.cfg.copy.mix, self.tp_group, with_copy_part=True
-            )
+        shard, copy_part = vocab_parallel.mixed_log_probs(logits, copy_lp, terms, self.copy_cfg.mix, self.tp_group)
         gather = lambda t: vocab_parallel.gather_vocab(t, self.tp_group)[..., : self.vocab_size]  # noqa: E731
         return gather(shard), (gather(copy_part) if with_copy_part and copy_part is not None else None)
 
 
-def build_model(cfg: Config, *, tp_group: dist.ProcessGroup | None = None, device=None, dtype=torch.float32) -> CPLM:
-    """The model for this rank, its tp group taken from the initialised parallel state."""
+def build_model(cfg: Config, *, tp_group: dist.ProcessGroup | None = None, device=None, dtype=torch.float32,
+                activation_checkpointing: bool | None = None) -> CPLM:
+    """The model for this rank from cfg.model, cfg.copy and cfg.seed, its tp group taken from the
+    initialised parallel state; activation checkpointing as cfg.train says unless given."""
     if tp_group is None:
         if not parallel_state.model_parallel_is_initialized():
             raise RuntimeError("build_model needs the parallel groups: call cplm_dist.parallel.init_distributed first")
@@ -201,7 +181,11 @@ def build_model(cfg: Config, *, tp_group: dist.ProcessGroup | None = None, devic
     tp = dist.get_world_size(tp_group)
     if tp != cfg.parallel.tp:
         raise ValueError(f"parallel.tp={cfg.parallel.tp} but the tensor-parallel group has {tp} ranks")
-    note = vocab_padding_note(cfg)
+    m = cfg.model
+    note = vocab_parallel.vocab_padding_note(m.vocab_size, m.make_vocab_size_divisible_by, tp)
     if note and dist.get_rank() == 0:
         log.warning(note)
-    return CPLM(cfg, tp_group, device=device, dtype=dtype)
+    if activation_checkpointing is None:
+        activation_checkpointing = cfg.train.activation_checkpointing
+    return CPLM(m, cfg.copy, tp_group, seed=cfg.seed, activation_checkpointing=activation_checkpointing,
+                device=device, dtype=dtype)

@@ -23,7 +23,7 @@ import zlib
 
 import torch
 
-from cplm_dist.config import Config
+from cplm_dist.config import CopyConfig, ModelConfig
 from cplm_dist.model.sharding import full_shape, spec_of, take_shard
 
 
@@ -31,8 +31,7 @@ def deferred_init(_weight: torch.Tensor) -> None:
     """The init_method handed to megatron layers: they allocate, `init_parameters` fills."""
 
 
-def _rule(name: str, cfg: Config) -> tuple[str, float]:
-    m, c = cfg.model, cfg.copy
+def _rule(name: str, m: ModelConfig, c: CopyConfig) -> tuple[str, float]:
     if name.endswith("norm.weight"):
         return "const", 1.0
     if name == "copy_head.gate.bias":
@@ -53,10 +52,11 @@ def _generator(seed: int, name: str, device: torch.device) -> torch.Generator:
 
 
 @torch.no_grad()
-def init_parameters(model: torch.nn.Module, cfg: Config, tp_rank: int, tp_size: int) -> None:
-    """Fill every parameter of `model` (already sharded for tp_size) from cfg.seed."""
+def init_parameters(model: torch.nn.Module, model_cfg: ModelConfig, copy_cfg: CopyConfig, seed: int,
+                    tp_rank: int, tp_size: int) -> None:
+    """Fill every parameter of `model` (already sharded for tp_size) from `seed`."""
     for name, param in model.named_parameters():
-        kind, value = _rule(name, cfg)
+        kind, value = _rule(name, model_cfg, copy_cfg)
         if kind == "const":
             param.fill_(value)
             continue
@@ -64,5 +64,5 @@ def init_parameters(model: torch.nn.Module, cfg: Config, tp_rank: int, tp_size: 
         shape = full_shape(param.shape, spec, tp_size)
         rows = spec.full_rows if spec.full_rows is not None else shape[0]
         full = torch.zeros(shape, dtype=torch.float32, device=param.device)
-        full[:rows].normal_(0.0, value, generator=_generator(cfg.seed, name, param.device))
+        full[:rows].normal_(0.0, value, generator=_generator(seed, name, param.device))
         param.copy_(take_shard(full, spec, tp_rank, tp_size))

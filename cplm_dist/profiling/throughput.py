@@ -26,6 +26,7 @@ import sys
 import torch
 
 from cplm_dist.config import Config
+from cplm_dist.model.counting import matmul_parameters
 
 # Dense peak FLOP/s per device by (name fragment, precision); bf16 and TF32 tensor cores.
 PEAK_FLOPS = {
@@ -42,16 +43,6 @@ PEAK_FLOPS = {
     "L4": {"bf16": 121e12, "fp32": 60e12},
     "MI300X": {"bf16": 1307e12, "fp32": 653.7e12},
 }
-
-
-def matmul_parameters(cfg: Config) -> int:
-    m, c = cfg.model, cfg.copy
-    D, hd = m.hidden_size, m.head_dim
-    per_layer = D * (m.num_heads + 2 * m.num_kv_heads) * hd + m.num_heads * hd * D + 3 * D * m.ffn_hidden_size
-    n = m.num_layers * per_layer + m.vocab_size * D
-    if c.enabled:
-        n += 2 * D * c.num_heads * c.head_dim + (D if c.mix == "gate" else 0)
-    return n
 
 
 def flops_per_token(cfg: Config, seq_len: int) -> float:

@@ -1,11 +1,12 @@
-"""The copy head's per-head log-sum-exps A_t, M_t without a (T x T) tensor kept for backward.
+"""The copy head's per-head log-sum-exps A_t, M_t: the dense reference and the chunked path.
 
 For one head, s_tj = q_t . k_j / sqrt(d_c) and (DESIGN.md, "The copy head")
     A_t = logsumexp_{j in C_t} s_tj,    M_t = logsumexp_{j in C_t, src_j = y_t} s_tj,
 with C_t = {j <= t + shift} (shift -1 for paste `next`, 0 for `self`).
 
-The dense path (CopyHead with copy.impl=dense) forms all (B, H, T, T) scores and autograd keeps
-about six score-sized tensors alive at its peak. This path walks the query rows in blocks of
+`dense_copy_lse` (copy.impl=dense) forms all (B, H, T, T) scores and autograd keeps about six
+score-sized tensors alive at its peak; it is the reference every faster path is tested against.
+`chunked_copy_lse` (copy.impl=chunked) walks the query rows in blocks of
 `chunk`, keeps only q, k, A and M for backward and recomputes each block's scores there, as
 flash attention does. The gradient of a log-sum-exp is its softmax, so for a row block
 
@@ -23,7 +24,7 @@ import math
 
 import torch
 
-NEG_INF = float("-inf")
+from cplm_dist.vocab_parallel import NEG_INF
 
 
 def masked_logsumexp(x: torch.Tensor, mask: torch.Tensor | None, dim: int) -> torch.Tensor:
@@ -42,6 +43,25 @@ def masked_logsumexp(x: torch.Tensor, mask: torch.Tensor | None, dim: int) -> to
     return out.squeeze(dim)
 
 
+def candidate_mask(rows: int, keys: int, offset: int, shift: int, device) -> torch.Tensor:
+    """(rows, keys) bool, [i, j] = j in C_t for the query at position t = offset + i."""
+    return torch.ones(rows, keys, dtype=torch.bool, device=device).tril(diagonal=offset + shift)
+
+
+def dense_copy_lse(q: torch.Tensor, k: torch.Tensor, src: torch.Tensor, labels: torch.Tensor | None,
+                   shift: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-head (A, M), each (B, H, T), from the full (B, H, T, T) scores; the arguments as
+    `chunked_copy_lse`'s. Autograd keeps what backward needs."""
+    T = q.shape[2]
+    scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])  # (B, H, T, T)
+    cand = candidate_mask(T, T, 0, shift, q.device)  # (T, T)
+    a_heads = masked_logsumexp(scores, cand, dim=-1)  # (B, H, T)
+    if labels is None:
+        return a_heads, None
+    match = cand & (src.unsqueeze(1) == labels.unsqueeze(2))  # (B, T, T): j pastes y_t
+    return a_heads, masked_logsumexp(scores, match.unsqueeze(1), dim=-1)
+
+
 def _blocks(T: int, chunk: int, shift: int):
     """(r0, r1, kend): query rows r0..r1-1 see keys 0..kend-1 at most."""
     for r0 in range(0, T, chunk):
@@ -51,7 +71,7 @@ def _blocks(T: int, chunk: int, shift: int):
 
 def _block_masks(r0: int, r1: int, kend: int, shift: int, src, labels):
     """cand (rows, kend) and match (B, 1, rows, kend) or None, as the dense path's masks."""
-    cand = torch.ones(r1 - r0, kend, dtype=torch.bool, device=src.device).tril(diagonal=r0 + shift)
+    cand = candidate_mask(r1 - r0, kend, r0, shift, src.device)
     match = None
     if labels is not None:
         match = (cand & (src[:, None, :kend] == labels[:, r0:r1, None])).unsqueeze(1)

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from cplm_dist.config import Config
 from cplm_dist.parallel import ParallelDims
-from cplm_dist.throughput import device_peak_flops, flops_per_token
+from cplm_dist.profiling.throughput import device_peak_flops, flops_per_token
 
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
                "broadcast", "all_to_all_single", "reduce")
@@ -119,7 +119,7 @@ def measure(engine, cfg: Config, dims: ParallelDims, accumulation: int, *, warmu
     """Throughput and a step-time breakdown of `engine` (see the module docstring).
 
     `baseline_bytes`: memory in use before the model was built; the step's memory is reported
-    above it (`step_memory_gb`, what cplm_dist.memory estimates) and as the absolute peak."""
+    above it (`step_memory_gb`, what cplm_dist.profiling.memory estimates) and as the absolute peak."""
     t = cfg.train
     gen = torch.Generator().manual_seed(1234 + dims.dp_rank)
     for _ in range(warmup):

@@ -47,14 +47,16 @@ The peak is whichever moment is larger, on top of parameters and optimizer state
                      one fp32 copy of the parameters it updates)
 
 On CPU the measured figure is the process's peak resident set above its size before the model
-was built, with glibc told to return freed blocks at once (cplm_dist.profiling).
+was built, with glibc told to return freed blocks at once (cplm_dist.profiling.measure).
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from cplm_dist.config import Config, padded_vocab_size
+from cplm_dist.config import Config
+from cplm_dist.model.counting import parameters_per_device
+from cplm_dist.vocab_parallel import padded_vocab_size
 
 GIB = 1024**3
 COPY_SCORE_TENSORS = 6  # (B, H_c, T, T) fp32 tensors alive at the dense copy head's peak (measured)
@@ -87,20 +89,6 @@ class MemoryEstimate:
     def as_dict(self) -> dict:
         return {**asdict(self), "early_backward": self.early_backward, "optimizer_step": self.optimizer_step,
                 "total": self.total}
-
-
-def parameters_per_device(cfg: Config, tp: int) -> float:
-    """Parameters one tp rank holds (before ZeRO-3 sharding), padded vocabulary included."""
-    m, c = cfg.model, cfg.copy
-    D, hd = m.hidden_size, m.head_dim
-    vocab = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp)
-    split = m.num_layers * (D * (m.num_heads + 2 * m.num_kv_heads) * hd + m.num_heads * hd * D + 3 * D * m.ffn_hidden_size)
-    split += vocab * D * (1 if m.tie_embeddings else 2)
-    replicated = m.num_layers * 2 * D + D
-    if c.enabled:
-        width = c.num_heads * c.head_dim
-        replicated += 2 * D * width + {"gate": D + 1, "sentinel": width, "joint": 0}[c.mix]
-    return split / tp + replicated
 
 
 def state_bytes_per_parameter(precision: str, zero: int, dp: int) -> tuple[float, float, float]:
