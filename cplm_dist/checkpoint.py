@@ -1,13 +1,22 @@
-"""Checkpoints: DeepSpeed's save/load plus our client state, published atomically.
+"""The checkpoint format, in one place: where checkpoints live, what a complete one holds, how a
+run saves, resumes and is loaded for evaluation.
 
     <out_dir>/checkpoints/step-00000100/   DeepSpeed's files from every rank, then complete.json
     <out_dir>/checkpoints/latest           the tag of the newest complete checkpoint
 
-A save is: every rank writes its DeepSpeed files; a barrier; rank 0 writes `complete.json` into
-the tag, then replaces `latest` (written to a temporary file, fsynced, renamed); then older tags
-beyond `train.keep_last` are deleted. A process killed anywhere in between leaves `latest` on
-the previous complete checkpoint. The client state holds what DeepSpeed does not: the step, the
-loader's consumed samples, tokens seen, skipped-step counters, RNG states and the resolved config.
+A save is: every rank writes its DeepSpeed files (model states `mp_rank_XX_model_states.pt`, or
+under ZeRO-3 `zero_pp_rank_0_mp_rank_XX_model_states.pt`, plus optimizer shards) with our client
+state; a barrier; rank 0 writes the manifest `complete.json` into the tag, then replaces `latest`
+(written to a temporary file, fsynced, renamed); then older tags beyond `train.keep_last` are
+deleted. A process killed anywhere in between leaves `latest` on the previous complete checkpoint.
+
+The manifest is what a reader needs without unpickling anything: the step, consumed samples and
+tokens, the layout (tp, dp, ZeRO stage), the resolved config and the package versions. The client
+state inside DeepSpeed's files holds what only a resume needs: the loader position, skipped-step
+counters and RNG states.
+
+Anywhere a user names a checkpoint, a run directory, its checkpoints/ directory or one step-*
+directory will do (`resolve_checkpoint`).
 """
 
 from __future__ import annotations
@@ -17,45 +26,42 @@ import os
 import random
 import shutil
 import time
+from importlib import metadata
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from cplm_dist.config import Config, to_dict
-from cplm_dist.errors import UsageError
+from cplm_dist.config import Config, from_dict, to_dict
+from cplm_dist.errors import ConfigError, UsageError
 from cplm_dist.parallel import ParallelDims
 
 LATEST = "latest"
 COMPLETE = "complete.json"
+FORMAT = 1  # complete.json's layout; bumped when it changes
 
 
 class CheckpointError(UsageError):
-    """A checkpoint that cannot be resumed from (missing, incomplete, another layout)."""
+    """A checkpoint that cannot be resumed from or loaded (missing, incomplete, another layout)."""
+
+
+# --- names and resolution -------------------------------------------------------------------------
 
 
 def tag_for(step: int) -> str:
     return f"step-{step:08d}"
 
 
-def rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
+def model_states_file(step_dir: Path, tp_rank: int) -> Path:
+    """The DeepSpeed model-states file of tp rank `tp_rank` (its name differs under ZeRO-3)."""
+    plain = step_dir / f"mp_rank_{tp_rank:02d}_model_states.pt"
+    return plain if plain.is_file() else step_dir / f"zero_pp_rank_0_mp_rank_{tp_rank:02d}_model_states.pt"
 
 
-def set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-
-
-def layout(cfg: Config, tp: int, dp: int) -> dict:
-    return {"tp": tp, "dp": dp, "zero_stage": cfg.train.zero_stage}
+def complete_tags(root: Path) -> list[str]:
+    """Tags of the complete checkpoints under `root`, oldest first."""
+    return sorted(p.name for p in root.glob("step-*") if (p / COMPLETE).is_file())
 
 
 def latest_tag(root: Path) -> str | None:
@@ -71,9 +77,80 @@ def latest_tag(root: Path) -> str | None:
     return tag
 
 
+def resolve_checkpoint(path: str | Path) -> tuple[Path, str]:
+    """(checkpoints root, tag) for a run dir, a checkpoints dir, or a step directory."""
+    p = Path(path)
+    if (p / COMPLETE).is_file():
+        return p.parent, p.name
+    root = p / "checkpoints" if (p / "checkpoints").is_dir() else p
+    tag = latest_tag(root) if root.is_dir() else None
+    if tag is None:
+        raise CheckpointError(f"{path}: no complete checkpoint there (a run directory, its checkpoints/, or a step-* directory)")
+    return root, tag
+
+
+def find_resume(cfg: Config, resume: str | None, tp: int, dp: int) -> tuple[Path | None, str | None]:
+    """(checkpoint root, tag) to resume from, or (None, None) for a fresh start; refuses to
+    write over another run. Reads only: nothing is created or changed."""
+    out = Path(cfg.train.out_dir)
+    if resume is None:
+        if (out / "checkpoints").exists() or (out / "logs" / "metrics.jsonl").exists():
+            raise UsageError(f"train.out_dir={out} already holds a run: continue it with --resume auto, "
+                             "or choose another train.out_dir")
+        return None, None
+    if resume == "auto":
+        root = out / "checkpoints"
+    else:
+        source = Path(resume)
+        root = source / "checkpoints" if (source / "checkpoints").is_dir() else source
+        if root.resolve() != (out / "checkpoints").resolve() and (out / "checkpoints").exists():
+            raise UsageError(f"train.out_dir={out} already holds a run: choose another train.out_dir to continue {resume} into")
+    tag = latest_tag(root) if root.is_dir() else None
+    if tag is None:
+        if resume == "auto":
+            return None, None
+        raise CheckpointError(f"--resume {resume}: no checkpoint there (no '{root / LATEST}'); "
+                              "give a run directory or its checkpoints/ directory, or --resume auto")
+    check_layout(root, tag, cfg, tp, dp)
+    return root, tag
+
+
+# --- the manifest ---------------------------------------------------------------------------------
+
+
+def layout(cfg: Config, tp: int, dp: int) -> dict:
+    return {"tp": tp, "dp": dp, "zero_stage": cfg.train.zero_stage}
+
+
+def versions() -> dict:
+    out = {}
+    for name in ("cplm_dist", "torch", "deepspeed", "megatron-core"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def read_manifest(step_dir: Path) -> dict:
+    """complete.json of a checkpoint, checked to hold what a reader needs."""
+    path = step_dir / COMPLETE
+    try:
+        manifest = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{step_dir} is not a complete checkpoint (no {COMPLETE})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path} is damaged ({e}): use an earlier step-* directory") from None
+    missing = [k for k in ("step", "layout", "config") if not isinstance(manifest, dict) or k not in manifest]
+    if missing:
+        raise CheckpointError(f"{path} lacks {missing}: it was not written by this version of cplm-train; "
+                              "use a checkpoint saved by it")
+    return manifest
+
+
 def check_layout(root: Path, tag: str, cfg: Config, tp: int, dp: int) -> None:
     """A checkpoint resumes only with the layout it was saved with (ZeRO shards by dp)."""
-    saved = json.loads((root / tag / COMPLETE).read_text())["layout"]
+    saved = read_manifest(root / tag)["layout"]
     here = layout(cfg, tp, dp)
     must_match = ["tp", "zero_stage"] + (["dp"] if here["zero_stage"] > 0 or saved["zero_stage"] > 0 else [])
     diff = {k: (saved[k], here[k]) for k in must_match if saved[k] != here[k]}
@@ -92,34 +169,62 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+# --- RNG --------------------------------------------------------------------------------------------
+
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+# --- saving and resuming (training) -------------------------------------------------------------------
+
+
 class Checkpointer:
+    """Saves and resumes a run in `root`. It remembers the step whose state is on disk there, so
+    that a stop request right after a save (or a resume) does not write that step again in place,
+    which a kill during the rewrite would leave half-written under `latest`."""
+
     def __init__(self, root: str | Path, cfg: Config, dims: ParallelDims):
         self.root, self.cfg, self.dims = Path(root), cfg, dims
         self.layout = layout(cfg, dims.tp_size, dims.dp_size)
+        self.on_disk: tuple[int, Path] | None = None
 
     def latest_tag(self) -> str | None:
         return latest_tag(self.root)
 
-    # --- saving --------------------------------------------------------------------------------
-
-    def save(self, engine, step: int, client_state: dict) -> Path:
+    def save(self, engine, step: int, consumed_samples: int, client_state: dict) -> tuple[Path, bool]:
+        """(the step's directory, whether it was written now: False when it already held this step)."""
+        if self.on_disk is not None and self.on_disk[0] == step:
+            return self.on_disk[1], False
         tag = tag_for(step)
-        state = {**client_state, "step": step, "rng": rng_state(), "config": to_dict(self.cfg),
-                 "layout": self.layout}
+        state = {**client_state, "step": step, "rng": rng_state()}
         engine.save_checkpoint(str(self.root), tag=tag, client_state=state, save_latest=False)
         dist.barrier()  # every rank's files are on disk
         if self.dims.rank == 0:
-            marker = {"step": step, "time": time.time(), "layout": self.layout,
-                      "consumed_samples": client_state.get("consumed_samples")}
-            _write_atomic(self.root / tag / COMPLETE, json.dumps(marker, indent=2) + "\n")
+            manifest = {"format": FORMAT, "step": step, "time": time.time(), "layout": self.layout,
+                        "consumed_samples": consumed_samples,
+                        "consumed_tokens": consumed_samples * self.cfg.data.seq_length,
+                        "config": to_dict(self.cfg), "versions": versions()}
+            _write_atomic(self.root / tag / COMPLETE, json.dumps(manifest, indent=2) + "\n")
             _write_atomic(self.root / LATEST, tag + "\n")
             self._prune(keep=self.cfg.train.keep_last, newest=tag)
         dist.barrier()
-        return self.root / tag
+        self.on_disk = (step, self.root / tag)
+        return self.root / tag, True
 
     def _prune(self, keep: int, newest: str) -> None:
-        complete = sorted(p.name for p in self.root.glob("step-*") if (p / COMPLETE).is_file())
-        for tag in complete[:-keep]:
+        for tag in complete_tags(self.root)[:-keep]:
             if tag != newest:
                 shutil.rmtree(self.root / tag, ignore_errors=True)
         # tags older than the newest complete one that never completed: a save killed midway
@@ -127,13 +232,72 @@ class Checkpointer:
             if not (p / COMPLETE).is_file() and p.name < newest:
                 shutil.rmtree(p, ignore_errors=True)
 
-    # --- loading -------------------------------------------------------------------------------
-
-    def load(self, engine, tag: str) -> dict:
-        check_layout(self.root, tag, self.cfg, self.dims.tp_size, self.dims.dp_size)
-        path, client_state = engine.load_checkpoint(str(self.root), tag=tag, load_optimizer_states=True,
+    def load(self, engine, source_root: Path, tag: str) -> dict:
+        """Weights, optimizer, schedule (DeepSpeed) and our client state from source_root/tag."""
+        check_layout(source_root, tag, self.cfg, self.dims.tp_size, self.dims.dp_size)
+        path, client_state = engine.load_checkpoint(str(source_root), tag=tag, load_optimizer_states=True,
                                                     load_lr_scheduler_states=True)
         if path is None:
-            raise CheckpointError(f"DeepSpeed could not load {self.root / tag}: its files are missing or unreadable")
+            raise CheckpointError(f"DeepSpeed could not load {source_root / tag}: its files are missing or unreadable")
         set_rng_state(client_state["rng"])
+        if source_root.resolve() == self.root.resolve():
+            self.on_disk = (client_state["step"], self.root / tag)
         return client_state
+
+
+# --- loading for evaluation (no DeepSpeed engine) ------------------------------------------------------
+
+
+def load_checkpoint_config(path: str | Path) -> tuple[Config, dict]:
+    """The resolved config a checkpoint was trained with, and its manifest with `root` and `tag`:
+    read from complete.json alone."""
+    root, tag = resolve_checkpoint(path)
+    manifest = read_manifest(root / tag)
+    try:
+        cfg = from_dict(manifest["config"])
+    except ConfigError as e:
+        raise CheckpointError(f"{root / tag / COMPLETE}: its config does not load ({e})") from None
+    return cfg, {**manifest, "root": root, "tag": tag}
+
+
+def _load_states(file: Path) -> dict:
+    """torch.load of a DeepSpeed model-states file; a missing or damaged one is a CheckpointError."""
+    try:
+        state = torch.load(file, map_location="cpu", weights_only=False)
+    except FileNotFoundError:
+        raise CheckpointError(f"{file} is missing although its checkpoint is marked complete: use an earlier step "
+                              "(--checkpoint <run>/checkpoints/step-*)") from None
+    except Exception as e:  # torch raises RuntimeError, EOFError, UnpicklingError ... on a damaged file
+        raise CheckpointError(f"{file} cannot be read ({type(e).__name__}: {str(e).splitlines()[0][:100]}): the file is "
+                              "damaged; use an earlier step (--checkpoint <run>/checkpoints/step-*)") from None
+    if not isinstance(state, dict) or "module" not in state:
+        raise CheckpointError(f"{file} is not a DeepSpeed model-states file (no 'module'): point --checkpoint at a run")
+    return state
+
+
+def load_model(path: str | Path, device=None, dtype=torch.float32):
+    """(model in eval mode, config, manifest) on this rank, whose tp group must match the
+    checkpoint's tp. Reads this rank's weights file once; ZeRO-3 checkpoints keep the weights
+    only in the optimizer shards, which DeepSpeed's zero_to_fp32 merges (tp = 1)."""
+    from cplm_dist.megatron_compat import parallel_state
+    from cplm_dist.model import build_model
+
+    cfg, info = load_checkpoint_config(path)
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    tp, tp_rank = dist.get_world_size(tp_group), dist.get_rank(tp_group)
+    if tp != info["layout"]["tp"]:
+        raise CheckpointError(f"{path} was saved at tp={info['layout']['tp']}: evaluate it with that many tensor-parallel ranks "
+                              f"(this launch has tp={tp})")
+    model = build_model(cfg, device=device, dtype=dtype, activation_checkpointing=False)
+    module = _load_states(model_states_file(info["root"] / info["tag"], tp_rank))["module"]
+    if any(getattr(v, "numel", lambda: 1)() == 0 for v in module.values()):  # ZeRO-3: weights live in the optimizer shards
+        if tp != 1:
+            raise CheckpointError(f"{path}: ZeRO-3 checkpoints are merged for evaluation at tp=1 only")
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        module = get_fp32_state_dict_from_zero_checkpoint(str(info["root"]), tag=info["tag"])
+    missing, unexpected = model.load_state_dict({k: v for k, v in module.items() if v is not None}, strict=False)
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    if missing or unexpected:
+        raise CheckpointError(f"{path}: weights do not match the model (missing {missing[:3]}, unexpected {unexpected[:3]})")
+    return model.to(dtype).eval(), cfg, info

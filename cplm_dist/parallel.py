@@ -53,6 +53,12 @@ def default_device() -> torch.device:
     return torch.device("cpu")
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (a no-op on CPU), so that a host clock measures it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def check_world(tp_size: int, world_size: int) -> None:
     if world_size % tp_size:
         valid = [d for d in range(1, world_size + 1) if world_size % d == 0]

@@ -15,16 +15,34 @@ import math
 import sys
 from pathlib import Path
 
+import torch
+
 from cplm_dist.config import Config, to_dict
 from cplm_dist.errors import ConfigError
+from cplm_dist.parallel import ParallelDims
+from cplm_dist.profiling.throughput import device_peak_flops, flops_per_token, peak_memory_bytes
+from cplm_dist.train_step import StepResult
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else float("nan")
 
 
 class RunLog:
-    def __init__(self, out_dir: str | Path, cfg: Config, enabled: bool, total_steps: int, start_step: int):
-        self.enabled = enabled
-        self.dir = Path(out_dir) / "logs"
+    """Every rank makes one and calls it alike; only the first rank writes."""
+
+    def __init__(self, cfg: Config, dims: ParallelDims, device: torch.device, start_step: int):
+        t = cfg.train
+        self.enabled = dims.is_first
+        self.dir = Path(t.out_dir) / "logs"
         self.bar = self.tb = self.wandb = None
-        if not enabled:
+        self.log_interval, self.total_steps, self.world = t.log_interval, t.train_steps, dims.world_size
+        self.tokens_per_step = t.global_batch_size * cfg.data.seq_length
+        self.flops_per_token = flops_per_token(cfg, cfg.data.seq_length)
+        self.peak_flops = device_peak_flops(t.precision, device)
+        self.device = device
+        self._new_window()
+        if not self.enabled:
             return
         self.dir.mkdir(parents=True, exist_ok=True)
         self.jsonl = open(self.dir / "metrics.jsonl", "a", buffering=1)
@@ -41,7 +59,7 @@ class RunLog:
         from tqdm import tqdm
 
         # disable=None: a bar on a terminal, none in a log file (the console lines carry the numbers)
-        self.bar = tqdm(total=total_steps, initial=start_step, unit="step", disable=None, dynamic_ncols=True, file=sys.stderr)
+        self.bar = tqdm(total=t.train_steps, initial=start_step, unit="step", disable=None, dynamic_ncols=True, file=sys.stderr)
 
     def info(self, message: str) -> None:
         if not self.enabled:
@@ -51,11 +69,50 @@ class RunLog:
         else:
             print(message, flush=True)
 
-    def step_done(self, loss: float, tokens_per_s: float | None) -> None:
+    def _new_window(self) -> None:
+        self.window = {"loss": [], "lm": [], "share": [], "time": 0.0, "steps": 0}
+
+    def step_done(self, step: int, result: StepResult, seconds: float, consumed_tokens: int, skipped_total: int) -> None:
+        """Count a finished step; every train.log_interval steps (and the last) write its record:
+        means over the window's good steps, throughput over all of them."""
+        w = self.window
+        if not result.bad:
+            w["loss"].append(result.loss)
+            w["lm"].append(result.lm_loss)
+            w["share"].append(result.copy_share)
+        w["time"] += seconds
+        w["steps"] += 1
         if self.enabled and self.bar is not None:
             self.bar.update(1)
-            postfix = f"loss {loss:.4f}" + (f", {tokens_per_s:,.0f} tok/s" if tokens_per_s else "")
-            self.bar.set_postfix_str(postfix, refresh=False)
+            self.bar.set_postfix_str(f"loss {result.loss:.4f}, {self.tokens_per_step / seconds:,.0f} tok/s", refresh=False)
+        if step % self.log_interval and step != self.total_steps:
+            return
+        tps = self.tokens_per_step * w["steps"] / w["time"]
+        per_device = self.flops_per_token * tps / self.world
+        record = {
+            "step": step, "consumed_tokens": consumed_tokens, "lr": result.lr, "loss": _mean(w["loss"]),
+            "lm_loss": _mean(w["lm"]), "copy_share": _mean(w["share"]), "grad_norm": result.grad_norm,
+            "skipped_steps": skipped_total, "tokens_per_s": tps, "tokens_per_s_per_device": tps / self.world,
+            "tflops_per_device": per_device / 1e12, "mfu": per_device / self.peak_flops if self.peak_flops else None,
+            "peak_memory_gb": peak_memory_bytes(self.device) / 1e9,
+        }
+        self.record("train", record)
+        self.info(f"step {step:>6}/{self.total_steps} | loss {record['loss']:.4f} | lm {record['lm_loss']:.4f} | "
+                  f"copy share {record['copy_share']:.3f} | lr {record['lr']:.2e} | grad norm {result.grad_norm:.3f} | "
+                  f"{tps:,.0f} tok/s | {record['tflops_per_device']:.2f} TFLOP/s/device"
+                  + (f" | MFU {record['mfu']:.1%}" if record["mfu"] is not None else "")
+                  + f" | mem {record['peak_memory_gb']:.2f} GB")
+        self._new_window()
+
+    def summary(self, rows: list[tuple[str, str]], values: dict) -> None:
+        """The closing table, with the last logged training loss, and its record."""
+        if not self.enabled:
+            return
+        records = read_metrics(self.dir / "metrics.jsonl")
+        rows.insert(1, ("train loss", f"{records[max(records)]['loss']:.4f} (last logged window)" if records else "-"))
+        width = max(len(k) for k, _ in rows)
+        self.record("summary", values)
+        self.info("\n".join(["summary"] + [f"  {k:<{width}}  {v}" for k, v in rows]))
 
     def record(self, event: str, values: dict) -> None:
         if not self.enabled:

@@ -285,7 +285,7 @@ def test_ablation_summarises_paired_differences_across_seeds():
 
 def _harness_worker(run_dir):
     from cplm_dist.evaluation.lm_eval_adapter import HarnessAdapter
-    from cplm_dist.evaluation.loading import load_model
+    from cplm_dist.checkpoint import load_model
     from cplm_dist.parallel import init_distributed
 
     init_distributed(1)

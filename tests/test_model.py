@@ -22,6 +22,8 @@ VARIANTS = {
                                  "copy.chunk_size=5"],
     "sentinel-next-2heads": ["copy.mix=sentinel", "copy.paste=next", "copy.num_heads=2", "copy.chunk_size=7"],
     "sentinel-self": ["copy.mix=sentinel", "copy.paste=self"],
+    # the gate shut (g = sigmoid(40)): the copy weight at 0, so the copy model must be the baseline
+    "gate-shut": ["copy.mix=gate", "copy.gate_bias_init=40"],
 }
 TPS = (1, 2, 4)
 
@@ -112,9 +114,26 @@ def test_copy_head_learns_nothing_yet_but_shares_mass(runs):
     """At init every copy-on variant gives the copy side some mass, copy-off none; the mixture's
     nll differs from the LM head's alone exactly where the copy side has mass."""
     for name, res in runs[1][0].items():
+        if name == "gate-shut":
+            continue
         share = res["copy_share"][:, 1:-1]
         if name.startswith("copy-off"):
             assert (res["copy_share"] == 0).all() and torch.equal(res["nll"], res["lm_nll"])
         else:
             assert (share > 0.001).all() and (share < 0.999).all(), name
             assert not torch.allclose(res["nll"], res["lm_nll"]), name
+
+
+@pytest.mark.parametrize("tp", TPS)
+def test_copy_on_with_its_weight_at_zero_is_the_copy_off_baseline(runs, tp):
+    """Copy on and copy off share every line of loss code but the copy terms: with the gate shut
+    the copy model's nll and every backbone gradient equal the baseline's, and the copy head's
+    own gradients vanish."""
+    shut, off = runs[tp][0]["gate-shut"], runs[tp][0]["copy-off"]
+    assert float(shut["copy_share"].max()) < 1e-12
+    torch.testing.assert_close(shut["nll"], off["nll"], rtol=0, atol=1e-6)
+    torch.testing.assert_close(shut["lm_nll"], off["lm_nll"], rtol=0, atol=0)
+    for name, g in off["grads"].items():
+        torch.testing.assert_close(shut["grads"][name], g, rtol=1e-5, atol=1e-6 * g.abs().max().item(), msg=name)
+    copy_grads = [g for name, g in shut["grads"].items() if name.startswith("copy_head.")]
+    assert copy_grads and max(float(g.abs().max()) for g in copy_grads) < 1e-9

@@ -123,6 +123,36 @@ def test_activation_checkpointing_changes_nothing(small_data, tmp_path, one_rank
         assert abs(got[step] - one_rank[step]) < 1e-6
 
 
+# --- the profiler measures training's own step ------------------------------------------------------
+
+
+def _profiler_step_losses(args, steps):
+    """The losses of `steps` steps of the step the profiler builds and measures, on the batches
+    training reads (the same datasets, samples and order)."""
+    from cplm_dist.cli import config_parser, load_from_args
+    from cplm_dist.data.gpt_data import build_datasets
+    from cplm_dist.data.loader import ResumableLoader
+    from cplm_dist.parallel import default_device, init_distributed
+    from cplm_dist_tools.cplm_profile import build
+
+    cfg = load_from_args(config_parser("").parse_intermixed_args(args))
+    t = cfg.train
+    dims = init_distributed(cfg.parallel.tp)
+    step = build(cfg, dims, default_device())
+    data = build_datasets(cfg, (t.train_steps * t.global_batch_size, t.eval_batches * t.micro_batch_size, 0))
+    loader = ResumableLoader(data.train, t.micro_batch_size)
+    return [step(loader).loss for _ in range(steps)]
+
+
+def test_the_profiler_step_is_the_training_step(small_data, tmp_path):
+    # eod_mask_loss: some labels are ignored, so a step normalising by all tokens would differ
+    args = argv(small_data, tmp_path / "run", "train.train_steps=3", "train.zero_stage=1", "data.eod_mask_loss=true")
+    assert train(1, args) == [0]
+    trained = losses(tmp_path / "run")
+    profiled = run_ranks(_profiler_step_losses, 1, args=(args, 3))[0]
+    assert [trained[s] for s in (1, 2, 3)] == pytest.approx(profiled, rel=0, abs=1e-6)
+
+
 # --- exact resume --------------------------------------------------------------------------------
 
 

@@ -86,13 +86,15 @@ def setup(cfg: Config, args):
     return dims, device, seq, batch_layout(cfg, dims.dp_size)
 
 
-def build(cfg: Config, dims, device):
+def build(cfg: Config, dims, device, model=None):
+    """Training's own step (cplm_dist.train_step) for `model` (default: the config's CPLM)."""
     from cplm_dist.engine import build_engine
     from cplm_dist.model import build_model
+    from cplm_dist.train_step import TrainStep
 
     torch.manual_seed(cfg.seed)
-    engine, _, _ = build_engine(build_model(cfg, device=device), cfg, dims)
-    return engine
+    engine, optimizer, scheduler = build_engine(model or build_model(cfg, device=device), cfg, dims)
+    return TrainStep(engine, optimizer, scheduler, dims, cfg)
 
 
 def describe(cfg: Config, dims, seq: int, accumulation: int) -> dict:
@@ -114,9 +116,9 @@ def profile_one(cfg: Config, args) -> dict:
 
     dims, device, seq, accumulation = setup(cfg, args)
     baseline = current_memory_bytes(device)
-    engine = build(cfg, dims, device)
+    step = build(cfg, dims, device)
     result = {**describe(cfg, dims, seq, accumulation), "label": args.label}
-    result.update(measure(engine, cfg, dims, accumulation, warmup=args.warmup, steps=args.steps,
+    result.update(measure(step, cfg, dims, warmup=args.warmup, steps=args.steps,
                           breakdown_steps=args.breakdown_steps, seq_len=seq, device=device,
                           baseline_bytes=baseline, trace_path=args.trace if dims.is_first else None))
     est = estimate(cfg, tp=dims.tp_size, dp=dims.dp_size, micro_batch=cfg.train.micro_batch_size, seq_len=seq)
@@ -128,29 +130,30 @@ def profile_one(cfg: Config, args) -> dict:
 # --- copy on / off and the transformers peer, alternating in one process ------------------------
 
 
-def alternate(engines: dict, cfg: Config, args, dims, device, seq: int, accumulation: int) -> dict:
+def alternate(engines: dict, cfg: Config, args, dims, device, seq: int) -> dict:
     """Interleave timed steps of several engines on the same shapes; per engine: the median step
     time and the memory it adds (its states, measured when built, plus its step's peak above that)."""
     import statistics
     import time
 
-    from cplm_dist.profiling.measure import PeakMeter, _sync, current_memory_bytes, train_step
+    from cplm_dist.parallel import synchronize
+    from cplm_dist.profiling.measure import PeakMeter, current_memory_bytes, synthetic_batches
 
-    gen = torch.Generator().manual_seed(0)
+    batches = synthetic_batches(cfg, cfg.train.micro_batch_size, seq, device, torch.Generator().manual_seed(0))
     times = {name: [] for name in engines}
     peaks = {name: 0 for name in engines}
-    for name, (engine, _) in engines.items():
+    for name, (step, _) in engines.items():
         for _ in range(args.warmup):
-            train_step(engine, cfg, accumulation, cfg.train.micro_batch_size, seq, device, gen)
+            step(batches)
     for _ in range(args.rounds):
-        for name, (engine, _) in engines.items():
+        for name, (step, _) in engines.items():
             before = current_memory_bytes(device)
             with PeakMeter(device) as meter:
                 for _ in range(args.steps):
-                    _sync(device)
+                    synchronize(device)
                     start = time.perf_counter()
-                    train_step(engine, cfg, accumulation, cfg.train.micro_batch_size, seq, device, gen)
-                    _sync(device)
+                    step(batches)
+                    synchronize(device)
                     times[name].append(time.perf_counter() - start)
             peaks[name] = max(peaks[name], meter.peak - before)
     out = {}
@@ -180,7 +183,7 @@ def copy_overhead(cfg: Config, args) -> dict:
     cfg.copy.enabled = True
     engines = {"copy_on": build_measured(lambda: build(cfg, dims, device), device),
                "copy_off": build_measured(lambda: build(off, dims, device), device)}
-    res = alternate(engines, cfg, args, dims, device, seq, accumulation)
+    res = alternate(engines, cfg, args, dims, device, seq)
     est_on = estimate(cfg, tp=dims.tp_size, dp=dims.dp_size, micro_batch=cfg.train.micro_batch_size, seq_len=seq)
     est_off = estimate(off, tp=dims.tp_size, dp=dims.dp_size, micro_batch=cfg.train.micro_batch_size, seq_len=seq)
     return {**describe(cfg, dims, seq, accumulation), "label": args.label, "mode": "copy-overhead", **{f"{k}_{m}": v for k, r in res.items() for m, v in r.items()},
@@ -223,8 +226,6 @@ class HFAdapter(torch.nn.Module):
 def peer(cfg: Config, args) -> dict:
     import copy as copylib
 
-    from cplm_dist.engine import build_engine
-
     if cfg.parallel.tp != 1:
         raise UsageError("--peer compares at parallel.tp=1 (transformers' Llama has no tensor parallelism)")
     dims, device, seq, accumulation = setup(cfg, args)
@@ -232,8 +233,8 @@ def peer(cfg: Config, args) -> dict:
     off.copy.enabled = False
     engines = {"ours_copy_on": build_measured(lambda: build(cfg, dims, device), device),
                "ours_copy_off": build_measured(lambda: build(off, dims, device), device),
-               "hf_llama": build_measured(lambda: build_engine(HFAdapter(hf_llama(cfg, device)), off, dims)[0], device)}
-    res = alternate(engines, cfg, args, dims, device, seq, accumulation)
+               "hf_llama": build_measured(lambda: build(off, dims, device, HFAdapter(hf_llama(cfg, device))), device)}
+    res = alternate(engines, cfg, args, dims, device, seq)
     return {**describe(cfg, dims, seq, accumulation), "label": args.label, "mode": "peer", **{f"{k}_{m}": v for k, r in res.items() for m, v in r.items()},
             "speedup_copy_off_vs_hf": res["ours_copy_off"]["tokens_per_s"] / res["hf_llama"]["tokens_per_s"],
             "speedup_copy_on_vs_hf": res["ours_copy_on"]["tokens_per_s"] / res["hf_llama"]["tokens_per_s"]}

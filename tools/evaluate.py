@@ -43,7 +43,8 @@ def parser() -> argparse.ArgumentParser:
 def validation(model, cfg, batches: int) -> tuple[dict | None, list[str]]:
     """({loss, perplexity, tokens} or None, decoded validation documents for the needle's filler)."""
     from cplm_dist.data.gpt_data import build_datasets
-    from cplm_dist.data.loader import IGNORE_INDEX, ResumableLoader
+    from cplm_dist.data.loader import ResumableLoader
+    from cplm_dist.vocab_parallel import IGNORE_INDEX
     from cplm_dist.errors import DataError
 
     micro = cfg.train.micro_batch_size
@@ -98,7 +99,7 @@ def main(argv=None) -> int:
     from cplm_dist.data.corpora import stdlib_documents
     from cplm_dist.data.tokenizer import check_tokenizer_fits_model, load_tokenizer
     from cplm_dist.errors import ConfigError, DataError
-    from cplm_dist.evaluation.loading import load_checkpoint_config, load_model
+    from cplm_dist.checkpoint import load_checkpoint_config, load_model
     from cplm_dist.parallel import destroy_distributed, init_distributed
 
     args = parser().parse_intermixed_args(argv)

@@ -22,7 +22,7 @@ from cplm_dist.errors import UsageError
 @exit_on_usage_error
 def main(argv=None) -> int:
     from cplm_dist.data.tokenizer import check_tokenizer_fits_model, load_tokenizer
-    from cplm_dist.evaluation.loading import load_checkpoint_config, load_model
+    from cplm_dist.checkpoint import load_checkpoint_config, load_model
     from cplm_dist.evaluation.generation import generate
     from cplm_dist.parallel import destroy_distributed, init_distributed
 

@@ -58,7 +58,7 @@ def rows_for(model, cfg, label: str, data) -> list[dict]:
 @exit_on_usage_error
 def main(argv=None) -> int:
     from cplm_dist.config import load_config
-    from cplm_dist.evaluation.loading import load_checkpoint_config, load_model, resolve_checkpoint
+    from cplm_dist.checkpoint import complete_tags, load_checkpoint_config, load_model, resolve_checkpoint
     from cplm_dist.model import build_model
     from cplm_dist.parallel import destroy_distributed, init_distributed
 
@@ -85,7 +85,7 @@ def main(argv=None) -> int:
             rows += rows_for(build_model(cfg), cfg, f"{cfg.model.name} at init", data)
     else:
         root, tag = resolve_checkpoint(args.checkpoint)
-        tags = sorted(d.name for d in root.glob("step-*") if (d / "complete.json").is_file()) if args.all else [tag]
+        tags = complete_tags(root) if args.all else [tag]
         _, info = load_checkpoint_config(root / tags[0])
         dims = init_distributed(info["layout"]["tp"])
         data = None

@@ -55,13 +55,15 @@ def check_data(cfg: Config, samples: tuple[int, int, int] = (0, 0, 0)) -> Tokeni
     return tokenizer
 
 
-def build_datasets(cfg: Config, samples: tuple[int, int, int]) -> Datasets:
+def build_datasets(cfg: Config, samples: tuple[int, int, int], tokenizer: Tokenizer | None = None) -> Datasets:
     """(train, valid, test) with exactly `samples` samples each (0 -> that split is None).
 
     Call on every rank after the process group exists; rank 0 builds megatron's index cache
-    first and the others read it.
+    first and the others read it. `tokenizer`: what check_data(cfg, samples) returned, when the
+    caller already checked the data (so that nothing is loaded or scanned twice); else it is run here.
     """
-    tokenizer = check_data(cfg, samples)
+    if tokenizer is None:
+        tokenizer = check_data(cfg, samples)
     if not dist.is_initialized():
         raise RuntimeError("build_datasets needs a process group (megatron's builder synchronises ranks): "
                            "call cplm_dist.parallel.init_distributed first")

@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-IGNORE_INDEX = -100
+from cplm_dist.vocab_parallel import IGNORE_INDEX
+
 
 
 class PretrainingBatchSampler(Sampler[list[int]]):

@@ -1,4 +1,4 @@
-"""The LM head's gradient bottleneck (DESIGN.md, "Measuring the gradient bottleneck").
+"""The LM head's gradient bottleneck (docs/copy_head.md, "Measuring the gradient bottleneck").
 
 For a batch, G = dL/dZ (tokens x V) and W_lm (V x D) with an orthonormal basis Q of its column
 space (thin QR, V x D). The backbone only ever sees G W, which depends on G Q Q^T alone, so
@@ -35,18 +35,15 @@ def measure(model, input_ids: torch.Tensor, labels: torch.Tensor, lm_only: bool 
     h_lm, h_copy = h.clone().requires_grad_(True), h.clone().requires_grad_(True)
     logits = model.lm_logits(h_lm)  # (B, T, V/tp)
     logits.retain_grad()
-    z_y, lse = vp.target_logit_and_lse(logits, labels, model.tp_group)
-    if model.copy_head is None or lm_only:
-        log_p = z_y - lse
-    else:
-        terms = model.copy_head(h_copy, input_ids, labels)
-        log_p, _ = vp.mixed_log_prob(z_y, lse, terms.copy_all, terms.copy_match, terms.gate, model.cfg.copy.mix)
+    copy = None if model.copy_head is None or lm_only else model.copy_head(h_copy, input_ids, labels)
+    # the training loss itself (the model's forward, with h split into its two paths)
+    nll = vp.mixed_nll(logits, labels, copy, model.copy_cfg.mix, model.tp_group).nll
     keep = labels != vp.IGNORE_INDEX
-    loss = -(log_p * keep).sum() / keep.sum()
+    loss = nll.sum() / keep.sum()
     loss.backward()
     vocab = model.vocab_size
     grad = vp.gather_vocab(logits.grad.flatten(0, 1), model.tp_group)[:, :vocab]  # (N, V)
-    weight = model.embedding.weight if model.cfg.model.tie_embeddings else model.lm_head.weight
+    weight = model.embedding.weight if model.model_cfg.tie_embeddings else model.lm_head.weight
     weight = vp.gather_vocab(weight.detach(), model.tp_group, dim=0)[:vocab]  # (V, D)
     via_copy = h_copy.grad.norm().item() if h_copy.grad is not None else 0.0
     model.zero_grad(set_to_none=True)

@@ -20,7 +20,7 @@ class HarnessAdapter:
 
     def __init__(self, model, tokenizer, max_length: int | None = None):
         self.model, self.tok = model, tokenizer
-        self.max_length = max_length or model.cfg.model.max_seq_len
+        self.max_length = max_length or model.model_cfg.max_seq_len
 
     def _continuation_logprob(self, context_ids: list[int], cont_ids: list[int]) -> tuple[float, bool]:
         """log p(continuation | context) and whether greedy decoding gives it. A continuation longer
@@ -76,7 +76,7 @@ def register() -> None:
     from lm_eval.api.registry import register_model
 
     from cplm_dist.data.gpt_data import tokenizer_for
-    from cplm_dist.evaluation.loading import load_checkpoint_config, load_model
+    from cplm_dist.checkpoint import load_checkpoint_config, load_model
     from cplm_dist.parallel import init_distributed
 
     @register_model("cplm")

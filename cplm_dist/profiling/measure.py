@@ -1,6 +1,7 @@
 """Measuring training steps: throughput from clean steps, a breakdown from instrumented ones.
 
-`measure(engine, ...)` runs warm-up steps, then `steps` clean steps (nothing added: no
+Every step measured is training's own (cplm_dist.train_step.TrainStep) on synthetic tokens.
+`measure(step, ...)` runs warm-up steps, then `steps` clean steps (nothing added: no
 synchronisation inside the step, no wrapped collectives) for tokens/s, TFLOP/s and MFU, then
 `breakdown_steps` instrumented steps that time forward, backward and the optimizer step
 separately (synchronising the device between them) and every collective (wrapped to wait for
@@ -22,16 +23,11 @@ import torch
 import torch.distributed as dist
 
 from cplm_dist.config import Config
-from cplm_dist.parallel import ParallelDims
+from cplm_dist.parallel import ParallelDims, synchronize
 from cplm_dist.profiling.throughput import device_peak_flops, flops_per_token
 
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
                "broadcast", "all_to_all_single", "reduce")
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 class CommTimer:
@@ -56,12 +52,12 @@ class CommTimer:
             bound = signature.bind_partial(*args, **kwargs).arguments
             tensor = next((a for a in args if isinstance(a, torch.Tensor)), None)
             kind = self._kind(bound.get("group"))
-            _sync(self.device)
+            synchronize(self.device)
             start = time.perf_counter()
             work = fn(*args, **kwargs)
             if bound.get("async_op") and work is not None:
                 work.wait()
-            _sync(self.device)
+            synchronize(self.device)
             self.seconds[kind] += time.perf_counter() - start
             self.calls[kind] += 1
             if tensor is not None:
@@ -83,55 +79,31 @@ class CommTimer:
         self._saved.clear()
 
 
-def synthetic_batch(cfg: Config, micro: int, seq_len: int, device, generator: torch.Generator) -> tuple:
-    ids = torch.randint(0, cfg.model.vocab_size, (micro, seq_len + 1), generator=generator)
-    return ids[:, :-1].to(device), ids[:, 1:].to(device)
+def synthetic_batches(cfg: Config, micro: int, seq_len: int, device, generator: torch.Generator):
+    """Endless micro-batches of uniformly random token ids, as the data loader yields them."""
+    while True:
+        ids = torch.randint(0, cfg.model.vocab_size, (micro, seq_len + 1), generator=generator)
+        yield {"input_ids": ids[:, :-1].to(device), "labels": ids[:, 1:].to(device)}
 
 
-def train_step(engine, cfg: Config, accumulation: int, micro: int, seq_len: int, device, gen, phases=None) -> float:
-    """One optimizer step on synthetic tokens; with `phases` (a dict) the phase times are added to it."""
-    loss_v = 0.0
-    for _ in range(accumulation):
-        ids, labels = synthetic_batch(cfg, micro, seq_len, device, gen)
-        t0 = time.perf_counter()
-        out = engine(ids, labels)
-        loss = out.nll.mean()
-        if phases is not None:
-            _sync(device)
-            t1 = time.perf_counter()
-            phases["forward"] += t1 - t0
-        engine.backward(loss)
-        if phases is not None:
-            _sync(device)
-            t2 = time.perf_counter()
-            phases["backward"] += t2 - t1
-        engine.step()
-        if phases is not None:
-            _sync(device)
-            phases["optimizer"] += time.perf_counter() - t2
-        loss_v = float(loss.detach()) if phases is not None else 0.0
-    return loss_v
-
-
-def measure(engine, cfg: Config, dims: ParallelDims, accumulation: int, *, warmup: int, steps: int,
-            breakdown_steps: int, seq_len: int, device: torch.device, baseline_bytes: int,
-            trace_path: str | None = None) -> dict:
-    """Throughput and a step-time breakdown of `engine` (see the module docstring).
+def measure(step, cfg: Config, dims: ParallelDims, *, warmup: int, steps: int, breakdown_steps: int, seq_len: int,
+            device: torch.device, baseline_bytes: int, trace_path: str | None = None) -> dict:
+    """Throughput and a step-time breakdown of `step`, a TrainStep (see the module docstring).
 
     `baseline_bytes`: memory in use before the model was built; the step's memory is reported
     above it (`step_memory_gb`, what cplm_dist.profiling.memory estimates) and as the absolute peak."""
     t = cfg.train
-    gen = torch.Generator().manual_seed(1234 + dims.dp_rank)
+    batches = synthetic_batches(cfg, t.micro_batch_size, seq_len, device, torch.Generator().manual_seed(1234 + dims.dp_rank))
     for _ in range(warmup):
-        train_step(engine, cfg, accumulation, t.micro_batch_size, seq_len, device, gen)
-    _sync(device)
+        step(batches)
+    synchronize(device)
     times = []
     with PeakMeter(device) as meter:
         for _ in range(steps):
-            _sync(device)
+            synchronize(device)
             start = time.perf_counter()
-            train_step(engine, cfg, accumulation, t.micro_batch_size, seq_len, device, gen)
-            _sync(device)
+            step(batches)
+            synchronize(device)
             times.append(time.perf_counter() - start)
     # the slowest rank sets the pace
     step_times = torch.tensor(times, dtype=torch.float64, device=device)
@@ -142,12 +114,12 @@ def measure(engine, cfg: Config, dims: ParallelDims, accumulation: int, *, warmu
     comm = CommTimer(dims, device)
     with comm:
         for _ in range(breakdown_steps):
-            train_step(engine, cfg, accumulation, t.micro_batch_size, seq_len, device, gen, phases)
+            step(batches, phases=phases)
     if trace_path:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]
                                     + ([torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])) as prof:
-            train_step(engine, cfg, accumulation, t.micro_batch_size, seq_len, device, gen)
-            _sync(device)
+            step(batches)
+            synchronize(device)
         prof.export_chrome_trace(trace_path)
 
     median = statistics.median(times)

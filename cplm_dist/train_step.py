@@ -1,0 +1,95 @@
+"""One optimizer step: the function training runs and the profiler measures, so that the
+profiler cannot time something training does not do.
+
+    step = TrainStep(engine, optimizer, scheduler, dims, cfg)     # from cplm_dist.engine.build_engine
+    result = step(batches)            # next(batches) -> {"input_ids": (micro, T), "labels": (micro, T)}
+
+A step reads `accumulation` micro-batches. Each micro-batch's loss is its summed per-token loss
+over its trained tokens (labels != -100); DeepSpeed averages the micro-batches and the dp ranks.
+The figures returned (loss, the LM head's own loss, the copy share) are averaged the same way over
+the dp group, so every rank gets the same numbers. `phases` (a dict) adds forward, backward and
+optimizer seconds to it, synchronising the device between them (the profiler's breakdown steps;
+a clean step passes none and is not synchronised inside).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from cplm_dist.config import Config
+from cplm_dist.optim import grad_norm
+from cplm_dist.parallel import ParallelDims, synchronize
+from cplm_dist.vocab_parallel import IGNORE_INDEX
+
+
+@dataclass
+class StepResult:
+    loss: float  # mean per-token loss of the mixture over the step's micro-batches and dp ranks
+    lm_loss: float  # the LM head alone on the same tokens
+    copy_share: float  # mean share of the next-token mass the copy side holds
+    grad_norm: float  # global gradient norm before clipping (nan where unknown)
+    lr: float  # the learning rate this step used
+    skipped: bool  # the optimizer skipped the update (a non-finite gradient on some rank)
+
+    @property
+    def bad(self) -> bool:
+        return self.skipped or not math.isfinite(self.loss) or not math.isfinite(self.grad_norm)
+
+
+@contextlib.contextmanager
+def _phase(phases: dict | None, name: str, device: torch.device):
+    if phases is None:
+        yield
+        return
+    synchronize(device)
+    start = time.perf_counter()
+    yield
+    synchronize(device)
+    phases[name] = phases.get(name, 0.0) + time.perf_counter() - start
+
+
+class TrainStep:
+    def __init__(self, engine, optimizer, scheduler, dims: ParallelDims, cfg: Config):
+        self.engine, self.optimizer, self.scheduler, self.dims = engine, optimizer, scheduler, dims
+        self.accumulation = engine.gradient_accumulation_steps()
+        self.zero_stage = cfg.train.zero_stage
+        self.device = engine.device
+
+    def __call__(self, batches: Iterator[dict], *, inject_nonfinite: bool = False, phases: dict | None = None) -> StepResult:
+        engine, device = self.engine, self.device
+        sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss, LM-only loss, copy share
+        skipped_before = engine.skipped_steps
+        norm = None
+        lr = self.scheduler.get_last_lr()[0]  # this step's rate: engine.step() advances the schedule
+        for _ in range(self.accumulation):
+            batch = next(batches)
+            input_ids, labels = batch["input_ids"].to(device), batch["labels"].to(device)
+            with _phase(phases, "forward", device):
+                out = engine(input_ids, labels)
+                tokens = (labels != IGNORE_INDEX).sum()
+                loss = out.nll.sum() / tokens
+                if inject_nonfinite:
+                    loss = loss * float("nan")
+            with _phase(phases, "backward", device):
+                engine.backward(loss)
+            if engine.is_gradient_accumulation_boundary():
+                self.optimizer.skipped_last = False
+                if self.zero_stage == 0:  # DeepSpeed reports no norm at stage 0
+                    norm = grad_norm(engine.module, self.dims.tp_group)
+            with _phase(phases, "optimizer", device):
+                engine.step()
+            sums += torch.stack([loss.detach().double(), (out.lm_nll.sum() / tokens).double(),
+                                 (out.copy_share.sum() / tokens).double()])
+        dist.all_reduce(sums, group=self.dims.dp_group)
+        loss_v, lm_v, share_v = (sums / (self.accumulation * self.dims.dp_size)).tolist()
+        if norm is None:
+            norm = engine.get_global_grad_norm()
+        skipped = self.optimizer.skipped_last or engine.skipped_steps > skipped_before
+        return StepResult(loss_v, lm_v, share_v, float(norm) if norm is not None else float("nan"), lr, skipped)
