@@ -47,7 +47,7 @@ Precision = Literal["fp32", "bf16"]
 
 @dataclass
 class ModelConfig:
-    """Llama-style decoder shapes (SmolLM / Llama tables in DESIGN.md)."""
+    """Llama-style decoder shapes (the size table in docs/copy_head.md)."""
 
     name: str = "tiny"
     num_layers: int = 2
@@ -73,7 +73,7 @@ class ModelConfig:
 
 @dataclass
 class CopyConfig:
-    """The Copy-Paste head (DESIGN.md, "The copy head")."""
+    """The Copy-Paste head (docs/copy_head.md)."""
 
     enabled: bool = True
     num_heads: int = 1  # H_c

@@ -6,7 +6,7 @@ variables (cplm_dist.parallel builds the process groups from the answer).
 | torchrun, DeepSpeed's launcher, env:// | RANK, WORLD_SIZE, LOCAL_RANK | MASTER_ADDR, MASTER_PORT |
 | Open MPI (mpirun) | OMPI_COMM_WORLD_RANK, _SIZE, _LOCAL_RANK | MASTER_ADDR/PORT if exported, else rank 0's host and a free port, broadcast with mpi4py |
 | MPICH / Intel MPI (hydra) | PMI_RANK, PMI_SIZE, MPI_LOCALRANKID | as Open MPI |
-| Slurm (srun) | SLURM_PROCID, SLURM_STEP_NUM_TASKS, SLURM_LOCALID | MASTER_ADDR/PORT if exported, else the first host of SLURM_STEP_NODELIST and 20000 + job id % 20000 |
+| Slurm (srun) | SLURM_PROCID, SLURM_STEP_NUM_TASKS, SLURM_LOCALID | MASTER_ADDR/PORT if exported, else the first host of SLURM_STEP_NODELIST and `slurm_port` |
 | nothing | one process | a free local port |
 
 The first launcher whose variables are present wins, in that order (so torchrun started by srun
@@ -60,10 +60,17 @@ class LaunchEnv:
                                   "(torchrun and DeepSpeed's launcher do), or unset RANK and WORLD_SIZE")
             if launcher == "slurm":
                 addr = addr or first_host(env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST", ""))
-                port = port or 20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000
+                port = port or slurm_port(env)
             elif mpi_rendezvous:
                 addr, port = _mpi_rendezvous(launcher, addr, port)
         return LaunchEnv(rank, world, local, addr, port, launcher)
+
+
+def slurm_port(env: Mapping[str, str]) -> int:
+    """The rendezvous port of a Slurm job: 20000 + (job id x 8 + restart count) % 20000, a fresh
+    port per (job, restart), so that a requeued run never waits on its predecessor's socket. The
+    sbatch scripts take theirs from here too (`python -m cplm_dist.launch_env slurm-port`)."""
+    return 20000 + (int(env.get("SLURM_JOB_ID", "0")) * 8 + int(env.get("SLURM_RESTART_COUNT", "0"))) % 20000
 
 
 def _int(env: Mapping[str, str], key: str, launcher: str, required: bool = True) -> int | None:
@@ -110,3 +117,11 @@ def _mpi_rendezvous(launcher: str, addr: str | None, port: int | None) -> tuple[
             s.bind(("", 0))
             mine = (addr or socket.gethostname(), port or s.getsockname()[1])
     return comm.bcast(mine, root=0)
+
+
+if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:] != ["slurm-port"]:
+        sys.exit("usage: python -m cplm_dist.launch_env slurm-port")
+    print(slurm_port(os.environ))

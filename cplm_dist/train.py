@@ -130,11 +130,7 @@ def train(cfg: Config, dims: ParallelDims, accumulation: int, resume: tuple, sam
         step, skipped_total = state["step"], state["bad_steps_total"]
         loader.load_state_dict(state["loader"])
     log = RunLog(cfg, dims, device, step)
-    log.info(f"cplm_dist: {cfg.model.name} {parameter_count(cfg)['total'] / 1e6:.1f}M parameters, "
-             f"copy {cfg.copy.mix + '/' + cfg.copy.paste if cfg.copy.enabled else 'off'}, tp={dims.tp_size} "
-             f"dp={dims.dp_size} ZeRO-{t.zero_stage} {t.precision}, global batch {t.global_batch_size} = "
-             f"{t.micro_batch_size} x {accumulation} x {dims.dp_size}, {log.tokens_per_step:,} tokens/step"
-             + (f", resuming {resume[1]}" if resume[1] else ""))
+    log.info(banner(cfg, dims, accumulation, resume[1]))
 
     def save(reason: str) -> Path:
         path, written = ckpt.save(engine, step, loader.consumed_samples,
@@ -188,6 +184,15 @@ def train(cfg: Config, dims: ParallelDims, accumulation: int, resume: tuple, sam
         return 0
     finally:
         log.close()
+
+
+def banner(cfg: Config, dims: ParallelDims, accumulation: int, resume_tag: str | None) -> str:
+    t = cfg.train
+    return (f"cplm_dist: {cfg.model.name} {parameter_count(cfg)['total'] / 1e6:.1f}M parameters, "
+            f"copy {cfg.copy.mix + '/' + cfg.copy.paste if cfg.copy.enabled else 'off'}, tp={dims.tp_size} "
+            f"dp={dims.dp_size} ZeRO-{t.zero_stage} {t.precision}, global batch {t.global_batch_size} = "
+            f"{t.micro_batch_size} x {accumulation} x {dims.dp_size}, "
+            f"{t.global_batch_size * cfg.data.seq_length:,} tokens/step" + (f", resuming {resume_tag}" if resume_tag else ""))
 
 
 def stop_for_bad_steps(log: RunLog, path: Path, step: int, in_a_row: int, limit: int) -> int:

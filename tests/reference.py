@@ -1,6 +1,6 @@
 """Dense single-process references, written out the slow and obvious way (float64, loops).
 
-Each function states DESIGN.md's formula over the whole vocabulary and every context position,
+Each function states docs/copy_head.md's formula over the whole vocabulary and every context position,
 with no log-sum-exp tricks, no sharding and no -inf bookkeeping, so that the fast vocab-parallel
 code has something independent to be compared with.
 """
@@ -15,7 +15,7 @@ IGNORE = -100
 
 
 def mixture_nll(logits, copy_all, copy_match, gate, labels, mix):
-    """-log p(y_t) from full-vocabulary logits [N, V] and the per-row A_t, M_t, gate (DESIGN.md)."""
+    """-log p(y_t) from full-vocabulary logits [N, V] and the per-row A_t, M_t, gate (docs/copy_head.md)."""
     out = []
     for i in range(logits.shape[0]):
         y = int(labels[i])

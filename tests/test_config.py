@@ -29,7 +29,7 @@ def test_shipped_model_size_matches_name(name):
     assert cfg.copy.enabled
     total = parameter_count(cfg)["total"]
     assert abs(total / SIZES[name] - 1) <= 0.10, f"cplm-{name} has {total / 1e9:.3f}B parameters"
-    # The copy head is small beside the model it rides on (DESIGN.md: negligible cost).
+    # The copy head is small beside the model it rides on (docs/copy_head.md: negligible cost).
     assert parameter_count(cfg)["copy_head"] / total < 0.002
     baseline = load_config(f"cplm-{name}", ["copy.enabled=false"])
     assert parameter_count(baseline)["copy_head"] == 0

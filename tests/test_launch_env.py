@@ -4,7 +4,7 @@ world cannot be determined (instead of a hang)."""
 import pytest
 
 from cplm_dist.errors import ConfigError
-from cplm_dist.launch_env import LaunchEnv, first_host
+from cplm_dist.launch_env import LaunchEnv, first_host, slurm_port
 
 
 def env_of(**kw):
@@ -44,7 +44,10 @@ def test_openmpi_and_mpich():
 def test_slurm_srun_step():
     e = env_of(SLURM_PROCID=9, SLURM_STEP_NUM_TASKS=16, SLURM_NTASKS=16, SLURM_LOCALID=1,
                SLURM_STEP_NODELIST="gpu[017-018]", SLURM_JOB_ID=123456)
-    assert e == LaunchEnv(9, 16, 1, "gpu017", 20000 + 123456 % 20000, "slurm")
+    assert e == LaunchEnv(9, 16, 1, "gpu017", 20000 + 123456 * 8 % 20000, "slurm")
+    restarted = env_of(SLURM_PROCID=9, SLURM_STEP_NUM_TASKS=16, SLURM_LOCALID=1, SLURM_STEP_NODELIST="gpu[017-018]",
+                       SLURM_JOB_ID=123456, SLURM_RESTART_COUNT=1)
+    assert restarted.master_port == e.master_port + 1, "a requeued job needs a fresh port"
     exported = env_of(SLURM_PROCID=0, SLURM_STEP_NUM_TASKS=2, SLURM_LOCALID=0, MASTER_ADDR="x", MASTER_PORT=7)
     assert (exported.master_addr, exported.master_port) == ("x", 7)
     with pytest.raises(ConfigError, match=r"slurm launch: SLURM_LOCALID is not set"):
@@ -66,3 +69,20 @@ def test_torchrun_inside_slurm_is_torchrun():
                                            ("a[1,3],b[2-4]", "a1"), ("x-y[10-12]", "x-y10"), ("h1,h2", "h1")])
 def test_first_host_of_a_nodelist(nodelist, host):
     assert first_host(nodelist) == host
+
+
+def test_the_sbatch_scripts_take_the_port_from_the_library():
+    """One rendezvous-port formula: the batch shell asks cplm_dist.launch_env for the port the
+    ranks would compute themselves."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    for script in ("slurm.sbatch", "slurm-torchrun.sbatch"):
+        text = (repo / "launch" / script).read_text()
+        assert "-m cplm_dist.launch_env slurm-port" in text and "20000" not in text, script
+    env = {"SLURM_JOB_ID": "4242", "SLURM_RESTART_COUNT": "3", "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, "-m", "cplm_dist.launch_env", "slurm-port"], env=env, cwd=repo,
+                         capture_output=True, text=True, check=True).stdout
+    assert int(out) == slurm_port(env) == 20000 + (4242 * 8 + 3) % 20000

@@ -1,5 +1,5 @@
 """How much of the logits' gradient the LM head suppresses, and how much gradient reaches the
-hidden states through the copy head instead (DESIGN.md, "Measuring the gradient bottleneck").
+hidden states through the copy head instead (docs/copy_head.md, "Measuring the gradient bottleneck").
 
     python tools/grad_bottleneck.py --config tiny                       # at initialisation, copy on and off
     python tools/grad_bottleneck.py --checkpoint runs/quickstart-...    # the latest checkpoint of a run

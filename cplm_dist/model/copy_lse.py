@@ -1,6 +1,6 @@
 """The copy head's per-head log-sum-exps A_t, M_t: the dense reference and the chunked path.
 
-For one head, s_tj = q_t . k_j / sqrt(d_c) and (DESIGN.md, "The copy head")
+For one head, s_tj = q_t . k_j / sqrt(d_c) and (docs/copy_head.md)
     A_t = logsumexp_{j in C_t} s_tj,    M_t = logsumexp_{j in C_t, src_j = y_t} s_tj,
 with C_t = {j <= t + shift} (shift -1 for paste `next`, 0 for `self`).
 
