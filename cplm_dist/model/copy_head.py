@@ -38,6 +38,7 @@ class CopyHead(torch.nn.Module):
         self.heads, self.head_dim = cfg.num_heads, cfg.head_dim
         self.rope_theta = model_cfg.rope_theta
         self.shift = -1 if cfg.paste == "next" else 0  # C_t = {j <= t + shift}: next j < t, self j <= t
+        self.average_heads = cfg.mix == "gate"  # each head its own copy distribution, averaged; else pooled
         width = cfg.num_heads * cfg.head_dim
         self.q = torch.nn.Linear(model_cfg.hidden_size, width, bias=False, device=device, dtype=dtype)
         self.k = torch.nn.Linear(model_cfg.hidden_size, width, bias=False, device=device, dtype=dtype)
@@ -75,10 +76,17 @@ class CopyHead(torch.nn.Module):
 
     def _combine(self, per_head: torch.Tensor, a_heads: torch.Tensor) -> torch.Tensor:
         """(B, H, T) per-head log-sum-exps -> (B, T) as the module docstring defines."""
-        if self.cfg.mix == "gate":
+        if self.average_heads:
             safe_a = torch.where(torch.isfinite(a_heads), a_heads, torch.zeros_like(a_heads))
             per_head = per_head - safe_a
         return masked_logsumexp(per_head, None, dim=1) - math.log(self.heads)
+
+    def _copy_all(self, a_heads: torch.Tensor) -> torch.Tensor:
+        """A_t (B, T) from the per-head (B, H, T): with averaged heads 0 (-inf for an empty row),
+        as the heads' distributions are normalised one by one; pooled, their log-mean-exp."""
+        if self.average_heads:
+            return torch.where(torch.isfinite(a_heads[:, 0]), 0.0, NEG_INF)
+        return self._combine(a_heads, a_heads)
 
     # --- training: per-token terms ----------------------------------------------------------------
 
@@ -90,12 +98,8 @@ class CopyHead(torch.nn.Module):
             a_heads, m_heads = chunked_copy_lse(q, k, src, labels, self.shift, self.cfg.chunk_size)  # (B, H, T) each
         else:
             a_heads, m_heads = dense_copy_lse(q, k, src, labels, self.shift)
-        if self.cfg.mix == "gate":
-            copy_all = torch.where(torch.isfinite(a_heads[:, 0]), 0.0, NEG_INF)  # (B, T)
-        else:
-            copy_all = self._combine(a_heads, a_heads)
         copy_match = self._combine(m_heads, a_heads) if labels is not None else None
-        return CopyTerms(copy_all, copy_match, self.gate_logit(h, q))
+        return CopyTerms(self._copy_all(a_heads), copy_match, self.gate_logit(h, q))
 
     # --- evaluation: the copy distribution over positions ------------------------------------------
 
@@ -115,11 +119,9 @@ class CopyHead(torch.nn.Module):
         cand = candidate_mask(Tq, Tk, offset, self.shift, q.device)
         scores = scores.masked_fill(~cand, NEG_INF)
         a_heads = masked_logsumexp(scores, None, dim=-1)  # (B, H, Tq)
-        if self.cfg.mix == "gate":
-            norm = torch.where(torch.isfinite(a_heads), a_heads, torch.zeros_like(a_heads))  # per head
-            copy_all = torch.where(torch.isfinite(a_heads[:, 0]), 0.0, NEG_INF)
-        else:
-            copy_all = self._combine(a_heads, a_heads)
-            norm = torch.where(torch.isfinite(copy_all), copy_all, torch.zeros_like(copy_all)).unsqueeze(1)
+        copy_all = self._copy_all(a_heads)
+        # each head's normaliser: its own A (averaged heads) or the pool's (B, H or 1, Tq)
+        norm = a_heads if self.average_heads else copy_all.unsqueeze(1)
+        norm = torch.where(torch.isfinite(norm), norm, torch.zeros_like(norm))
         weights = torch.exp(scores - norm.unsqueeze(-1)).mean(dim=1)  # (B, Tq, Tk)
         return weights, self.source_ids(ids), CopyTerms(copy_all, None, self.gate_logit(h, q))
