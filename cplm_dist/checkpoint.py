@@ -21,7 +21,9 @@ directory will do (`resolve_checkpoint`).
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
 import random
 import shutil
@@ -40,6 +42,19 @@ from cplm_dist.parallel import ParallelDims
 LATEST = "latest"
 COMPLETE = "complete.json"
 FORMAT = 1  # complete.json's layout; bumped when it changes
+
+log = logging.getLogger(__name__)
+
+# Config fields a resumed run may change; any other difference from the saved config is refused
+# (the model, the copy head, the data and its order, the precision, the seed).
+RESUMABLE_CHANGES = (
+    "train.train_steps", "train.micro_batch_size", "train.global_batch_size", "train.activation_checkpointing",
+    "train.out_dir", "train.log_interval", "train.eval_interval", "train.eval_batches", "train.save_interval",
+    "train.keep_last", "train.max_bad_steps", "train.exit_at_step", "train.inject_nonfinite_at", "train.tensorboard",
+    "train.wandb", "train.wandb_project", "train.collective_timeout_minutes",
+    "train.zero_stage", "parallel.tp", "optim.lr", "optim.min_lr", "optim.schedule", "optim.warmup_steps",
+    "optim.decay_fraction", "optim.weight_decay", "optim.clip_grad", "data.num_workers", "data.cache_dir",
+)
 
 
 class CheckpointError(UsageError):
@@ -65,16 +80,22 @@ def complete_tags(root: Path) -> list[str]:
 
 
 def latest_tag(root: Path) -> str | None:
-    """The newest complete checkpoint's tag under `root`, None when there is none; a `latest`
-    pointing at something incomplete is an error (it should never happen, so it is not papered over)."""
+    """The newest complete checkpoint's tag under `root` (None: there is none). `latest` names it;
+    when `latest` is missing, unreadable or names something incomplete, the complete checkpoints
+    are scanned instead (with a warning): a lost pointer never makes a run start over."""
     pointer = root / LATEST
-    if not pointer.is_file():
-        return None
-    tag = pointer.read_text().strip()
-    if not (root / tag / COMPLETE).is_file():
-        raise CheckpointError(f"{pointer} names '{tag}', which is not a complete checkpoint: "
-                              f"point it at a complete step-* directory under {root} or start a new out_dir")
-    return tag
+    tags = complete_tags(root)
+    try:
+        tag = pointer.read_text(encoding="ascii").strip() if pointer.is_file() else None
+    except (OSError, UnicodeDecodeError):
+        tag = "<unreadable>"
+    if tag is not None and tag in tags:
+        return tag
+    if tags and (tag is not None or pointer.exists()):
+        log.warning(f"{pointer} names {tag!r}, not a complete checkpoint: using the newest complete checkpoint, {tags[-1]}")
+    elif tags:
+        log.warning(f"{pointer} is missing: using the newest complete checkpoint, {tags[-1]}")
+    return tags[-1] if tags else None
 
 
 def resolve_checkpoint(path: str | Path) -> tuple[Path, str]:
@@ -107,12 +128,48 @@ def find_resume(cfg: Config, resume: str | None, tp: int, dp: int) -> tuple[Path
             raise UsageError(f"train.out_dir={out} already holds a run: choose another train.out_dir to continue {resume} into")
     tag = latest_tag(root) if root.is_dir() else None
     if tag is None:
-        if resume == "auto":
+        if resume == "auto" and not (root.is_dir() and any(root.glob("step-*"))):
             return None, None
-        raise CheckpointError(f"--resume {resume}: no checkpoint there (no '{root / LATEST}'); "
-                              "give a run directory or its checkpoints/ directory, or --resume auto")
+        raise CheckpointError(f"--resume {resume}: no complete checkpoint in {root}; "
+                              "give a run directory or its checkpoints/ directory, or --resume auto for a new out_dir")
+    tag = readable_tag(root, tag)
     check_layout(root, tag, cfg, tp, dp)
+    check_config_change(root / tag, cfg)
     return root, tag
+
+
+def readable_tag(root: Path, newest: str) -> str:
+    """`newest`, or the newest older complete checkpoint whose manifest reads (with a warning)."""
+    candidates = [t for t in complete_tags(root) if t <= newest]
+    for tag in reversed(candidates):
+        try:
+            read_manifest(root / tag)
+            return tag
+        except CheckpointError as e:
+            log.warning(f"skipping {root / tag}: {e}")
+    raise CheckpointError(f"{root}: no complete checkpoint with a readable {COMPLETE}: start a new out_dir")
+
+
+def check_config_change(step_dir: Path, cfg: Config) -> None:
+    """A resumed run may change only RESUMABLE_CHANGES; one line names any other difference."""
+    saved, here = _flatten(read_manifest(step_dir)["config"]), _flatten(to_dict(cfg))
+    changed = [k for k in sorted(set(saved) | set(here))
+               if saved.get(k) != here.get(k) and k not in RESUMABLE_CHANGES and k in saved]
+    if changed:
+        what = ", ".join(f"{k} {saved.get(k)!r} -> {here.get(k)!r}" for k in changed[:4]) + (" ..." if len(changed) > 4 else "")
+        raise CheckpointError(f"checkpoint {step_dir} was trained with another config ({what}): resume with the saved "
+                              f"values, or start a new out_dir; a resume may change only {', '.join(RESUMABLE_CHANGES[:6])}, "
+                              "... (cplm_dist.checkpoint.RESUMABLE_CHANGES)")
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
 
 
 # --- the manifest ---------------------------------------------------------------------------------
@@ -132,6 +189,33 @@ def versions() -> dict:
     return out
 
 
+def file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def checkpoint_files(step_dir: Path) -> list[Path]:
+    """The files a save wrote into `step_dir` (not the manifest itself), sorted."""
+    return sorted(p for p in step_dir.iterdir() if p.is_file() and p.name != COMPLETE)
+
+
+def damaged_files(step_dir: Path, manifest: dict, rank: int = 0, world: int = 1, names: list[str] | None = None) -> list[str]:
+    """The files of the manifest (or `names` of them) that are missing, of another size or whose
+    sha256 differs; with several ranks each hashes its share (every world-th file)."""
+    files = manifest.get("files", {})
+    out = []
+    for i, name in enumerate(sorted(names if names is not None else files)):
+        entry, path = files.get(name), step_dir / name
+        if entry is None or not path.is_file() or path.stat().st_size != entry["bytes"]:
+            out.append(name)
+        elif i % world == rank and file_digest(path) != entry["sha256"]:
+            out.append(name)
+    return out
+
+
 def read_manifest(step_dir: Path) -> dict:
     """complete.json of a checkpoint, checked to hold what a reader needs."""
     path = step_dir / COMPLETE
@@ -141,7 +225,10 @@ def read_manifest(step_dir: Path) -> dict:
         raise CheckpointError(f"{step_dir} is not a complete checkpoint (no {COMPLETE})") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path} is damaged ({e}): use an earlier step-* directory") from None
-    missing = [k for k in ("step", "layout", "config") if not isinstance(manifest, dict) or k not in manifest]
+    if isinstance(manifest, dict) and manifest.get("format", FORMAT) != FORMAT:
+        raise CheckpointError(f"{path} has checkpoint format {manifest.get('format')!r}; this cplm_dist reads format "
+                              f"{FORMAT}: use the cplm_dist version that wrote it ({manifest.get('versions')})")
+    missing = [k for k in ("step", "layout", "config", "files") if not isinstance(manifest, dict) or k not in manifest]
     if missing:
         raise CheckpointError(f"{path} lacks {missing}: it was not written by this version of cplm-train; "
                               "use a checkpoint saved by it")
@@ -211,17 +298,49 @@ class Checkpointer:
         state = {**client_state, "step": step, "rng": rng_state()}
         engine.save_checkpoint(str(self.root), tag=tag, client_state=state, save_latest=False)
         dist.barrier()  # every rank's files are on disk
+        files = self._describe_files(self.root / tag)
         if self.dims.rank == 0:
             manifest = {"format": FORMAT, "step": step, "time": time.time(), "layout": self.layout,
                         "consumed_samples": consumed_samples,
                         "consumed_tokens": consumed_samples * self.cfg.data.seq_length,
-                        "config": to_dict(self.cfg), "versions": versions()}
+                        "config": to_dict(self.cfg), "versions": versions(), "files": files}
             _write_atomic(self.root / tag / COMPLETE, json.dumps(manifest, indent=2) + "\n")
             _write_atomic(self.root / LATEST, tag + "\n")
             self._prune(keep=self.cfg.train.keep_last, newest=tag)
         dist.barrier()
         self.on_disk = (step, self.root / tag)
         return self.root / tag, True
+
+    def _describe_files(self, step_dir: Path) -> dict:
+        """{name: {bytes, sha256}} of the step's files, each rank hashing every world-th one."""
+        paths = checkpoint_files(step_dir)
+        rank, world = self.dims.rank, self.dims.world_size
+        mine = {p.name: {"bytes": p.stat().st_size, "sha256": file_digest(p)}
+                for i, p in enumerate(paths) if i % world == rank}
+        gathered = [None] * world
+        dist.all_gather_object(gathered, mine)
+        return {name: entry for part in gathered for name, entry in sorted(part.items())}
+
+    def newest_intact(self, source_root: Path, tag: str) -> str:
+        """`tag`, or the newest older complete checkpoint whose files all match their manifest
+        (sizes and sha256, hashed by all ranks together), with a warning for each one skipped."""
+        for candidate in reversed([t for t in complete_tags(source_root) if t <= tag]):
+            try:
+                manifest = read_manifest(source_root / candidate)
+            except CheckpointError as e:
+                bad = [str(e)]
+            else:
+                bad = damaged_files(source_root / candidate, manifest, self.dims.rank, self.dims.world_size)
+            gathered = [None] * self.dims.world_size
+            dist.all_gather_object(gathered, bad)
+            bad = sorted({b for part in gathered for b in part})
+            if not bad:
+                return candidate
+            if self.dims.rank == 0:
+                log.warning(f"skipping checkpoint {source_root / candidate}: damaged or missing {bad[:3]} "
+                            "(sizes or sha256 differ from its manifest)")
+        raise CheckpointError(f"{source_root}: every complete checkpoint up to {tag} has damaged files: "
+                              "start a new out_dir (or restore the files)")
 
     def _prune(self, keep: int, newest: str) -> None:
         for tag in complete_tags(self.root)[:-keep]:
@@ -260,6 +379,13 @@ def load_checkpoint_config(path: str | Path) -> tuple[Config, dict]:
     return cfg, {**manifest, "root": root, "tag": tag}
 
 
+def _check_intact(step_dir: Path, manifest: dict, names: list[str] | None) -> None:
+    bad = damaged_files(step_dir, manifest, names=names)
+    if bad:
+        raise CheckpointError(f"{step_dir}: {bad[:3]} missing or damaged (sizes or sha256 differ from its "
+                              f"{COMPLETE}): use an earlier step (--checkpoint <run>/checkpoints/step-*)")
+
+
 def _load_states(file: Path) -> dict:
     """torch.load of a DeepSpeed model-states file; a missing or damaged one is a CheckpointError."""
     try:
@@ -289,12 +415,16 @@ def load_model(path: str | Path, device=None, dtype=torch.float32):
         raise CheckpointError(f"{path} was saved at tp={info['layout']['tp']}: evaluate it with that many tensor-parallel ranks "
                               f"(this launch has tp={tp})")
     model = build_model(cfg, device=device, dtype=dtype, activation_checkpointing=False)
-    module = _load_states(model_states_file(info["root"] / info["tag"], tp_rank))["module"]
+    step_dir = info["root"] / info["tag"]
+    states = model_states_file(step_dir, tp_rank)
+    _check_intact(step_dir, info, [states.name])
+    module = _load_states(states)["module"]
     if any(getattr(v, "numel", lambda: 1)() == 0 for v in module.values()):  # ZeRO-3: weights live in the optimizer shards
         if tp != 1:
             raise CheckpointError(f"{path}: ZeRO-3 checkpoints are merged for evaluation at tp=1 only")
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
+        _check_intact(step_dir, info, None)
         module = get_fp32_state_dict_from_zero_checkpoint(str(info["root"]), tag=info["tag"])
     missing, unexpected = model.load_state_dict({k: v for k, v in module.items() if v is not None}, strict=False)
     missing = [k for k in missing if not k.endswith("_extra_state")]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -150,6 +151,7 @@ class TrainConfig:
     save_interval: int = 500
     keep_last: int = 3  # checkpoints kept (older ones are deleted after a newer one is complete)
     max_bad_steps: int = 5  # consecutive non-finite steps before the run stops
+    collective_timeout_minutes: float = 10.0  # a collective waiting longer ends the job (a hung or lost rank)
     exit_at_step: int | None = None  # save and exit once this step is done (a time-sliced job; Megatron's --exit-interval)
     inject_nonfinite_at: list[int] = field(default_factory=list)  # fault injection (tests): NaN loss at these steps
     tensorboard: bool = True
@@ -194,7 +196,13 @@ def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
     if path in seen:
         raise ConfigError(f"config {path}: 'base' chain loops back to itself")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader) or {}
+    except ConfigError as e:
+        raise ConfigError(f"config {path} {e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config {path}: not UTF-8 text (byte {e.start}): save it as UTF-8") from None
+    except OSError as e:
+        raise ConfigError(f"config {path}: cannot be read ({e.strerror})") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark is not None else ""
@@ -207,9 +215,25 @@ def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
     return _merge(_read_yaml(resolve_config_path(base, path.parent), seen + (path,)), data)
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """safe_load that refuses a key given twice in one mapping (plain YAML keeps the last silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise ConfigError(f"line {key_node.start_mark.line + 1}: key '{key}' is given twice: keep one")
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def _merge(base: dict, over: Mapping) -> dict:
+    """`over` on top of `base`; an empty section (`model:` with nothing under it) changes nothing."""
     out = dict(base)
     for k, v in over.items():
+        if v is None and isinstance(out.get(k), dict):
+            continue
         out[k] = _merge(out[k], v) if isinstance(v, Mapping) and isinstance(out.get(k), dict) else v
     return out
 
@@ -318,6 +342,8 @@ def _check_type(name: str, value: Any, hint: Any) -> Any:
                 pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{name}={value!r} must be a number")
+        if not math.isfinite(value):
+            raise ConfigError(f"{name}={value!r} must be a finite number")
         return float(value)
     if hint is str:
         if not isinstance(value, str):
@@ -433,6 +459,15 @@ def validate_train(cfg: Config) -> None:
         raise ConfigError(f"optim.decay_fraction={o.decay_fraction} must be within [0, 1]")
     if o.weight_decay < 0 or o.clip_grad < 0:
         raise ConfigError("optim.weight_decay and optim.clip_grad must be >= 0")
+    for name, value in (("optim.beta1", o.beta1), ("optim.beta2", o.beta2)):
+        if not 0 <= value < 1:
+            raise ConfigError(f"{name}={value} must be within [0, 1) (e.g. 0.9, 0.95)")
+    if not o.eps > 0:
+        raise ConfigError(f"optim.eps={o.eps} must be > 0 (e.g. 1e-8)")
+    if not t.collective_timeout_minutes > 0:
+        raise ConfigError(f"train.collective_timeout_minutes={t.collective_timeout_minutes} must be > 0")
+    if not str(t.out_dir).strip():
+        raise ConfigError("train.out_dir is empty: name the directory the run writes to")
     decay_start = t.train_steps - int(round(o.decay_fraction * t.train_steps))
     if o.schedule == "wsd" and o.warmup_steps > decay_start:
         raise ConfigError(f"optim.warmup_steps={o.warmup_steps} overlaps the WSD decay, which starts at step {decay_start} "

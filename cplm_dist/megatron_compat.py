@@ -12,6 +12,7 @@ with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message=".*Apex is not installed.*")
     from megatron.core import ModelParallelConfig, parallel_state, tensor_parallel
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.blended_megatron_dataset_config import convert_split_vector_to_split_matrix
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
     from megatron.core.tensor_parallel.cross_entropy import VocabParallelCrossEntropy
@@ -23,6 +24,7 @@ __all__ = [
     "IndexedDatasetBuilder",
     "ModelParallelConfig",
     "VocabParallelCrossEntropy",
+    "convert_split_vector_to_split_matrix",
     "parallel_state",
     "tensor_parallel",
 ]

@@ -47,24 +47,54 @@ from cplm_dist.train_step import TrainStep
 from cplm_dist.vocab_parallel import IGNORE_INDEX
 
 EXIT_BAD_STEPS = 3
+EXIT_LOST_RANK = 4
+
+
+class StopDuringStartup(Exception):
+    """A stop signal before training began: there is no new state worth saving."""
 
 
 class StopRequest:
-    """SIGTERM / SIGUSR1 (a scheduler's warning before preemption or the time limit): finish the
-    current step, save, exit. Ranks agree through an all-reduce, so all stop at the same step."""
+    """SIGTERM / SIGUSR1 (a scheduler's warning before preemption or the time limit).
 
-    def __init__(self):
+    During start-up (checks, process group, model, engine, data indexing, checkpoint load) a
+    signal ends the process at once: nothing new exists to save. Once training runs, it finishes
+    the current step, saves, exits; ranks agree through an all-reduce, so all stop at the same
+    step. `phase` names what the process is doing, for these messages and for a lost rank's."""
+
+    def __init__(self, announce: bool):
         self.signal: int | None = None
+        self.phase, self.running, self.announce = "reading the config", False, announce
         for sig in (signal.SIGTERM, signal.SIGUSR1):
             signal.signal(sig, self._handle)
 
     def _handle(self, signum, _frame):
         self.signal = signum
+        if not self.running:
+            raise StopDuringStartup(f"stopped by signal {signum} while {self.phase}: nothing to save; "
+                                    "continue with --resume auto")
+
+    def enter(self, phase: str, running: bool = False) -> None:
+        self.phase, self.running = phase, running
+        if self.announce and not running:
+            print(f"start-up: {phase}", flush=True)
 
     def agreed(self, device) -> bool:
         flag = torch.tensor([1.0 if self.signal is not None else 0.0], device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
+
+
+def lost_rank_message(e: Exception, phase: str, timeout_minutes: float) -> str | None:
+    """One line for a collective that failed because another rank died or hung, else None."""
+    text = str(e)
+    markers = ("Timed out", "timed out", "Connection closed by peer", "Connection reset", "NCCL communicator was aborted")
+    if not isinstance(e, (RuntimeError, dist.DistError)) or not any(m in text for m in markers):
+        return None
+    first = text.strip().splitlines()[0][:160]
+    return (f"rank {dist.get_rank() if dist.is_initialized() else '?'} lost contact with another rank while {phase} "
+            f"({first}); a rank died or hung longer than train.collective_timeout_minutes={timeout_minutes}: "
+            "the job stops; continue with --resume auto")
 
 
 @torch.no_grad()
@@ -83,6 +113,15 @@ def evaluate(engine, dataset, cfg: Config, dims: ParallelDims, device) -> float:
 
 @exit_on_usage_error
 def main(argv=None) -> int:
+    stop = StopRequest(announce=LaunchEnv.from_environ(mpi_rendezvous=False).rank == 0)
+    try:
+        return run(argv, stop)
+    except StopDuringStartup as e:
+        print(str(e), file=sys.stderr, flush=True)
+        return 0
+
+
+def run(argv, stop: StopRequest) -> int:
     # 1. config ----------------------------------------------------------------------------------
     parser = config_parser(__doc__.splitlines()[0])
     parser.add_argument("--resume", metavar="auto|PATH", help="continue from the latest checkpoint of out_dir (auto) or of PATH")
@@ -91,6 +130,7 @@ def main(argv=None) -> int:
     t = cfg.train
 
     # 2. everything the user can get wrong, checked before the first byte or connection ---------
+    stop.enter("checking the launch, checkpoint and data")
     world = LaunchEnv.from_environ(mpi_rendezvous=False).world_size
     check_world(cfg.parallel.tp, world)
     dp = world // cfg.parallel.tp
@@ -100,24 +140,33 @@ def main(argv=None) -> int:
     tokenizer = check_data(cfg, samples)
 
     # 3. distributed: process group, TP x DP groups; from here on one teardown -------------------
-    dims = init_distributed(cfg.parallel.tp)
+    stop.enter("joining the process group")
+    dims = init_distributed(cfg.parallel.tp, timeout_minutes=t.collective_timeout_minutes)
     try:
-        return train(cfg, dims, accumulation, resume, samples, tokenizer)
+        return train(cfg, dims, accumulation, resume, samples, tokenizer, stop)
+    except (RuntimeError, dist.DistError) as e:
+        message = lost_rank_message(e, stop.phase, t.collective_timeout_minutes)
+        if message is None:
+            raise
+        print(f"error: {message}", file=sys.stderr, flush=True)
+        return EXIT_LOST_RANK
     finally:
         destroy_distributed()
 
 
-def train(cfg: Config, dims: ParallelDims, accumulation: int, resume: tuple, samples: tuple, tokenizer) -> int:
+def train(cfg: Config, dims: ParallelDims, accumulation: int, resume: tuple, samples: tuple, tokenizer,
+          stop: StopRequest) -> int:
     t = cfg.train
     device = default_device()
-    stop = StopRequest()
     torch.manual_seed(cfg.seed)
 
     # 4. model, 5. DeepSpeed engine (ZeRO over dp, our AdamW and schedule), the step -------------
+    stop.enter("building the model and the DeepSpeed engine")
     engine, optimizer, scheduler = build_engine(build_model(cfg, device=device), cfg, dims)
     train_step = TrainStep(engine, optimizer, scheduler, dims, cfg)
 
     # 6. data: megatron's blended GPTDatasets, our resumable loader -------------------------------
+    stop.enter("indexing the data")
     data = build_datasets(cfg, samples, tokenizer)
     loader = ResumableLoader(data.train, t.micro_batch_size, dims.dp_rank, dims.dp_size,
                              num_workers=cfg.data.num_workers, pin_memory=device.type == "cuda")
@@ -126,6 +175,8 @@ def train(cfg: Config, dims: ParallelDims, accumulation: int, resume: tuple, sam
     ckpt = Checkpointer(Path(t.out_dir) / "checkpoints", cfg, dims)
     step, skipped_total, skipped_in_a_row = 0, 0, 0
     if resume[1] is not None:
+        stop.enter(f"loading checkpoint {resume[0] / resume[1]}")
+        resume = (resume[0], ckpt.newest_intact(*resume))
         state = ckpt.load(engine, *resume)
         step, skipped_total = state["step"], state["bad_steps_total"]
         loader.load_state_dict(state["loader"])
@@ -140,6 +191,7 @@ def train(cfg: Config, dims: ParallelDims, accumulation: int, resume: tuple, sam
 
     # 8. train loop --------------------------------------------------------------------------------
     valid_loss, start_step, run_start = float("nan"), step, time.perf_counter()
+    stop.enter("training", running=True)
     try:
         while step < t.train_steps:
             if stop.agreed(device):
@@ -170,20 +222,24 @@ def train(cfg: Config, dims: ParallelDims, accumulation: int, resume: tuple, sam
                 return 0
 
         # 9. summary ---------------------------------------------------------------------------------
-        seconds = time.perf_counter() - run_start
-        tokens = (step - start_step) * log.tokens_per_step
-        log.summary([
-            ("steps", f"{step} ({skipped_total} skipped)"),
-            ("valid loss", f"{valid_loss:.4f}"),
-            ("tokens", f"{tokens:,} in {seconds:.1f}s: {tokens / seconds:,.0f} tokens/s, "
-                       f"{tokens / seconds / dims.world_size:,.0f} per device"),
-            ("checkpoints", f"{ckpt.root} (latest {ckpt.latest_tag() if dims.is_first else ''})"),
-            ("logs", f"{log.dir} (metrics.jsonl" + (", tensorboard/)" if t.tensorboard else ")")),
-        ], {"step": step, "valid_loss": valid_loss, "tokens_per_s": tokens / seconds, "seconds": seconds,
-            "skipped_steps": skipped_total})
+        summarize(log, ckpt, dims, step - start_step, time.perf_counter() - run_start, step, skipped_total, valid_loss)
         return 0
     finally:
         log.close()
+
+
+def summarize(log: RunLog, ckpt: Checkpointer, dims: ParallelDims, steps_run: int, seconds: float, step: int,
+              skipped_total: int, valid_loss: float) -> None:
+    tokens = steps_run * log.tokens_per_step
+    log.summary([
+        ("steps", f"{step} ({skipped_total} skipped)"),
+        ("valid loss", f"{valid_loss:.4f}"),
+        ("tokens", f"{tokens:,} in {seconds:.1f}s: {tokens / seconds:,.0f} tokens/s, "
+                   f"{tokens / seconds / dims.world_size:,.0f} per device"),
+        ("checkpoints", f"{ckpt.root} (latest {ckpt.latest_tag() if dims.is_first else ''})"),
+        ("logs", f"{log.dir} (metrics.jsonl" + (", tensorboard/)" if ckpt.cfg.train.tensorboard else ")")),
+    ], {"step": step, "valid_loss": valid_loss, "tokens_per_s": tokens / seconds, "seconds": seconds,
+        "skipped_steps": skipped_total})
 
 
 def banner(cfg: Config, dims: ParallelDims, accumulation: int, resume_tag: str | None) -> str:

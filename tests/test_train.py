@@ -5,6 +5,7 @@ one line and exit code 2 with nothing written."""
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -259,8 +260,8 @@ def test_bad_input_one_line_exit_2_nothing_written(small_data, tmp_path):
          f"error: dataset {tmp_path / 'missing'}: {tmp_path / 'missing.idx'} is missing (rebuild it with "
          "tools/preprocess_data.py, or fix data.blend)"),
         (argv(small_data, fresh) + ["--resume", str(tmp_path / "nothing-here")], None,
-         f"error: --resume {tmp_path / 'nothing-here'}: no checkpoint there (no '{tmp_path / 'nothing-here' / 'latest'}'); "
-         "give a run directory or its checkpoints/ directory, or --resume auto"),
+         f"error: --resume {tmp_path / 'nothing-here'}: no complete checkpoint in {tmp_path / 'nothing-here'}; "
+         "give a run directory or its checkpoints/ directory, or --resume auto for a new out_dir"),
     ]
     for args, env, expected in cases:
         proc = run_cli(args, env)
@@ -279,9 +280,20 @@ def test_an_existing_run_is_never_overwritten(small_data, tmp_path):
     assert proc.stderr.strip().splitlines()[-1] == (
         f"error: train.out_dir={out} already holds a run: continue it with --resume auto, or choose another train.out_dir")
     assert snapshot(out) == before
-    (out / "checkpoints" / "latest").write_text("step-00000099\n")  # a pointer to nothing: refused, not guessed
-    proc = run_cli(argv(small_data, out, "train.train_steps=4") + ["--resume", "auto"])
-    assert proc.returncode == 2 and "'step-00000099', which is not a complete checkpoint" in proc.stderr
+    # a pointer to nothing, or none at all: the newest complete checkpoint is found by scanning, with a
+    # warning, and continued; it is never started over nor written in place
+    saved = snapshot(out / "checkpoints" / "step-00000002")
+    for damage in ("step-00000099\n", None):
+        if damage is None:
+            (out / "checkpoints" / "latest").unlink()
+        else:
+            (out / "checkpoints" / "latest").write_text(damage)
+        proc = run_cli(argv(small_data, out, "train.train_steps=3", "train.keep_last=5") + ["--resume", "auto"])
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert "using the newest complete checkpoint, step-00000002" in proc.stderr
+        assert snapshot(out / "checkpoints" / "step-00000002") == saved
+        assert (out / "checkpoints" / "latest").read_text().strip() == "step-00000003"
+        shutil.rmtree(out / "checkpoints" / "step-00000003")
 
 
 # --- schedules -----------------------------------------------------------------------------------

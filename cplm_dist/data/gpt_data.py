@@ -17,10 +17,11 @@ from pathlib import Path
 import torch.distributed as dist
 
 from cplm_dist.config import Config, parse_split
-from cplm_dist.data.indexed_data import check_indexed_dataset, content_fingerprint
+from cplm_dist.data.indexed_data import check_indexed_dataset, content_fingerprint, split_token_counts
 from cplm_dist.data.tokenizer import Tokenizer, check_tokenizer_fits_model, load_tokenizer
 from cplm_dist.errors import DataError
-from cplm_dist.megatron_compat import BlendedMegatronDatasetBuilder, GPTDataset, GPTDatasetConfig
+from cplm_dist.megatron_compat import (BlendedMegatronDatasetBuilder, GPTDataset, GPTDatasetConfig,
+                                       convert_split_vector_to_split_matrix)
 
 SPLITS = ("train", "valid", "test")
 
@@ -47,11 +48,21 @@ def check_data(cfg: Config, samples: tuple[int, int, int] = (0, 0, 0)) -> Tokeni
     if not d.blend:
         raise DataError("data.blend is empty: add at least one {path: <prefix>, weight: 1.0} made by tools/preprocess_data.py")
     tokenizer = tokenizer_for(cfg)
-    for entry in d.blend:
-        check_indexed_dataset(entry.path, vocab_size=cfg.model.vocab_size, tokenizer_sha256=tokenizer.fingerprint)
-    for name, n, frac in zip(SPLITS, samples, parse_split(d.split)):
+    fractions = parse_split(d.split)
+    for name, n, frac in zip(SPLITS, samples, fractions):
         if n > 0 and frac == 0:
             raise DataError(f"{n} {name} samples requested but data.split={d.split!r} gives the {name} split no documents")
+    bookends = convert_split_vector_to_split_matrix(fractions)
+    for entry in d.blend:
+        summary = check_indexed_dataset(entry.path, vocab_size=cfg.model.vocab_size, tokenizer_sha256=tokenizer.fingerprint)
+        # megatron repeats a split's documents until the samples are there: a split holding less
+        # than one sample would make it loop forever
+        for name, n, (docs, tokens) in zip(SPLITS, samples, split_token_counts(entry.path, bookends)):
+            if n > 0 and tokens < d.seq_length + 1:
+                raise DataError(f"dataset {entry.path}: data.split={d.split!r} gives its {name} split {docs} of its "
+                                f"{summary.sequences} documents ({tokens} tokens), less than one sample of "
+                                f"data.seq_length+1={d.seq_length + 1} tokens: give {name} a larger share of "
+                                "data.split, lower data.seq_length, or add documents")
     return tokenizer
 
 

@@ -279,3 +279,20 @@ def check_indexed_dataset(prefix: str | Path, vocab_size: int | None = None,
             raise DataError(f"dataset {prefix} holds token id {max_id} but model.vocab_size={vocab_size}: "
                             "it was made with another tokenizer; re-run tools/preprocess_data.py with data.tokenizer")
     return IndexSummary(str(prefix), n_seq, n_doc - 1, tokens, np.dtype(DTYPES[code]).name, max_id)
+
+
+def split_token_counts(prefix: str | Path, bookends: list[tuple[float, float] | None]) -> list[tuple[int, int]]:
+    """(sequences, tokens) each split of a checked dataset gets, for megatron's split bookends
+    (fractions of the sequences, rounded as megatron rounds them); (0, 0) for an absent split."""
+    idx = dataset_files(prefix)["idx"]
+    with open(idx, "rb") as f:
+        _, _, n_seq, _ = struct.unpack("<QBQQ", f.read(HEADER_BYTES)[9:])
+    lengths = np.memmap(idx, dtype=np.int32, mode="r", offset=HEADER_BYTES, shape=(n_seq,))
+    out = []
+    for ends in bookends:
+        if ends is None:
+            out.append((0, 0))
+            continue
+        beg, end = int(round(ends[0] * float(n_seq))), int(round(ends[1] * float(n_seq)))
+        out.append((end - beg, int(lengths[beg:end].sum(dtype=np.int64))))
+    return out

@@ -1,0 +1,165 @@
+"""Faults injected the way they happen to users: damaged checkpoints, a lost `latest`, a changed
+config on resume, a dataset too small for its split, signals during start-up, a hung rank. Each
+gives one line (exit 2 for user errors), a bounded exit, or a warned fallback, and no complete
+checkpoint is changed. docs/reliability.md lists them with these tests."""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.test_train import argv, losses, run_cli, snapshot, train
+
+REPO = Path(__file__).resolve().parent.parent
+STATES = "mp_rank_00_model_states.pt"
+
+
+@pytest.fixture(scope="module")
+def base_run(small_data, tmp_path_factory):
+    """4 steps, complete checkpoints at steps 2 and 4."""
+    out = tmp_path_factory.mktemp("faults") / "base"
+    assert train(1, argv(small_data, out, "train.train_steps=4", "train.save_interval=2", "train.keep_last=5")) == [0]
+    return out
+
+
+def copy_of(base_run, tmp_path) -> Path:
+    out = tmp_path / "run"
+    shutil.copytree(base_run, out)
+    return out
+
+
+def resume_args(small_data, out, *extra):
+    return argv(small_data, out, "train.train_steps=5", "train.save_interval=2", "train.keep_last=5", *extra) + [
+        "--resume", "auto"]
+
+
+@pytest.mark.parametrize("damage", ["flipped byte", "truncated", "malformed manifest"])
+def test_a_damaged_checkpoint_is_skipped_for_the_newest_intact_one(small_data, base_run, tmp_path, damage):
+    out = copy_of(base_run, tmp_path)
+    step4 = out / "checkpoints" / "step-00000004"
+    if damage == "flipped byte":
+        data = bytearray((step4 / STATES).read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        (step4 / STATES).write_bytes(bytes(data))
+    elif damage == "truncated":
+        (step4 / STATES).write_bytes((step4 / STATES).read_bytes()[:1000])
+    else:
+        (step4 / "complete.json").write_text("{ not json")
+    intact = snapshot(out / "checkpoints" / "step-00000002")
+    proc = run_cli(resume_args(small_data, out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"skipping {'checkpoint ' if damage != 'malformed manifest' else ''}{step4}" in proc.stderr
+    # resumed from step 2: steps 3 and 4 are trained again and equal the first run's
+    again, first = losses(out), losses(base_run)
+    for step in (3, 4):
+        assert again[step] == pytest.approx(first[step], abs=1e-6)
+    assert snapshot(out / "checkpoints" / "step-00000002") == intact
+
+
+def test_evaluation_refuses_a_damaged_checkpoint_with_one_line(base_run, tmp_path):
+    out = copy_of(base_run, tmp_path)
+    step4 = out / "checkpoints" / "step-00000004"
+    data = bytearray((step4 / STATES).read_bytes())
+    data[-100] ^= 0x01
+    (step4 / STATES).write_bytes(bytes(data))
+    proc = subprocess.run([sys.executable, str(REPO / "tools/generate.py"), "--checkpoint", str(step4), "--prompt", "x"],
+                          capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: {step4}: ['{STATES}'] missing or damaged (sizes or sha256 differ from its complete.json): "
+        "use an earlier step (--checkpoint <run>/checkpoints/step-*)")
+
+
+@pytest.mark.parametrize("override,field", [("copy.paste=self", "copy.paste"), ("model.hidden_size=64", "model.hidden_size"),
+                                            ("data.seq_length=32", "data.seq_length")])
+def test_a_resume_with_another_model_or_data_is_refused(small_data, base_run, tmp_path, override, field):
+    out = copy_of(base_run, tmp_path)
+    before = snapshot(out)
+    proc = run_cli(resume_args(small_data, out, override))
+    assert proc.returncode == 2
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: checkpoint {out / 'checkpoints' / 'step-00000004'} was trained with another config ({field} ")
+    assert snapshot(out) == before
+
+
+def test_a_resume_may_change_the_schedule_and_the_intervals(small_data, base_run, tmp_path):
+    out = copy_of(base_run, tmp_path)
+    proc = run_cli(resume_args(small_data, out, "optim.lr=1e-3", "optim.min_lr=1e-5", "train.log_interval=2", "train.eval_interval=100"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert max(losses(out)) == 5
+
+
+def test_a_dataset_too_small_for_its_split_stops_at_once_with_one_line(small_data, tmp_path):
+    from cplm_dist.data.indexed_data import write_indexed_dataset
+    from cplm_dist.data.tokenizer import load_tokenizer
+
+    prefix = tmp_path / "three"
+    write_indexed_dataset(iter(["a tiny document", "another one", "and a third"]), load_tokenizer(small_data.tokenizer),
+                          str(prefix), progress=False)
+    out = tmp_path / "run"
+    args = argv(small_data, out, f"data.blend=[{{path: {prefix}}}]", "data.split='98,2,0'", "train.train_steps=2")
+    start = time.monotonic()
+    proc = run_cli(args)
+    assert time.monotonic() - start < 120, "must not spin"
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith(
+        f"error: dataset {prefix}: data.split='98,2,0' gives its train split 3 of its 3 documents (")
+    assert not out.exists()
+
+
+def test_a_signal_during_start_up_ends_the_process_at_once(small_data, tmp_path):
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-c", "import sys; from cplm_dist.train import main; sys.exit(main(sys.argv[1:]))",
+           *argv(small_data, out, "train.train_steps=50")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env)
+    for line in proc.stdout:
+        if line.startswith("start-up: building the model"):
+            break
+    proc.send_signal(signal.SIGTERM)
+    start = time.monotonic()
+    _, stderr = proc.communicate(timeout=60)
+    assert time.monotonic() - start < 30
+    assert proc.returncode == 0, stderr[-2000:]
+    assert stderr.strip().splitlines()[-1] == (
+        "stopped by signal 15 while building the model and the DeepSpeed engine: nothing to save; continue with --resume auto")
+    assert not (out / "checkpoints").exists()
+
+
+def test_a_hung_rank_ends_the_job_within_the_collective_timeout(small_data, tmp_path):
+    """Rank 1 is stopped (SIGSTOP, as a hung process) once training runs: rank 0 gives up after
+    train.collective_timeout_minutes with one line naming the phase, instead of waiting forever."""
+    from cplm_dist.parallel import free_port
+
+    out = tmp_path / "run"
+    args = argv(small_data, out, "train.train_steps=200", "train.collective_timeout_minutes=0.1",
+                "train.global_batch_size=8", "train.micro_batch_size=4")
+    port = free_port()
+    ranks = []
+    for rank in (0, 1):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        cmd = [sys.executable, "-c", "import sys; from cplm_dist.train import main; sys.exit(main(sys.argv[1:]))", *args]
+        ranks.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env))
+    try:
+        for line in ranks[0].stdout:
+            if line.startswith("step") and "loss" in line:  # training runs
+                break
+        ranks[1].send_signal(signal.SIGSTOP)
+        stopped = time.monotonic()
+        _, stderr = ranks[0].communicate(timeout=120)
+        assert time.monotonic() - stopped < 90
+        assert ranks[0].returncode == 4, stderr[-3000:]
+        last = stderr.strip().splitlines()[-1]
+        assert last.startswith("error: rank 0 lost contact with another rank while training (")
+        assert last.endswith("a rank died or hung longer than train.collective_timeout_minutes=0.1: "
+                             "the job stops; continue with --resume auto")
+    finally:
+        for p in ranks:
+            p.kill()
+            p.communicate()
