@@ -21,10 +21,12 @@ directory will do (`resolve_checkpoint`).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
+import pickle
 import random
 import shutil
 import time
@@ -172,6 +174,34 @@ def _flatten(tree: dict, prefix: str = "") -> dict:
     return out
 
 
+def checkpoint_bytes(cfg: Config) -> int:
+    """About what one checkpoint takes on disk: the weights and AdamW's states (fp32 master copy
+    under bf16, first and second moments) of every parameter."""
+    from cplm_dist.model.counting import parameter_count
+
+    per_parameter = 4 + 8 if cfg.train.precision == "fp32" else 2 + 12
+    return parameter_count(cfg, padded=True)["total"] * per_parameter
+
+
+def check_out_dir(cfg: Config) -> None:
+    """train.out_dir must be writable and have room for a checkpoint: found before training
+    starts, not at the first save `train.save_interval` steps later. Writes nothing."""
+    out = Path(cfg.train.out_dir).absolute()
+    existing = next(p for p in (out, *out.parents) if p.exists())
+    if not existing.is_dir():
+        raise UsageError(f"train.out_dir={cfg.train.out_dir}: {existing} is not a directory: choose another train.out_dir")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UsageError(f"train.out_dir={cfg.train.out_dir}: {existing} is not writable (read-only or another "
+                         "owner's): choose another train.out_dir")
+    need, free = checkpoint_bytes(cfg), shutil.disk_usage(existing).free
+    if free < need:
+        raise UsageError(f"train.out_dir={cfg.train.out_dir}: {free / 1e9:.2f} GB free on its filesystem but a "
+                         f"checkpoint needs about {need / 1e9:.2f} GB: free space or choose another train.out_dir")
+    if free < need * (cfg.train.keep_last + 1):
+        log.warning(f"train.out_dir={cfg.train.out_dir}: {free / 1e9:.2f} GB free holds fewer than train.keep_last+1="
+                    f"{cfg.train.keep_last + 1} checkpoints of about {need / 1e9:.2f} GB")
+
+
 # --- the manifest ---------------------------------------------------------------------------------
 
 
@@ -249,26 +279,67 @@ def check_layout(root: Path, tag: str, cfg: Config, tp: int, dp: int) -> None:
 
 def _write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _os_error(write, directory: Path | None = None) -> str | None:
+    """Run `write`; a failure to write as one line (None: it worked). torch.save hides the
+    operating system's reason ("unexpected pos 704 vs 598"), so after any other error a probe
+    write into `directory` finds it: no space left, read-only, file too large."""
+    try:
+        write()
+    except OSError as e:
+        return f"{e.strerror or e}{f' ({e.filename})' if e.filename else ''}"
+    except Exception as e:  # noqa: BLE001 - whatever torch or DeepSpeed raised, the disk's reason is what matters
+        probe = _probe_write(directory) if directory is not None else None
+        return probe or f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+    return None
+
+
+def _probe_write(directory: Path) -> str | None:
+    probe = directory / f".write-probe-{os.getpid()}"
+    try:
+        with open(probe, "wb") as f:
+            for _ in range(8):
+                f.write(b"\0" * (1 << 20))
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        free = f", {shutil.disk_usage(directory).free / 1e9:.2f} GB free" if directory.is_dir() else ""
+        return f"{e.strerror or e} ({directory}{free})"
+    finally:
+        probe.unlink(missing_ok=True)
+    return None
 
 
 # --- RNG --------------------------------------------------------------------------------------------
 
 
 def rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """The generators' states as tensors and plain values only, so that a checkpoint loads with
+    torch.load(weights_only=True): nothing in it needs unpickling code."""
+    version, internal, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {"python": [version, torch.tensor(internal, dtype=torch.int64), gauss],
+             "numpy": [name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached],
+             "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
 def set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal.tolist()), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
@@ -296,20 +367,41 @@ class Checkpointer:
             return self.on_disk[1], False
         tag = tag_for(step)
         state = {**client_state, "step": step, "rng": rng_state()}
-        engine.save_checkpoint(str(self.root), tag=tag, client_state=state, save_latest=False)
-        dist.barrier()  # every rank's files are on disk
+        error = _os_error(lambda: engine.save_checkpoint(str(self.root), tag=tag, client_state=state, save_latest=False),
+                          self.root)
+        self._agree(error, tag)  # every rank's files are on disk, or the save is undone everywhere
         files = self._describe_files(self.root / tag)
+        error = None
         if self.dims.rank == 0:
             manifest = {"format": FORMAT, "step": step, "time": time.time(), "layout": self.layout,
                         "consumed_samples": consumed_samples,
                         "consumed_tokens": consumed_samples * self.cfg.data.seq_length,
                         "config": to_dict(self.cfg), "versions": versions(), "files": files}
-            _write_atomic(self.root / tag / COMPLETE, json.dumps(manifest, indent=2) + "\n")
-            _write_atomic(self.root / LATEST, tag + "\n")
+            error = _os_error(lambda: _write_atomic(self.root / tag / COMPLETE, json.dumps(manifest, indent=2) + "\n"))
+            error = error or _os_error(lambda: _write_atomic(self.root / LATEST, tag + "\n"))
+        self._agree(error, tag)
+        if self.dims.rank == 0:
             self._prune(keep=self.cfg.train.keep_last, newest=tag)
         dist.barrier()
         self.on_disk = (step, self.root / tag)
         return self.root / tag, True
+
+    def _agree(self, error: str | None, tag: str) -> None:
+        """All ranks learn whether any failed to write; on a failure rank 0 removes the partial
+        directory (its manifest too), so `latest` keeps naming the previous complete checkpoint."""
+        gathered = [None] * self.dims.world_size
+        dist.all_gather_object(gathered, error)
+        failed = [(r, e) for r, e in enumerate(gathered) if e]
+        if not failed:
+            return
+        if self.dims.rank == 0:
+            shutil.rmtree(self.root / tag, ignore_errors=True)
+        dist.barrier()
+        rank, why = failed[0]
+        previous = latest_tag(self.root)
+        raise CheckpointError(f"saving {self.root / tag} failed on rank {rank}: {why}; removed it, "
+                              f"{'the latest checkpoint stays ' + previous if previous else 'no checkpoint was kept'}: "
+                              "free space or fix train.out_dir, then continue with --resume auto")
 
     def _describe_files(self, step_dir: Path) -> dict:
         """{name: {bytes, sha256}} of the step's files, each rank hashing every world-th one."""
@@ -379,6 +471,45 @@ def load_checkpoint_config(path: str | Path) -> tuple[Config, dict]:
     return cfg, {**manifest, "root": root, "tag": tag}
 
 
+def deepspeed_safe_globals() -> list:
+    """The only non-tensor types a checkpoint may hold beyond plain data (DeepSpeed's optimizer
+    states carry these three); anything else is refused when loading."""
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, ZeroStageEnum, fragment_address]
+
+
+def safe_load(path, map_location=None):
+    """torch.load with weights_only=True and DeepSpeed's allow-list: a crafted file cannot run code
+    (evaluation, and DeepSpeed's resume through `use_safe_loading`)."""
+    try:
+        with torch.serialization.safe_globals(deepspeed_safe_globals()):
+            return torch.serialization.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as e:
+        what = next((line.strip() for line in str(e).splitlines() if "Unsupported global" in line), str(e).splitlines()[0])
+        raise CheckpointError(f"{path} holds something a checkpoint of cplm-train never does ({what[:160]}): it was "
+                              "not written by cplm-train and is not loaded (it could run code)") from None
+
+
+def use_safe_loading(engine) -> None:
+    """Make DeepSpeed's own checkpoint loading (resume) weights-only with the allow-list."""
+    engine.checkpoint_engine.load = safe_load
+
+
+@contextlib.contextmanager
+def _weights_only_torch_load():
+    """DeepSpeed's zero_to_fp32 calls torch.load(weights_only=False) itself; while merging, that
+    name loads safely instead."""
+    real = torch.load
+    torch.load = lambda f, map_location=None, **_: safe_load(f, map_location)
+    try:
+        yield
+    finally:
+        torch.load = real
+
+
 def _check_intact(step_dir: Path, manifest: dict, names: list[str] | None) -> None:
     bad = damaged_files(step_dir, manifest, names=names)
     if bad:
@@ -389,7 +520,9 @@ def _check_intact(step_dir: Path, manifest: dict, names: list[str] | None) -> No
 def _load_states(file: Path) -> dict:
     """torch.load of a DeepSpeed model-states file; a missing or damaged one is a CheckpointError."""
     try:
-        state = torch.load(file, map_location="cpu", weights_only=False)
+        state = safe_load(file, map_location="cpu")
+    except CheckpointError:
+        raise
     except FileNotFoundError:
         raise CheckpointError(f"{file} is missing although its checkpoint is marked complete: use an earlier step "
                               "(--checkpoint <run>/checkpoints/step-*)") from None
@@ -425,7 +558,8 @@ def load_model(path: str | Path, device=None, dtype=torch.float32):
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         _check_intact(step_dir, info, None)
-        module = get_fp32_state_dict_from_zero_checkpoint(str(info["root"]), tag=info["tag"])
+        with _weights_only_torch_load():
+            module = get_fp32_state_dict_from_zero_checkpoint(str(info["root"]), tag=info["tag"])
     missing, unexpected = model.load_state_dict({k: v for k, v in module.items() if v is not None}, strict=False)
     missing = [k for k in missing if not k.endswith("_extra_state")]
     if missing or unexpected:

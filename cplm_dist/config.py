@@ -33,6 +33,7 @@ _PACKAGE_DIR = Path(__file__).resolve().parent
 CONFIG_DIR = next((d for d in (_PACKAGE_DIR / "configs", _PACKAGE_DIR.parent / "configs") if d.is_dir()),
                   _PACKAGE_DIR.parent / "configs")
 
+FLOAT32_MAX = 3.4028234663852886e38  # parameters and optimizer states are float32: larger numbers cannot work
 MixMode = Literal["gate", "joint", "sentinel"]
 PasteMode = Literal["next", "self"]
 CopyImpl = Literal["chunked", "dense"]
@@ -342,8 +343,8 @@ def _check_type(name: str, value: Any, hint: Any) -> Any:
                 pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{name}={value!r} must be a number")
-        if not math.isfinite(value):
-            raise ConfigError(f"{name}={value!r} must be a finite number")
+        if not math.isfinite(value) or abs(value) > FLOAT32_MAX:
+            raise ConfigError(f"{name}={value!r} must be a finite number (within float32's range, |x| < 3.4e38)")
         return float(value)
     if hint is str:
         if not isinstance(value, str):

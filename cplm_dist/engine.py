@@ -21,6 +21,7 @@ import os
 
 import torch
 
+from cplm_dist.checkpoint import use_safe_loading
 from cplm_dist.config import Config, batch_layout
 from cplm_dist.optim import build_optimizer, build_scheduler
 from cplm_dist.parallel import ParallelDims
@@ -97,4 +98,5 @@ def build_engine(model: torch.nn.Module, cfg: Config, dims: ParallelDims):
         model=model, optimizer=optimizer, lr_scheduler=scheduler, config=deepspeed_config(cfg, dims),
         mpu=DeepSpeedMPU(dims), dist_init_required=False,
     )
+    use_safe_loading(engine)  # a resume never unpickles code from a received checkpoint
     return engine, optimizer, scheduler

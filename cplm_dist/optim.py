@@ -111,3 +111,17 @@ def grad_norm(model: torch.nn.Module, tp_group: dist.ProcessGroup | None) -> flo
     if tp_group is not None and dist.get_world_size(tp_group) > 1:
         dist.all_reduce(total, group=tp_group)
     return float(total.sqrt())
+
+
+@torch.no_grad()
+def parameters_finite(model: torch.nn.Module, group: dist.ProcessGroup | None = None) -> bool:
+    """Every parameter finite on every rank of `group` (ZeRO-3: each rank checks its partition)."""
+    tensors = [getattr(p, "ds_tensor", p) for p in model.parameters()]
+    tensors = [t for t in tensors if t.numel()]
+    ok = torch.tensor(1.0)
+    if tensors:
+        ok = torch.isfinite(torch.stack(torch._foreach_norm([t.float() for t in tensors])).sum()).float().cpu()
+    if dist.is_initialized():
+        ok = ok.to(tensors[0].device if tensors else ok.device)
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
+    return bool(ok.item() > 0)

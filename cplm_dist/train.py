@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from cplm_dist.checkpoint import Checkpointer, find_resume
+from cplm_dist.checkpoint import Checkpointer, check_out_dir, find_resume
 from cplm_dist.cli import config_parser, exit_on_usage_error, load_from_args
 from cplm_dist.config import Config, batch_layout
 from cplm_dist.data.gpt_data import build_datasets, check_data
@@ -41,6 +41,7 @@ from cplm_dist.engine import build_engine
 from cplm_dist.launch_env import LaunchEnv
 from cplm_dist.model import build_model
 from cplm_dist.model.counting import parameter_count
+from cplm_dist.optim import parameters_finite
 from cplm_dist.parallel import ParallelDims, check_world, default_device, destroy_distributed, init_distributed, synchronize
 from cplm_dist.run_log import RunLog
 from cplm_dist.train_step import TrainStep
@@ -136,6 +137,7 @@ def run(argv, stop: StopRequest) -> int:
     dp = world // cfg.parallel.tp
     accumulation = batch_layout(cfg, dp)
     resume = find_resume(cfg, args.resume, cfg.parallel.tp, dp)
+    check_out_dir(cfg)
     samples = (t.train_steps * t.global_batch_size, t.eval_batches * t.micro_batch_size * dp, 0)
     tokenizer = check_data(cfg, samples)
 
@@ -210,7 +212,9 @@ def train(cfg: Config, dims: ParallelDims, accumulation: int, resume: tuple, sam
             log.step_done(step, result, time.perf_counter() - step_start,
                           loader.consumed_samples * cfg.data.seq_length, skipped_total)
             if skipped_in_a_row >= t.max_bad_steps:
-                return stop_for_bad_steps(log, save("last good state"), step, skipped_in_a_row, t.max_bad_steps)
+                # only a finite state is worth keeping: the last update may already have broken it
+                path = save("last good state") if parameters_finite(engine.module) else None
+                return stop_for_bad_steps(log, path or ckpt.latest_tag(), step, skipped_in_a_row, t.max_bad_steps)
             if step % t.eval_interval == 0 or step == t.train_steps:
                 valid_loss = evaluate(engine, data.valid, cfg, dims, device)
                 log.record("valid", {"step": step, "loss": valid_loss})
@@ -251,9 +255,14 @@ def banner(cfg: Config, dims: ParallelDims, accumulation: int, resume_tag: str |
             f"{t.global_batch_size * cfg.data.seq_length:,} tokens/step" + (f", resuming {resume_tag}" if resume_tag else ""))
 
 
-def stop_for_bad_steps(log: RunLog, path: Path, step: int, in_a_row: int, limit: int) -> int:
+def stop_for_bad_steps(log: RunLog, saved: Path | str | None, step: int, in_a_row: int, limit: int) -> int:
+    """`saved`: the checkpoint of the last good state (a Path), or, when the parameters themselves
+    are no longer finite and nothing was saved, the tag of the latest earlier checkpoint (or None)."""
+    where = (f"the parameters of the last good step are in {saved}" if isinstance(saved, Path) else
+             "the parameters are no longer finite, so nothing was saved; "
+             + (f"the latest checkpoint is {saved}" if saved else "there is no earlier checkpoint"))
     message = (f"stopping: {in_a_row} consecutive steps with a non-finite loss or gradient norm "
-               f"(train.max_bad_steps={limit}); the parameters of the last good step are in {path}. "
+               f"(train.max_bad_steps={limit}); {where}. "
                "Lower optim.lr, check the data, then continue with --resume auto")
     log.info(message)
     log.record("stopped", {"step": step, "reason": message})

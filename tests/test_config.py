@@ -67,6 +67,17 @@ BAD = [
     (["optim.schedule=wsd", "train.train_steps=100", "optim.decay_fraction=0.5", "optim.warmup_steps=60"],
      r"^optim\.warmup_steps=60 overlaps the WSD decay, which starts at step 50"),
     (["model.num_layers"], r"^override 'model\.num_layers' must look like section\.field=value"),
+    # numbers: finite, in range (by class: every float field refuses inf and nan)
+    (["optim.lr=.inf"], r"^optim\.lr=inf must be a finite number"),
+    (["optim.lr=1e39"], r"^optim\.lr=1e\+39 must be a finite number \(within float32's range"),
+    (["copy.gate_bias_init=.nan"], r"^copy\.gate_bias_init=nan must be a finite number"),
+    (["model.rope_theta=-.inf"], r"^model\.rope_theta=-inf must be a finite number"),
+    (["optim.beta1=1.0"], r"^optim\.beta1=1\.0 must be within \[0, 1\)"),
+    (["optim.beta2=-0.1"], r"^optim\.beta2=-0\.1 must be within \[0, 1\)"),
+    (["optim.eps=0"], r"^optim\.eps=0\.0 must be > 0"),
+    (["model.init_std=0"], r"^model\.init_std=0\.0 must be > 0"),
+    (["train.collective_timeout_minutes=0"], r"^train\.collective_timeout_minutes=0\.0 must be > 0"),
+    (["train.out_dir=''"], r"^train\.out_dir is empty"),
 ]
 
 
@@ -75,6 +86,20 @@ def test_bad_config_one_line_error(overrides, pattern):
     with pytest.raises(ConfigError, match=pattern) as info:
         load_config("tiny", overrides)
     assert "\n" not in str(info.value)
+
+
+def test_yaml_semantics_are_not_surprising(tmp_path):
+    """A key given twice is refused (YAML keeps the last silently); an empty section in a child
+    config changes nothing; a file that is not UTF-8 is one line."""
+    (tmp_path / "twice.yaml").write_text("base: tiny\nmodel:\n  num_layers: 3\n  num_layers: 4\n")
+    with pytest.raises(ConfigError, match=r"twice\.yaml line 4: key 'num_layers' is given twice: keep one$"):
+        load_config(tmp_path / "twice.yaml")
+    (tmp_path / "empty.yaml").write_text("base: tiny\nmodel:\ncopy:\n  mix: joint\n")
+    cfg = load_config(tmp_path / "empty.yaml")
+    assert cfg.model == load_config("tiny").model and cfg.copy.mix == "joint"
+    (tmp_path / "latin1.yaml").write_bytes("model:\n  name: caf\xe9\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match=r"latin1\.yaml: not UTF-8 text \(byte \d+\): save it as UTF-8$"):
+        load_config(tmp_path / "latin1.yaml")
 
 
 def test_missing_and_malformed_files(tmp_path):

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.spawn import run_ranks
 from tests.test_train import argv, losses, run_cli, snapshot, train
 
 REPO = Path(__file__).resolve().parent.parent
@@ -131,9 +132,10 @@ def test_a_signal_during_start_up_ends_the_process_at_once(small_data, tmp_path)
     assert not (out / "checkpoints").exists()
 
 
-def test_a_hung_rank_ends_the_job_within_the_collective_timeout(small_data, tmp_path):
-    """Rank 1 is stopped (SIGSTOP, as a hung process) once training runs: rank 0 gives up after
-    train.collective_timeout_minutes with one line naming the phase, instead of waiting forever."""
+@pytest.mark.parametrize("fault", [signal.SIGSTOP, signal.SIGKILL], ids=["hung", "killed"])
+def test_a_hung_or_dead_rank_ends_the_job_with_one_line(small_data, tmp_path, fault):
+    """Rank 1 is stopped (SIGSTOP, as a hung process) or killed once training runs: rank 0 gives
+    up (at once, or after train.collective_timeout_minutes) with one line naming the phase."""
     from cplm_dist.parallel import free_port
 
     out = tmp_path / "run"
@@ -150,7 +152,7 @@ def test_a_hung_rank_ends_the_job_within_the_collective_timeout(small_data, tmp_
         for line in ranks[0].stdout:
             if line.startswith("step") and "loss" in line:  # training runs
                 break
-        ranks[1].send_signal(signal.SIGSTOP)
+        ranks[1].send_signal(fault)
         stopped = time.monotonic()
         _, stderr = ranks[0].communicate(timeout=120)
         assert time.monotonic() - stopped < 90
@@ -163,3 +165,107 @@ def test_a_hung_rank_ends_the_job_within_the_collective_timeout(small_data, tmp_
         for p in ranks:
             p.kill()
             p.communicate()
+
+
+def test_the_non_finite_guard_checks_the_parameters_too():
+    """The guard saves its "last good state" only when parameters_finite says so (an update can
+    break parameters whose gradients were finite); ZeRO-3 partitions are checked the same way."""
+    import torch
+
+    from cplm_dist.optim import parameters_finite
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    assert parameters_finite(model)
+    with torch.no_grad():
+        model[1].bias[0] = float("inf")
+    assert not parameters_finite(model)
+    model[1].bias.ds_tensor = torch.zeros(1)  # as ZeRO-3 keeps a rank's partition
+    model[1].bias.data = torch.empty(0)
+    assert parameters_finite(model)
+
+
+def _limit_file_size():
+    import resource
+
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (EFBIG) instead of killing
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+
+
+def test_a_failed_save_says_why_in_one_line_and_keeps_the_previous_checkpoint(small_data, base_run, tmp_path):
+    """A disk that refuses the checkpoint (here: a 1 MiB file-size limit, as a full disk would):
+    one line with the operating system's reason, the partial directory removed, `latest` kept."""
+    out = copy_of(base_run, tmp_path)
+    before = snapshot(out / "checkpoints")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "cplm_dist.train", *resume_args(small_data, out, "train.tensorboard=false")],
+                          capture_output=True, text=True, timeout=300, env=env, cwd=REPO, preexec_fn=_limit_file_size)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: saving {out / 'checkpoints' / 'step-00000005'} failed on rank 0: File too large (")
+    assert last.endswith("removed it, the latest checkpoint stays step-00000004: free space or fix train.out_dir, "
+                         "then continue with --resume auto")
+    assert snapshot(out / "checkpoints") == before
+
+
+class _Payload:
+    """What a crafted file would carry: unpickling it runs code (here: creates a marker file)."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (Path(self.marker),))
+
+
+def craft(step_dir: Path, marker: Path) -> None:
+    """Replace the model states by a pickle that runs code, with a manifest that matches it (an
+    attacker writes both)."""
+    import hashlib
+    import json
+
+    import torch
+
+    torch.save({"module": _Payload(marker)}, step_dir / STATES)
+    manifest = json.loads((step_dir / "complete.json").read_text())
+    data = (step_dir / STATES).read_bytes()
+    manifest["files"][STATES] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (step_dir / "complete.json").write_text(json.dumps(manifest))
+
+
+def test_a_crafted_checkpoint_runs_no_code_in_evaluation_or_resume(small_data, base_run, tmp_path):
+    out = copy_of(base_run, tmp_path)
+    step4, marker = out / "checkpoints" / "step-00000004", tmp_path / "pwned"
+    craft(step4, marker)
+    proc = subprocess.run([sys.executable, str(REPO / "tools/generate.py"), "--checkpoint", str(step4), "--prompt", "x"],
+                          capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 2 and not marker.exists()
+    assert proc.stderr.strip().splitlines()[-1].startswith(f"error: {step4 / STATES} holds something a checkpoint of "
+                                                           "cplm-train never does (")
+    proc = run_cli(resume_args(small_data, out))
+    assert proc.returncode == 2 and not marker.exists(), proc.stderr[-3000:]
+    assert "it was not written by cplm-train and is not loaded (it could run code)" in proc.stderr.strip().splitlines()[-1]
+
+
+def test_an_index_cache_holding_pickles_is_refused(small_data, tmp_path):
+    """A cache directory shipped beside a dataset: megatron would numpy.load(allow_pickle=True) it."""
+    import numpy as np
+
+    from cplm_dist.config import load_config
+
+    args = argv(small_data, tmp_path / "run", f"data.cache_dir={tmp_path / 'cache'}")
+    cfg = load_config(args[1], args[2:])
+    run_ranks(_build, 1, args=(cfg, (16, 0, 0)))  # the run's own cache is accepted
+    cache = next((tmp_path / "cache").iterdir())
+    target = next(cache.glob("*.npy"))
+    np.save(target, np.array([_Payload(tmp_path / "pwned")], dtype=object), allow_pickle=True)
+    with pytest.raises(RuntimeError, match=r"DataError: index cache .* is not an integer array \(object\)"):
+        run_ranks(_build, 1, args=(cfg, (16, 0, 0)))
+    assert not (tmp_path / "pwned").exists()
+
+
+def _build(cfg, samples):
+    from cplm_dist.data.gpt_data import build_datasets
+    from cplm_dist.parallel import init_distributed
+
+    init_distributed(1)
+    return len(build_datasets(cfg, samples).train)

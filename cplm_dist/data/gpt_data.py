@@ -66,6 +66,24 @@ def check_data(cfg: Config, samples: tuple[int, int, int] = (0, 0, 0)) -> Tokeni
     return tokenizer
 
 
+def check_index_cache(cache: Path) -> None:
+    """megatron reads its index cache with numpy.load(allow_pickle=True): a cache shipped beside a
+    dataset must hold plain integer arrays, never pickled Python objects (which would run code)."""
+    import numpy as np
+
+    for path in sorted(cache.glob("*.npy")) if cache.is_dir() else ():
+        try:
+            with open(path, "rb") as f:
+                version = np.lib.format.read_magic(f)
+                read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+                _, _, dtype = read_header(f)
+        except (ValueError, OSError, SyntaxError):
+            dtype = None
+        if dtype is None or dtype.hasobject or dtype.kind not in "iu":
+            raise DataError(f"index cache {path} is not an integer array ({dtype}): the run did not write it and it "
+                            f"may hold pickled code; delete {cache} (it is rebuilt from the data)")
+
+
 def build_datasets(cfg: Config, samples: tuple[int, int, int], tokenizer: Tokenizer | None = None) -> Datasets:
     """(train, valid, test) with exactly `samples` samples each (0 -> that split is None).
 
@@ -87,6 +105,7 @@ def build_datasets(cfg: Config, samples: tuple[int, int, int], tokenizer: Tokeni
     # directory per content fingerprint of the blend keeps them apart.
     fingerprint = hashlib.sha256("".join(content_fingerprint(p) for p in paths).encode()).hexdigest()[:16]
     cache = str(Path(d.cache_dir or Path(paths[0]).parent / "index-cache") / fingerprint)
+    check_index_cache(Path(cache))
     config = GPTDatasetConfig(
         random_seed=d.seed,
         sequence_length=d.seq_length,
