@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from cplm_dist.config import Config, to_dict
 from cplm_dist.errors import ConfigError
@@ -70,7 +71,7 @@ class RunLog:
             print(message, flush=True)
 
     def _new_window(self) -> None:
-        self.window = {"loss": [], "lm": [], "share": [], "time": 0.0, "steps": 0}
+        self.window = {"loss": [], "lm": [], "share": [], "time": 0.0, "steps": 0, "data_wait": 0.0}
 
     def step_done(self, step: int, result: StepResult, seconds: float, consumed_tokens: int, skipped_total: int) -> None:
         """Count a finished step; every train.log_interval steps (and the last) write its record:
@@ -81,6 +82,7 @@ class RunLog:
             w["lm"].append(result.lm_loss)
             w["share"].append(result.copy_share)
         w["time"] += seconds
+        w["data_wait"] += result.data_wait_s
         w["steps"] += 1
         if self.enabled and self.bar is not None:
             self.bar.update(1)
@@ -89,20 +91,36 @@ class RunLog:
             return
         tps = self.tokens_per_step * w["steps"] / w["time"]
         per_device = self.flops_per_token * tps / self.world
+        waits = self._per_rank(w["data_wait"] / w["steps"])
         record = {
             "step": step, "consumed_tokens": consumed_tokens, "lr": result.lr, "loss": _mean(w["loss"]),
             "lm_loss": _mean(w["lm"]), "copy_share": _mean(w["share"]), "grad_norm": result.grad_norm,
             "skipped_steps": skipped_total, "tokens_per_s": tps, "tokens_per_s_per_device": tps / self.world,
             "tflops_per_device": per_device / 1e12, "mfu": per_device / self.peak_flops if self.peak_flops else None,
             "peak_memory_gb": peak_memory_bytes(self.device) / 1e9,
+            "step_time_s": w["time"] / w["steps"], "data_wait_s": waits[0], "data_wait_max_s": max(waits),
+            "data_wait_max_rank": waits.index(max(waits)),
         }
         self.record("train", record)
         self.info(f"step {step:>6}/{self.total_steps} | loss {record['loss']:.4f} | lm {record['lm_loss']:.4f} | "
                   f"copy share {record['copy_share']:.3f} | lr {record['lr']:.2e} | grad norm {result.grad_norm:.3f} | "
                   f"{tps:,.0f} tok/s | {record['tflops_per_device']:.2f} TFLOP/s/device"
                   + (f" | MFU {record['mfu']:.1%}" if record["mfu"] is not None else "")
-                  + f" | mem {record['peak_memory_gb']:.2f} GB")
+                  + f" | mem {record['peak_memory_gb']:.2f} GB"
+                  + (f" | data wait {max(waits):.3f}s (rank {record['data_wait_max_rank']})"
+                     if max(waits) > 0.05 * record["step_time_s"] else ""))
         self._new_window()
+
+    def _per_rank(self, seconds: float) -> list[float]:
+        """Every rank's figure (all ranks call this together). Step times are equal on every rank
+        (each waits for the slowest in its collectives); what a rank spent waiting for its own
+        data is not, so the log names the rank that holds the others up."""
+        if self.world == 1:
+            return [seconds]
+        mine = torch.tensor([seconds], dtype=torch.float64, device=self.device)
+        times = [torch.zeros_like(mine) for _ in range(self.world)]
+        dist.all_gather(times, mine)
+        return [float(t) for t in times]
 
     def summary(self, rows: list[tuple[str, str]], values: dict) -> None:
         """The closing table, with the last logged training loss, and its record."""

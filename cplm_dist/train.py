@@ -38,6 +38,7 @@ from cplm_dist.config import Config, batch_layout
 from cplm_dist.data.gpt_data import build_datasets, check_data
 from cplm_dist.data.loader import ResumableLoader
 from cplm_dist.engine import build_engine
+from cplm_dist.heartbeat import Heartbeat
 from cplm_dist.launch_env import LaunchEnv
 from cplm_dist.model import build_model
 from cplm_dist.model.counting import parameter_count
@@ -66,6 +67,7 @@ class StopRequest:
     def __init__(self, announce: bool):
         self.signal: int | None = None
         self.phase, self.running, self.announce = "reading the config", False, announce
+        self.heartbeat: Heartbeat | None = None  # tells the other ranks this phase
         for sig in (signal.SIGTERM, signal.SIGUSR1):
             signal.signal(sig, self._handle)
 
@@ -77,6 +79,8 @@ class StopRequest:
 
     def enter(self, phase: str, running: bool = False) -> None:
         self.phase, self.running = phase, running
+        if self.heartbeat is not None:
+            self.heartbeat.update(phase=phase)
         if self.announce and not running:
             print(f"start-up: {phase}", flush=True)
 
@@ -86,16 +90,20 @@ class StopRequest:
         return bool(flag.item())
 
 
-def lost_rank_message(e: Exception, phase: str, timeout_minutes: float) -> str | None:
-    """One line for a collective that failed because another rank died or hung, else None."""
+def lost_rank_message(e: Exception, stop: StopRequest, timeout_minutes: float) -> str | None:
+    """One line for a collective that failed because another rank died or hung, else None; it
+    names the ranks that went quiet (their heartbeats stopped) and what they were doing."""
     text = str(e)
     markers = ("Timed out", "timed out", "Connection closed by peer", "Connection reset", "NCCL communicator was aborted")
     if not isinstance(e, (RuntimeError, dist.DistError)) or not any(m in text for m in markers):
         return None
     first = text.strip().splitlines()[0][:160]
-    return (f"rank {dist.get_rank() if dist.is_initialized() else '?'} lost contact with another rank while {phase} "
-            f"({first}); a rank died or hung longer than train.collective_timeout_minutes={timeout_minutes}: "
-            "the job stops; continue with --resume auto")
+    quiet = stop.heartbeat.quiet_ranks() if stop.heartbeat is not None else []
+    seen = "; ".join(f"rank {r} went quiet {age:.0f}s ago while {phase}" + (f" (step {step})" if step else "")
+                     for r, age, phase, step in quiet[:3])
+    return (f"rank {dist.get_rank() if dist.is_initialized() else '?'} lost contact with another rank while {stop.phase} "
+            f"({first}){'; ' + seen if seen else ''}; a rank died or hung longer than "
+            f"train.collective_timeout_minutes={timeout_minutes}: the job stops; continue with --resume auto")
 
 
 @torch.no_grad()
@@ -144,15 +152,18 @@ def run(argv, stop: StopRequest) -> int:
     # 3. distributed: process group, TP x DP groups; from here on one teardown -------------------
     stop.enter("joining the process group")
     dims = init_distributed(cfg.parallel.tp, timeout_minutes=t.collective_timeout_minutes)
+    stop.heartbeat = Heartbeat.start(phase=stop.phase)
     try:
         return train(cfg, dims, accumulation, resume, samples, tokenizer, stop)
     except (RuntimeError, dist.DistError) as e:
-        message = lost_rank_message(e, stop.phase, t.collective_timeout_minutes)
+        message = lost_rank_message(e, stop, t.collective_timeout_minutes)
         if message is None:
             raise
         print(f"error: {message}", file=sys.stderr, flush=True)
         return EXIT_LOST_RANK
     finally:
+        if stop.heartbeat is not None:
+            stop.heartbeat.close()
         destroy_distributed()
 
 
@@ -203,6 +214,8 @@ def train(cfg: Config, dims: ParallelDims, accumulation: int, resume: tuple, sam
             step_start = time.perf_counter()
             result = train_step(loader, inject_nonfinite=step + 1 in t.inject_nonfinite_at)
             step += 1
+            if stop.heartbeat is not None:
+                stop.heartbeat.update(step=step)
             synchronize(device)
             skipped_total += result.bad
             skipped_in_a_row = skipped_in_a_row + 1 if result.bad else 0

@@ -37,6 +37,7 @@ class StepResult:
     grad_norm: float  # global gradient norm before clipping (nan where unknown)
     lr: float  # the learning rate this step used
     skipped: bool  # the optimizer skipped the update (a non-finite gradient on some rank)
+    data_wait_s: float = 0.0  # this rank's time blocked on its micro-batches (not synchronised: shows stragglers)
 
     @property
     def bad(self) -> bool:
@@ -68,8 +69,11 @@ class TrainStep:
         skipped_before = engine.skipped_steps
         norm = None
         lr = self.scheduler.get_last_lr()[0]  # this step's rate: engine.step() advances the schedule
+        data_wait = 0.0
         for _ in range(self.accumulation):
+            waited = time.perf_counter()
             batch = next(batches)
+            data_wait += time.perf_counter() - waited
             input_ids, labels = batch["input_ids"].to(device), batch["labels"].to(device)
             with _phase(phases, "forward", device):
                 out = engine(input_ids, labels)
@@ -92,4 +96,4 @@ class TrainStep:
         if norm is None:
             norm = engine.get_global_grad_norm()
         skipped = self.optimizer.skipped_last or engine.skipped_steps > skipped_before
-        return StepResult(loss_v, lm_v, share_v, float(norm) if norm is not None else float("nan"), lr, skipped)
+        return StepResult(loss_v, lm_v, share_v, float(norm) if norm is not None else float("nan"), lr, skipped, data_wait)
