@@ -1,5 +1,6 @@
 """Tokenizer training and the one tokenizer interface (SentencePiece, and Hugging Face from a
-local directory); bad tokenizers are refused with one clear line."""
+local directory); bad tokenizers are refused with one clear line; `encode_exact` names every
+text a tokenizer would not give back."""
 
 import json
 import subprocess
@@ -95,3 +96,75 @@ def test_train_tokenizer_cli(tmp_path, small_data):
                             "--vocab-size", "300", "--output", str(out)], capture_output=True, text=True, timeout=120)
     assert again.returncode == 2 and "already exists" in again.stderr and "--overwrite" in again.stderr
     assert out.read_bytes() == before
+
+
+def _sentencepiece_without_byte_fallback(small_data, tmp_path) -> Path:
+    """The session tokenizer with its byte pieces removed (as --no-byte-fallback trains it): no training."""
+    from sentencepiece import sentencepiece_model_pb2 as pb
+
+    model = pb.ModelProto()
+    model.ParseFromString(small_data.tokenizer.read_bytes())
+    model.trainer_spec.byte_fallback = False
+    kept = [p for p in model.pieces if p.type != pb.ModelProto.SentencePiece.BYTE]
+    del model.pieces[:]
+    model.pieces.extend(kept)
+    out = tmp_path / "no-byte-fallback.model"
+    out.write_bytes(model.SerializeToString())
+    return out
+
+
+def _byte_level_hf(tmp_path, nfkc: bool = False) -> Path:
+    """A byte-level Hugging Face tokenizer built from its alphabet (no training), with an
+    end-of-document and a padding token, optionally an NFKC normaliser."""
+    pytest.importorskip("tokenizers", reason="the huggingface backend needs `tokenizers` (dev extra)")
+    from tokenizers import Tokenizer as HF
+    from tokenizers import decoders, models, normalizers, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    hf = HF(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = decoders.ByteLevel()
+    hf.add_special_tokens(["<|endoftext|>", "<pad>"])
+    if nfkc:
+        hf.normalizer = normalizers.NFKC()
+    hf.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>", "pad_token": "<pad>"}))
+    return tmp_path
+
+
+NOT_GIVEN_BACK = {
+    # class: (tokenizer, text, why)
+    "sentencepiece-space-marker": ("sentencepiece", "a\u2581b",
+        "the tokenizer does not give it back: '\u2581' (U+2581) at character 2 comes back as ' ' (U+0020) "
+        "(U+2581 is SentencePiece's space marker: it always decodes as a space)"),
+    "lone-surrogate": ("sentencepiece", "ok \udc80",
+        "not Unicode text: a lone surrogate U+DC80 at character 4 (half of a UTF-16 pair, e.g. a JSON "
+        "\\ud800 escape without its other half)"),
+    "no-byte-fallback": ("sentencepiece-no-byte-fallback", "a \u6f22",
+        "the tokenizer does not give it back: '\u6f22' (U+6F22) at character 3 comes back as ' ' (U+0020) "
+        "(the tokenizer has no piece for it and no byte fallback: it became <unk>)"),
+    "hf-end-of-document-as-text": ("huggingface", "a<|endoftext|>b",
+        "the tokenizer reads '<|endoftext|>' in the text as its end-of-document id, which would end the document there"),
+    "hf-padding-as-text": ("huggingface", "x<pad>",
+        "the tokenizer reads '<pad>' in the text as its padding id, which training leaves out of the loss"),
+    "hf-lone-surrogate": ("huggingface", "\ud800",
+        "not Unicode text: a lone surrogate U+D800 at character 1 (half of a UTF-16 pair, e.g. a JSON "
+        "\\ud800 escape without its other half)"),
+    "hf-normaliser": ("huggingface-nfkc", "x\ufb01",
+        "the tokenizer does not give it back: '\ufb01' (U+FB01) at character 2 comes back as 'f' (U+0066)"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(NOT_GIVEN_BACK))
+def test_encode_exact_says_why_a_text_would_not_come_back(tmp_path, small_data, kind):
+    backend, text, why = NOT_GIVEN_BACK[kind]
+    if backend == "sentencepiece":
+        tok = load_tokenizer(small_data.tokenizer)
+    elif backend == "sentencepiece-no-byte-fallback":
+        tok = load_tokenizer(_sentencepiece_without_byte_fallback(small_data, tmp_path))
+    else:
+        tok = load_tokenizer(_byte_level_hf(tmp_path, nfkc=backend.endswith("nfkc")), "huggingface")
+    fine = "def f(x): return x  # ok"
+    out = tok.encode_exact([fine, text, fine])
+    assert out[1] == why
+    assert out[0] == out[2] == tok.encode(fine) and tok.decode(out[0]) == fine

@@ -7,7 +7,10 @@
 Streams the inputs (never the whole corpus in memory), encodes with `--workers` processes,
 appends the end-of-document id to every document, shows documents/s and tokens/s, and writes
 the output under a temporary name, renamed when complete. Existing output is never replaced
-without --overwrite. Bad input gives one line and exit code 2.
+without --overwrite. Every document written decodes back to exactly its text; a bad record (see
+cplm_dist/data/sources.py), or a text the tokenizer would not give back exactly, stops the run
+with one line naming its file and line and exit code 2, or with --on-bad-record skip is skipped
+and counted.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ def main(argv=None) -> int:
     summary = write_indexed_dataset(
         iter_documents(files, args.text_key, args.on_bad_record, stats), tokenizer, args.output_prefix,
         workers=args.workers, append_eod=not args.no_eod, overwrite=args.overwrite,
-        progress=not args.no_progress, sources=[str(f) for f in files],
+        progress=not args.no_progress, sources=[str(f) for f in files], on_bad=args.on_bad_record, stats=stats,
     )
     print(f"wrote {summary.line()}; skipped: {stats.describe_skipped()}")
     return 0

@@ -2,10 +2,12 @@
 
 Writing goes through megatron-core's `IndexedDatasetBuilder` (one sequence per document, EOD
 appended), with documents encoded by a pool of worker processes in bounded windows, so neither
-the corpus nor its tokens are ever held in memory whole. The three files -- `<prefix>.meta.json`
-(ours: tokenizer, counts, largest id), `<prefix>.bin`, `<prefix>.idx` -- are written under a
-temporary name and renamed when complete, the .idx last: an interrupted run leaves either the
-previous dataset or no `.idx`, never a half-written pair that looks valid.
+the corpus nor its tokens are ever held in memory whole. The workers also decode each document's
+ids: only a document that comes back exactly is written (`Tokenizer.encode_exact`); any other is
+a bad record named by its file and line, stopped on or skipped by sources.py's policy. The three
+files -- `<prefix>.meta.json` (ours: tokenizer, counts, largest id), `<prefix>.bin`, `<prefix>.idx`
+-- are written under a temporary name and renamed when complete, the .idx last: an interrupted run
+leaves either the previous dataset or no `.idx`, never a half-written pair that looks valid.
 
 `check_indexed_dataset` validates a prefix before training reads it (megatron's reader would
 only fail, or silently read garbage, when a bad sample is reached mid-run): header, sizes of both
@@ -27,6 +29,7 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
+from cplm_dist.data.sources import ON_BAD, ReadStats, bad_record
 from cplm_dist.data.tokenizer import Tokenizer, load_tokenizer
 from cplm_dist.errors import DataError
 
@@ -73,36 +76,41 @@ def _init_worker(spec: tuple[str, str]) -> None:
     _WORKER_TOKENIZER = load_tokenizer(*spec)
 
 
-def _encode_chunk(texts: list[str]) -> tuple[list[list[int]], int]:
-    tokens = _WORKER_TOKENIZER.encode_batch(texts)
-    return tokens, sum(len(t.encode("utf-8")) for t in texts)
+def _encode_chunk(texts: list[str]) -> list[list[int] | str]:
+    return _WORKER_TOKENIZER.encode_exact(texts)
 
 
-def _chunks(documents: Iterable[str], size: int) -> Iterator[list[str]]:
-    chunk: list[str] = []
-    for doc in documents:
-        chunk.append(doc)
-        if len(chunk) == size:
-            yield chunk
-            chunk = []
-    if chunk:
-        yield chunk
+def _chunks(documents: Iterable[str], size: int) -> Iterator[tuple[list[str], list[str]]]:
+    """(texts, wheres) of `size` documents at a time; a document's where is its `Document.where`
+    (file and line) or, for a plain str, its number in `documents`."""
+    texts: list[str] = []
+    wheres: list[str] = []
+    for n, doc in enumerate(documents, start=1):
+        texts.append(doc if type(doc) is str else str(doc))
+        wheres.append(getattr(doc, "where", None) or f"document {n}")
+        if len(texts) == size:
+            yield texts, wheres
+            texts, wheres = [], []
+    if texts:
+        yield texts, wheres
 
 
-def _encoded(documents: Iterable[str], tokenizer: Tokenizer, workers: int, chunk_docs: int) -> Iterator[tuple[list[list[int]], int]]:
-    """Encoded chunks in input order; with workers > 1 at most 4 * workers chunks in flight."""
+def _encoded(documents: Iterable[str], tokenizer: Tokenizer, workers: int,
+             chunk_docs: int) -> Iterator[tuple[list[str], list[str], list[list[int] | str]]]:
+    """(texts, wheres, ids or why not) per chunk, in input order; with workers > 1 at most
+    4 * workers chunks in flight."""
     chunks = _chunks(documents, chunk_docs)
     if workers <= 1:
-        global _WORKER_TOKENIZER
-        _WORKER_TOKENIZER = tokenizer
-        yield from map(_encode_chunk, chunks)
+        for texts, wheres in chunks:
+            yield texts, wheres, tokenizer.encode_exact(texts)
         return
     with mp.get_context("spawn").Pool(workers, initializer=_init_worker, initargs=(tokenizer.spec(),)) as pool:
         while True:
             window = [c for _, c in zip(range(4 * workers), chunks)]
             if not window:
                 return
-            yield from pool.imap(_encode_chunk, window)
+            for (texts, wheres), encoded in zip(window, pool.imap(_encode_chunk, [t for t, _ in window])):
+                yield texts, wheres, encoded
 
 
 # --- writing ----------------------------------------------------------------------------------
@@ -124,10 +132,17 @@ def write_indexed_dataset(
     chunk_docs: int = 64,
     progress: bool = True,
     sources: Iterable[str] = (),
+    on_bad: str = "stop",
+    stats: ReadStats | None = None,
 ) -> WriteSummary:
-    """Tokenize `documents` into `<prefix>.bin/.idx` (+ `.meta.json`), atomically."""
+    """Tokenize `documents` into `<prefix>.bin/.idx` (+ `.meta.json`), atomically. Each document
+    written decodes to exactly its text; any other (`Tokenizer.encode_exact`) stops the run naming
+    its file and line (`on_bad="stop"`) or is skipped and counted in `stats`; empty ones are dropped."""
     from cplm_dist.megatron_compat import IndexedDatasetBuilder
 
+    if on_bad not in ON_BAD:
+        raise DataError(f"on_bad={on_bad!r} is not one of {list(ON_BAD)}")
+    stats = stats if stats is not None else ReadStats()
     final = dataset_files(prefix)
     if any(f.exists() for f in final.values()) and not overwrite:
         raise DataError(f"dataset {prefix} already exists: choose another --output-prefix or pass --overwrite")
@@ -141,24 +156,29 @@ def write_indexed_dataset(
     builder = None
     try:
         builder = IndexedDatasetBuilder(str(tmp["bin"]), dtype=dtype)
-        for encoded, nbytes in _encoded(documents, tokenizer, workers, chunk_docs):
-            for ids in encoded:
+        for texts, wheres, encoded in _encoded(documents, tokenizer, workers, chunk_docs):
+            for text, where, ids in zip(texts, wheres, encoded):
+                if not text:
+                    stats.skipped["empty documents"] += 1
+                    continue
+                if isinstance(ids, str):
+                    bad_record(on_bad, stats, "texts the tokenizer does not reproduce", f"{where}: {ids}")
+                    continue
                 if append_eod:
                     ids = ids + [tokenizer.eod]
-                if not ids:
-                    continue
                 arr = np.asarray(ids, dtype=np.int64)
                 max_id = max(max_id, int(arr.max()))
                 builder.add_document(arr, [len(arr)])
                 tokens += len(arr)
-            docs += len(encoded)
-            text_bytes += nbytes
+                docs += 1
+                text_bytes += len(text.encode("utf-8"))
             if bar is not None:
                 elapsed = max(time.perf_counter() - start, 1e-9)
                 bar.update(len(encoded))
                 bar.set_postfix_str(f"{docs / elapsed:,.0f} docs/s, {tokens / elapsed:,.0f} tokens/s", refresh=False)
         if docs == 0:
-            raise DataError(f"no documents to write to {prefix}: the inputs are empty")
+            skipped = f" (skipped: {stats.describe_skipped()})" if stats.skipped else ""
+            raise DataError(f"no documents to write to {prefix}: the inputs are empty{skipped}")
         builder.finalize(str(tmp["idx"]))
         summary = WriteSummary(str(prefix), docs, tokens, text_bytes, tmp["bin"].stat().st_size,
                                time.perf_counter() - start, max_id)

@@ -1,31 +1,64 @@
 """Raw documents from local files, streamed one at a time, with bad records handled by policy.
 
-| input | read by | one document is |
-|---|---|---|
-| `.jsonl`, `.ndjson` | our line reader | the `text_key` field of a line |
-| `.json`, `.parquet`, `.csv`, `.arrow` | `datasets` (streaming) | the `text_key` column of a row |
-| anything else (`.txt`, `.md`, `.py`, ...) | our file reader | the whole file |
+| input | read by | one document is | a record is named by |
+|---|---|---|---|
+| `.jsonl`, `.ndjson` | our line reader | the `text_key` field of a line | `file:line` |
+| `.json` | ours: a JSON array of records (read whole), else JSON lines | the `text_key` field of a record | `file:line` (where the record starts) |
+| `.csv` | ours (`csv` module, every field a string) | the `text_key` column of a row | `file:line` (where the row starts) |
+| `.parquet`, `.arrow` | `datasets` (streaming) | the `text_key` column of a row | `file: row N` (from 1) |
+| anything else (`.txt`, `.md`, `.py`, ...) | our file reader | the whole file | `file` |
 
-JSON lines are read by us rather than by `datasets` because its json builder can neither skip a
-bad line nor say which file and line it was. A bad record (a line that is not JSON, lacks the
-text field, or is not UTF-8) either stops the run with file and line (`on_bad="stop"`) or is
-skipped and counted (`on_bad="skip"`). Missing inputs always stop; empty files stop unless skipped.
+JSON, JSON lines and CSV are read by us rather than by `datasets` because its readers can neither
+skip a bad record nor say which file and line it was, and they change text: its CSV reader turns
+"NA", "null" or "" into missing values and "007" into 7, its JSON reader turns a non-string
+field into its JSON spelling and drops lone surrogates.
+
+Every file is UTF-8; a UTF-8 byte-order mark at the start of a file is an encoding signature, not
+text, and is dropped. A document is the text exactly as stored, nothing stripped or normalised.
+A bad record -- a line that is not JSON, a record without a string `text_key` field, bytes that
+are not UTF-8, a CSV row that does not parse or has more or fewer fields than the header, or a
+text that is not Unicode (a JSON `\\ud800` escape without its other half, which no UTF-8 file or
+tokenizer can hold) -- either stops the run naming its file and line (`on_bad="stop"`) or is
+skipped and counted by reason (`on_bad="skip"`). Empty documents carry nothing and are dropped
+and counted under either policy. Missing inputs always stop; empty files stop unless skipped.
 Directories expand to their files, sorted, so the document order is fixed.
+
+Each document is a `Document`: a `str` that also carries `where` it came from, so that later
+stages (the tokenizer's round-trip check in indexed_data) can name the record too.
 """
 
 from __future__ import annotations
 
+import csv
 import json
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator
 
+from cplm_dist.data.tokenizer import not_unicode
 from cplm_dist.errors import DataError
 
 JSONL = {".jsonl", ".ndjson"}
-DATASETS_FORMATS = {".json": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
+DATASETS_FORMATS = {".parquet": "parquet", ".arrow": "arrow"}
 ON_BAD = ("stop", "skip")
+BOM = b"\xef\xbb\xbf"
+_JSON_SPACE = re.compile(r"[ \t\n\r]*")
+
+
+class Document(str):
+    """A document's text, exactly as read, and `where` it came from ('file:line', 'file: row N', 'file')."""
+
+    where: str
+
+    def __new__(cls, text: str, where: str):
+        self = super().__new__(cls, text)
+        self.where = where
+        return self
+
+    def __reduce__(self):
+        return Document, (str(self), self.where)
 
 
 @dataclass
@@ -56,90 +89,257 @@ def expand_inputs(paths: Iterable[str | Path]) -> list[Path]:
     return files
 
 
-def _bad(policy: str, stats: ReadStats, reason: str, message: str) -> None:
+def bad_record(policy: str, stats: ReadStats, reason: str, message: str) -> None:
+    """Stop with `message` (which starts with the record's file and line) or count it under `reason`."""
     if policy == "stop":
         raise DataError(f"{message}; fix the input or pass --on-bad-record skip to skip and count such records")
     stats.skipped[reason] += 1
 
 
-def _utf8_error(e: UnicodeDecodeError) -> str:
-    return f"not valid UTF-8 (byte 0x{e.object[e.start]:02x} at offset {e.start})"
+def _utf8_error(e: UnicodeDecodeError, line_start: int = 0) -> str:
+    return f"not valid UTF-8 (byte 0x{e.object[e.start]:02x} at offset {e.start - line_start})"
 
 
-def _read_jsonl(path: Path, text_key: str, policy: str, stats: ReadStats) -> Iterator[str]:
+def _kind(value) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    return "a list" if isinstance(value, list) else "an object"
+
+
+def _json_text(record, text_key: str, where: str, unit: str, policy: str, stats: ReadStats) -> str | None:
+    """The record's text, or None after handling a record without a string `text_key` field."""
+    if isinstance(record, dict) and isinstance(record.get(text_key), str):
+        return record[text_key]
+    if isinstance(record, dict) and text_key in record:
+        bad_record(policy, stats, f"{unit} whose '{text_key}' is not a string",
+                   f"{where}: field '{text_key}' is {_kind(record[text_key])}, not a string")
+    else:
+        keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+        bad_record(policy, stats, f"{unit} without '{text_key}'",
+                   f"{where}: no string field '{text_key}' (found {keys}); choose the field with --text-key")
+    return None
+
+
+def _json_error(e: Exception) -> str:
+    if isinstance(e, json.JSONDecodeError):
+        return f"not valid JSON ({e.msg.removesuffix(' at')} at column {e.colno})"
+    if isinstance(e, RecursionError):
+        return "not valid JSON here (nested too deeply to read)"
+    return f"not valid JSON here ({str(e).splitlines()[0][:120]})"  # e.g. an integer of over 4300 digits
+
+
+def _read_jsonl(path: Path, text_key: str, policy: str, stats: ReadStats) -> Iterator[tuple[str, str]]:
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, start=1):
+            if lineno == 1 and raw.startswith(BOM):
+                raw = raw[len(BOM):]
             if not raw.strip():
                 continue
             where = f"{path}:{lineno}"
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
-                _bad(policy, stats, "non-UTF-8 lines", f"{where}: {_utf8_error(e)}")
+                bad_record(policy, stats, "non-UTF-8 lines", f"{where}: {_utf8_error(e)}")
                 continue
             try:
                 record = json.loads(line)
-            except json.JSONDecodeError as e:
-                _bad(policy, stats, "lines not JSON", f"{where}: not valid JSON ({e.msg} at column {e.colno})")
+            except (ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError
+                bad_record(policy, stats, "lines not JSON", f"{where}: {_json_error(e)}")
                 continue
-            text = record.get(text_key) if isinstance(record, dict) else None
-            if not isinstance(text, str):
-                keys = sorted(record) if isinstance(record, dict) else type(record).__name__
-                _bad(policy, stats, f"lines without '{text_key}'",
-                     f"{where}: no string field '{text_key}' (found {keys}); choose the field with --text-key")
-                continue
-            yield text
+            text = _json_text(record, text_key, where, "lines", policy, stats)
+            if text is not None:
+                yield where, text
 
 
-def _read_with_datasets(path: Path, fmt: str, text_key: str, policy: str, stats: ReadStats) -> Iterator[str]:
+def _first_byte(path: Path) -> bytes:
+    """The first byte of the file that is neither a byte-order mark nor JSON whitespace."""
+    with open(path, "rb") as f:
+        head = f.read(len(BOM))
+        if head != BOM:
+            f.seek(0)
+        for block in iter(lambda: f.read(1 << 16), b""):
+            block = block.lstrip(b" \t\r\n")
+            if block:
+                return block[:1]
+    return b""
+
+
+def _read_json(path: Path, text_key: str, policy: str, stats: ReadStats) -> Iterator[tuple[str, str]]:
+    """A JSON array of records, or (as `datasets` also reads `.json`) JSON lines. An array is read
+    whole before any record is yielded, so a broken one is a single bad record, skipped whole."""
+    if _first_byte(path) != b"[":
+        yield from _read_jsonl(path, text_key, policy, stats)
+        return
+    raw = path.read_bytes()
+    raw = raw[len(BOM):] if raw.startswith(BOM) else raw
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line, line_start = raw.count(b"\n", 0, e.start) + 1, raw.rfind(b"\n", 0, e.start) + 1
+        bad_record(policy, stats, "non-UTF-8 files", f"{path}:{line}: {_utf8_error(e, line_start)}")
+        return
+    decoder, records = json.JSONDecoder(), []
+    pos, line, counted = _JSON_SPACE.match(text, text.index("[") + 1).end(), 1, 0
+    more = text[pos:pos + 1] != "]"  # an empty array holds no records
+    while more:
+        line += text.count("\n", counted, pos)
+        counted = pos
+        try:
+            record, pos = decoder.raw_decode(text, pos)
+        except (ValueError, RecursionError) as e:
+            at = e.lineno if isinstance(e, json.JSONDecodeError) else line
+            bad_record(policy, stats, "files not JSON", f"{path}:{at}: {_json_error(e)}")
+            return
+        records.append((line, record))
+        pos = _JSON_SPACE.match(text, pos).end()
+        more = text[pos:pos + 1] == ","
+        if not more and text[pos:pos + 1] != "]":
+            at = line + text.count("\n", counted, pos)
+            bad_record(policy, stats, "files not JSON", f"{path}:{at}: not valid JSON (expected ',' or ']' after a record)")
+            return
+        pos = _JSON_SPACE.match(text, pos + 1).end() if more else pos
+    pos = _JSON_SPACE.match(text, pos + 1).end()
+    if pos < len(text):
+        at = text.count("\n", 0, pos) + 1
+        bad_record(policy, stats, "files not JSON", f"{path}:{at}: not valid JSON (text after the closing ']')")
+        return
+    for line, record in records:
+        where = f"{path}:{line}"
+        value = _json_text(record, text_key, where, "records", policy, stats)
+        if value is not None:
+            yield where, value
+
+
+def _csv_error(e: csv.Error) -> str:
+    if "new-line character seen in unquoted field" in str(e):
+        return "not valid CSV (a carriage return outside quotes: quote the field, or end lines with \\n or \\r\\n)"
+    return f"not valid CSV ({e})"
+
+
+def _read_csv(path: Path, text_key: str, policy: str, stats: ReadStats) -> Iterator[tuple[str, str]]:
+    """Rows by the `csv` module: every field the exact string between the separators (no missing
+    values, no numbers); a row's line is the line it starts on (a quoted field may span lines)."""
+    csv.field_size_limit(2**31 - 1)  # one document may be long
+    bad_utf8: dict[int, UnicodeDecodeError] = {}
+
+    def lines(f) -> Iterator[str]:
+        for n, raw in enumerate(f, start=1):
+            if n == 1 and raw.startswith(BOM):
+                raw = raw[len(BOM):]
+            try:
+                yield raw.decode("utf-8")
+            except UnicodeDecodeError as e:  # keep parsing; the row holding this line is bad
+                bad_utf8[n] = e
+                yield raw.decode("utf-8", "surrogateescape")
+
+    with open(path, "rb") as f:
+        reader = csv.reader(lines(f), strict=True)
+        header, column, last = None, None, 0
+        while True:
+            first = last + 1
+            try:
+                row = next(reader)
+                problem = None
+            except StopIteration:
+                return
+            except csv.Error as e:
+                problem = ("rows not CSV", _csv_error(e))
+            last = reader.line_num
+            bad_line = next((n for n in range(first, last + 1) if n in bad_utf8), None)
+            if bad_line is not None:
+                problem, first = ("non-UTF-8 rows", _utf8_error(bad_utf8[bad_line])), bad_line
+            if problem is None and not row:
+                continue  # a blank line
+            if header is None:  # the first row names the columns
+                if problem is None and row.count(text_key) != 1:
+                    problem = (f"files without a '{text_key}' column",
+                               f"the header {row} has {'no' if text_key not in row else 'more than one'} column "
+                               f"'{text_key}'; choose one with --text-key")
+                if problem is not None:
+                    bad_record(policy, stats, problem[0], f"{path}:{first}: {problem[1]}")
+                    return
+                header, column = row, row.index(text_key)
+                continue
+            if problem is None and len(row) != len(header):
+                problem = ("rows with a wrong number of fields", f"{len(row)} fields but the header has "
+                           f"{len(header)} (a separator or quote in an unquoted field?)")
+            if problem is not None:
+                bad_record(policy, stats, problem[0], f"{path}:{first}: {problem[1]}")
+                continue
+            yield f"{path}:{first}", row[column]
+
+
+def _read_with_datasets(path: Path, fmt: str, text_key: str, policy: str, stats: ReadStats) -> Iterator[tuple[str, str]]:
     import datasets
 
     datasets.disable_progress_bars()
     try:
         ds = datasets.load_dataset(fmt, data_files=str(path), split="train", streaming=True)
-        for i, row in enumerate(ds):
+        for i, row in enumerate(ds, start=1):
             text = row.get(text_key)
-            if not isinstance(text, str):
-                _bad(policy, stats, f"rows without '{text_key}'",
-                     f"{path}: row {i} has no string column '{text_key}' (columns {sorted(row)}); choose one with --text-key")
-                continue
-            yield text
+            where = f"{path}: row {i}"
+            if isinstance(text, str):
+                yield where, text
+            elif text_key in row:
+                kind = "bytes" if isinstance(text, bytes) else _kind(text)
+                bad_record(policy, stats, f"rows whose '{text_key}' is not a string",
+                           f"{where}: column '{text_key}' is {kind}, not a string")
+            else:
+                bad_record(policy, stats, f"rows without '{text_key}'",
+                           f"{where}: no string column '{text_key}' (columns {sorted(row)}); choose one with --text-key")
     except DataError:
         raise
     except Exception as e:  # noqa: BLE001 - pyarrow/datasets raise many types for a bad file
         raise DataError(f"{path}: could not be read as {fmt} ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
 
 
-def _read_whole_file(path: Path, policy: str, stats: ReadStats) -> Iterator[str]:
+def _read_whole_file(path: Path, policy: str, stats: ReadStats) -> Iterator[tuple[str, str]]:
     raw = path.read_bytes()
+    if raw.startswith(BOM):
+        raw = raw[len(BOM):]
     try:
-        yield raw.decode("utf-8")
+        yield str(path), raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        _bad(policy, stats, "non-UTF-8 files", f"{path}: {_utf8_error(e)}")
+        bad_record(policy, stats, "non-UTF-8 files", f"{path}: {_utf8_error(e)}")
+
+
+def _records(path: Path, text_key: str, policy: str, stats: ReadStats) -> Iterator[tuple[str, str]]:
+    suffix = path.suffix.lower()
+    if suffix in JSONL:
+        return _read_jsonl(path, text_key, policy, stats)
+    if suffix == ".json":
+        return _read_json(path, text_key, policy, stats)
+    if suffix == ".csv":
+        return _read_csv(path, text_key, policy, stats)
+    if suffix in DATASETS_FORMATS:
+        return _read_with_datasets(path, DATASETS_FORMATS[suffix], text_key, policy, stats)
+    return _read_whole_file(path, policy, stats)
 
 
 def iter_documents(
     paths: Iterable[str | Path], text_key: str = "text", on_bad: str = "stop", stats: ReadStats | None = None
-) -> Iterator[str]:
+) -> Iterator[Document]:
     """Every non-empty document of the inputs, in order; `stats` counts what was read and skipped."""
     if on_bad not in ON_BAD:
         raise DataError(f"on_bad={on_bad!r} is not one of {list(ON_BAD)}")
     stats = stats if stats is not None else ReadStats()
     for path in expand_inputs(paths):
         if path.stat().st_size == 0:
-            _bad(on_bad, stats, "empty files", f"{path}: the file is empty")
+            bad_record(on_bad, stats, "empty files", f"{path}: the file is empty")
             continue
-        suffix = path.suffix.lower()
-        if suffix in JSONL:
-            docs = _read_jsonl(path, text_key, on_bad, stats)
-        elif suffix in DATASETS_FORMATS:
-            docs = _read_with_datasets(path, DATASETS_FORMATS[suffix], text_key, on_bad, stats)
-        else:
-            docs = _read_whole_file(path, on_bad, stats)
-        for text in docs:
+        for where, text in _records(path, text_key, on_bad, stats):
             if not text:
                 stats.skipped["empty documents"] += 1
                 continue
+            try:  # the one check every format's text passes: it is Unicode, so UTF-8 can hold it
+                size = len(text.encode("utf-8"))
+            except UnicodeEncodeError as e:
+                bad_record(on_bad, stats, "texts that are not Unicode", f"{where}: {not_unicode(text, e)}")
+                continue
             stats.documents += 1
-            stats.bytes += len(text.encode("utf-8"))
-            yield text
+            stats.bytes += size
+            yield Document(text, where)

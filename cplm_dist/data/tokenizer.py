@@ -6,6 +6,13 @@
 It also carries what megatron-core's datasets ask of a tokenizer (`eod`, `pad`, `vocab_size`,
 `unique_identifiers` for their index cache), so it is handed to GPTDataset as is.
 `train_sentencepiece` trains the SentencePiece model that tools/train_tokenizer.py ships.
+
+`encode_exact` is what preprocessing uses: each text's ids only if decoding them gives the text
+back exactly and they hold no end-of-document or padding id, else the reason. Texts that no
+tokenizer here reproduces: ones that are not Unicode (a lone surrogate); with SentencePiece, any
+text holding U+2581 '▁' (its space marker, which always decodes as a space); with a tokenizer
+without byte fallback, characters it has no piece for; with a Hugging Face tokenizer, whatever its
+normaliser changes, and its end-of-document or padding token written out as text.
 """
 
 from __future__ import annotations
@@ -22,6 +29,25 @@ from cplm_dist.errors import DataError
 
 # SentencePiece ids we fix at training time (and document in the metadata file).
 UNK_ID, BOS_ID, EOD_ID, PAD_ID = 0, 1, 2, 3
+SPACE_MARKER = "\u2581"  # SentencePiece writes spaces as this; its decoder turns every one back into a space
+
+
+def _char(c: str) -> str:
+    return f"{c!r} (U+{ord(c):04X})"
+
+
+def not_unicode(text: str, e: UnicodeEncodeError) -> str:
+    """Why `text`, which failed to encode as UTF-8 with `e`, is no text at all."""
+    return (f"not Unicode text: a lone surrogate U+{ord(text[e.start]):04X} at character {e.start + 1} "
+            "(half of a UTF-16 pair, e.g. a JSON \\ud800 escape without its other half)")
+
+
+def _first_difference(text: str, back: str) -> tuple[int, str]:
+    """(index, description) of the first character where `back` differs from `text`."""
+    i = next((k for k, (a, b) in enumerate(zip(text, back)) if a != b), min(len(text), len(back)))
+    want = _char(text[i]) if i < len(text) else "the end of the text"
+    got = _char(back[i]) if i < len(back) else "nothing"
+    return i, f"{want} at character {i + 1} comes back as {got}"
 
 
 def _sha256(path: Path) -> str:
@@ -49,6 +75,51 @@ class Tokenizer:
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [self.encode(t) for t in texts]
+
+    def decode_batch(self, ids: list[list[int]]) -> list[str]:
+        return [self.decode(i) for i in ids]
+
+    def piece(self, token_id: int) -> str:
+        raise NotImplementedError
+
+    def encode_exact(self, texts: list[str]) -> list[list[int] | str]:
+        """Each text's ids, or (a str) why they would not reproduce it: it is not Unicode, the ids
+        hold the end-of-document or padding id (the text spells out that token), or decoding them
+        does not give the text back exactly."""
+        out: list[list[int] | str] = []
+        todo: list[int] = []
+        for i, text in enumerate(texts):
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:
+                out.append(not_unicode(text, e))
+                continue
+            out.append([])
+            todo.append(i)
+        encoded = self.encode_batch([texts[i] for i in todo])
+        reserved = self.reserved_ids_from_text()
+        for i, ids, back in zip(todo, encoded, self.decode_batch(encoded)):
+            text = texts[i]
+            hit = reserved.intersection(ids) if reserved else ()
+            if hit:
+                token = min(hit)
+                role = ("end-of-document id, which would end the document there" if token == self.eod
+                        else "padding id, which training leaves out of the loss")
+                out[i] = f"the tokenizer reads {self.piece(token)!r} in the text as its {role}"
+            elif back != text:
+                at, what = _first_difference(text, back)
+                out[i] = f"the tokenizer does not give it back: {what}{self._why(text, ids, at)}"
+            else:
+                out[i] = ids
+        return out
+
+    def reserved_ids_from_text(self) -> set[int]:
+        """The end-of-document and padding ids, where some text can encode to them."""
+        return {self.eod, self.pad} - {-1}
+
+    def _why(self, text: str, ids: list[int], at: int) -> str:
+        """A backend's explanation of a failed round trip at character `at` ('' if none)."""
+        return ""
 
     @property
     def eos(self) -> int:  # megatron's datasets look for either name
@@ -96,6 +167,22 @@ class SentencePieceTokenizer(Tokenizer):
 
     def decode(self, ids: Iterable[int]) -> str:
         return self.sp.decode([int(i) for i in ids])
+
+    def decode_batch(self, ids: list[list[int]]) -> list[str]:
+        return self.sp.decode(ids) if ids else []
+
+    def piece(self, token_id: int) -> str:
+        return self.sp.id_to_piece(token_id)
+
+    def reserved_ids_from_text(self) -> set[int]:
+        return {i for i in super().reserved_ids_from_text() if not self.sp.is_control(i)}  # control: never from text
+
+    def _why(self, text: str, ids: list[int], at: int) -> str:
+        if at < len(text) and text[at] == SPACE_MARKER:
+            return " (U+2581 is SentencePiece's space marker: it always decodes as a space)"
+        if self.sp.unk_id() in ids:
+            return f" (the tokenizer has no piece for it and no byte fallback: it became {self.piece(self.sp.unk_id())})"
+        return ""
 
 
 class HuggingFaceTokenizer(Tokenizer):
@@ -145,6 +232,12 @@ class HuggingFaceTokenizer(Tokenizer):
 
     def decode(self, ids: Iterable[int]) -> str:
         return self.tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def decode_batch(self, ids: list[list[int]]) -> list[str]:
+        return self.tok.decode_batch(ids, skip_special_tokens=False) if ids else []
+
+    def piece(self, token_id: int) -> str:
+        return self.tok.id_to_token(token_id)
 
 
 def load_tokenizer(path: str | os.PathLike, backend: str = "sentencepiece") -> Tokenizer:
