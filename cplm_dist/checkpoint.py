@@ -22,7 +22,6 @@ directory will do (`resolve_checkpoint`).
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import os
@@ -39,6 +38,7 @@ import torch.distributed as dist
 
 from cplm_dist.config import Config, from_dict, to_dict
 from cplm_dist.errors import ConfigError, UsageError
+from cplm_dist.files import sha256_file, write_text_atomic
 from cplm_dist.parallel import ParallelDims
 
 LATEST = "latest"
@@ -219,14 +219,6 @@ def versions() -> dict:
     return out
 
 
-def file_digest(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def checkpoint_files(step_dir: Path) -> list[Path]:
     """The files a save wrote into `step_dir` (not the manifest itself), sorted."""
     return sorted(p for p in step_dir.iterdir() if p.is_file() and p.name != COMPLETE)
@@ -241,7 +233,7 @@ def damaged_files(step_dir: Path, manifest: dict, rank: int = 0, world: int = 1,
         entry, path = files.get(name), step_dir / name
         if entry is None or not path.is_file() or path.stat().st_size != entry["bytes"]:
             out.append(name)
-        elif i % world == rank and file_digest(path) != entry["sha256"]:
+        elif i % world == rank and sha256_file(path) != entry["sha256"]:
             out.append(name)
     return out
 
@@ -275,18 +267,6 @@ def check_layout(root: Path, tag: str, cfg: Config, tp: int, dp: int) -> None:
         what = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in diff.items())
         raise CheckpointError(f"checkpoint {root / tag} was saved with another layout ({what}): "
                               "resume with the layout it was saved with")
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def _os_error(write, directory: Path | None = None) -> str | None:
@@ -377,8 +357,8 @@ class Checkpointer:
                         "consumed_samples": consumed_samples,
                         "consumed_tokens": consumed_samples * self.cfg.data.seq_length,
                         "config": to_dict(self.cfg), "versions": versions(), "files": files}
-            error = _os_error(lambda: _write_atomic(self.root / tag / COMPLETE, json.dumps(manifest, indent=2) + "\n"))
-            error = error or _os_error(lambda: _write_atomic(self.root / LATEST, tag + "\n"))
+            error = _os_error(lambda: write_text_atomic(self.root / tag / COMPLETE, json.dumps(manifest, indent=2) + "\n"))
+            error = error or _os_error(lambda: write_text_atomic(self.root / LATEST, tag + "\n"))
         self._agree(error, tag)
         if self.dims.rank == 0:
             self._prune(keep=self.cfg.train.keep_last, newest=tag)
@@ -407,7 +387,7 @@ class Checkpointer:
         """{name: {bytes, sha256}} of the step's files, each rank hashing every world-th one."""
         paths = checkpoint_files(step_dir)
         rank, world = self.dims.rank, self.dims.world_size
-        mine = {p.name: {"bytes": p.stat().st_size, "sha256": file_digest(p)}
+        mine = {p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
                 for i, p in enumerate(paths) if i % world == rank}
         gathered = [None] * world
         dist.all_gather_object(gathered, mine)

@@ -17,7 +17,6 @@ normaliser changes, and its end-of-document or padding token written out as text
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import tempfile
@@ -26,6 +25,7 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 from cplm_dist.errors import DataError
+from cplm_dist.files import sha256_file
 
 # SentencePiece ids we fix at training time (and document in the metadata file).
 UNK_ID, BOS_ID, EOD_ID, PAD_ID = 0, 1, 2, 3
@@ -48,14 +48,6 @@ def _first_difference(text: str, back: str) -> tuple[int, str]:
     want = _char(text[i]) if i < len(text) else "the end of the text"
     got = _char(back[i]) if i < len(back) else "nothing"
     return i, f"{want} at character {i + 1} comes back as {got}"
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 class Tokenizer:
@@ -134,7 +126,7 @@ class Tokenizer:
     def fingerprint(self) -> str:
         if not hasattr(self, "_fingerprint"):
             target = self.path if self.path.is_file() else self.path / "tokenizer.json"
-            self._fingerprint = _sha256(target)
+            self._fingerprint = sha256_file(target)
         return self._fingerprint
 
     def spec(self) -> tuple[str, str]:
@@ -352,7 +344,7 @@ def train_sentencepiece(
             "byte_fallback": byte_fallback,
             "training_lines": n_lines,
             "sources": list(sources),
-            "sha256": _sha256(Path(prefix + ".model")),
+            "sha256": sha256_file(Path(prefix + ".model")),
             "sentencepiece_version": spm.__version__,
         }
         Path(prefix + ".json").write_text(json.dumps(meta, indent=2) + "\n")
