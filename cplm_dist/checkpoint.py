@@ -39,6 +39,7 @@ import torch.distributed as dist
 from cplm_dist.config import Config, from_dict, to_dict
 from cplm_dist.errors import ConfigError, UsageError
 from cplm_dist.files import sha256_file, write_text_atomic
+from cplm_dist.megatron_compat import import_deepspeed
 from cplm_dist.parallel import ParallelDims
 
 LATEST = "latest"
@@ -454,6 +455,7 @@ def load_checkpoint_config(path: str | Path) -> tuple[Config, dict]:
 def deepspeed_safe_globals() -> list:
     """The only non-tensor types a checkpoint may hold beyond plain data (DeepSpeed's optimizer
     states carry these three); anything else is refused when loading."""
+    import_deepspeed()
     from deepspeed.runtime.fp16.loss_scaler import LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
     from deepspeed.utils.tensor_fragment import fragment_address
@@ -535,6 +537,7 @@ def load_model(path: str | Path, device=None, dtype=torch.float32):
     if any(getattr(v, "numel", lambda: 1)() == 0 for v in module.values()):  # ZeRO-3: weights live in the optimizer shards
         if tp != 1:
             raise CheckpointError(f"{path}: ZeRO-3 checkpoints are merged for evaluation at tp=1 only")
+        import_deepspeed()
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         _check_intact(step_dir, info, None)

@@ -16,13 +16,11 @@ DeepSpeed, which steps them at accumulation boundaries and saves them in its che
 
 from __future__ import annotations
 
-import logging
-import os
-
 import torch
 
 from cplm_dist.checkpoint import use_safe_loading
 from cplm_dist.config import Config, batch_layout
+from cplm_dist.megatron_compat import import_deepspeed
 from cplm_dist.optim import build_optimizer, build_scheduler
 from cplm_dist.parallel import ParallelDims
 
@@ -82,12 +80,7 @@ def deepspeed_config(cfg: Config, dims: ParallelDims) -> dict:
 
 def build_engine(model: torch.nn.Module, cfg: Config, dims: ParallelDims):
     """(engine, optimizer we built, scheduler) for the model; DeepSpeed's init joins our process group."""
-    if not torch.cuda.is_available():
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # say it, rather than have DeepSpeed warn that it guessed
-    import deepspeed
-
-    for name in ("DeepSpeed", "deepspeed"):
-        logging.getLogger(name).setLevel(logging.WARNING)
+    deepspeed = import_deepspeed()
     if cfg.model.tie_embeddings and cfg.train.zero_stage == 3:
         # ZeRO-3 gathers a parameter only around its own module's forward: the LM head reads the
         # embedding's weight, so it must be declared to that module.

@@ -1,10 +1,13 @@
-"""The one import of megatron-core, without its import-time noise.
+"""The one import of megatron-core (and of DeepSpeed, `import_deepspeed`), without their
+import-time noise.
 
 megatron-core warns on import that Transformer Engine and Apex are absent (they are optional for
 us: our block uses torch SDPA and torch optimizers), once per process and per rank. Everything in
 cplm_dist takes megatron from here so that the warning filter is in place first.
 """
 
+import logging
+import os
 import warnings
 
 with warnings.catch_warnings():
@@ -28,3 +31,17 @@ __all__ = [
     "parallel_state",
     "tensor_parallel",
 ]
+
+
+def import_deepspeed():
+    """deepspeed, told which accelerator it runs on: on a machine without CUDA it would guess the
+    CPU one and print a warning to stdout (into a tool's output). Its loggers say warnings only."""
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+
+    for name in ("DeepSpeed", "deepspeed"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    return deepspeed

@@ -226,7 +226,7 @@ def test_evaluation_tools_refuse_bad_input_with_one_line(trained, small_data, tm
          r"data.seq_length=512 exceeds the checkpoint's model.max_seq_len=128"),
         (["tools/evaluate.py", "--checkpoint", str(trained), f"data.tokenizer={big_tok}", "--valid-batches", "0"],
          r"has 700 ids but model.vocab_size=512"),
-        (["tools/generate.py", "--checkpoint", str(damaged), "--prompt", "x"], r"model_states\.pt cannot be read .* damaged"),
+        (["tools/generate.py", "--checkpoint", str(damaged), "--prompt", "x"], r"model_states\.pt'\] missing or damaged"),
     ]
     for args, pattern in cases:
         proc = subprocess.run([sys.executable, *args, "--out" if "evaluate" in args[0] else "--seed",

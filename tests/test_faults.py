@@ -40,26 +40,30 @@ def resume_args(small_data, out, *extra):
         "--resume", "auto"]
 
 
-@pytest.mark.parametrize("damage", ["flipped byte", "truncated", "malformed manifest"])
+@pytest.mark.parametrize("damage", ["flipped byte", "malformed manifest"])
 def test_a_damaged_checkpoint_is_skipped_for_the_newest_intact_one(small_data, base_run, tmp_path, damage):
+    """(A truncated or missing file fails the size check before the hash: tests/test_evaluation.py.)"""
     out = copy_of(base_run, tmp_path)
     step4 = out / "checkpoints" / "step-00000004"
     if damage == "flipped byte":
         data = bytearray((step4 / STATES).read_bytes())
         data[len(data) // 2] ^= 0xFF
         (step4 / STATES).write_bytes(bytes(data))
-    elif damage == "truncated":
-        (step4 / STATES).write_bytes((step4 / STATES).read_bytes()[:1000])
+        extra = ()
     else:
         (step4 / "complete.json").write_text("{ not json")
+        # and what a resume may change: the schedule, the intervals
+        extra = ("optim.lr=1e-3", "optim.min_lr=1e-5", "train.log_interval=2", "train.eval_interval=100")
     intact = snapshot(out / "checkpoints" / "step-00000002")
-    proc = run_cli(resume_args(small_data, out))
+    proc = run_cli(resume_args(small_data, out, *extra))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"skipping {'checkpoint ' if damage != 'malformed manifest' else ''}{step4}" in proc.stderr
-    # resumed from step 2: steps 3 and 4 are trained again and equal the first run's
+    assert "resuming step-00000002" in proc.stdout
     again, first = losses(out), losses(base_run)
-    for step in (3, 4):
-        assert again[step] == pytest.approx(first[step], abs=1e-6)
+    if not extra:  # resumed from step 2: steps 3 and 4 are trained again and equal the first run's
+        for step in (3, 4):
+            assert again[step] == pytest.approx(first[step], abs=1e-6)
+    assert max(again) == 5
     assert snapshot(out / "checkpoints" / "step-00000002") == intact
 
 
@@ -87,13 +91,6 @@ def test_a_resume_with_another_model_or_data_is_refused(small_data, base_run, tm
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith(f"error: checkpoint {out / 'checkpoints' / 'step-00000004'} was trained with another config ({field} ")
     assert snapshot(out) == before
-
-
-def test_a_resume_may_change_the_schedule_and_the_intervals(small_data, base_run, tmp_path):
-    out = copy_of(base_run, tmp_path)
-    proc = run_cli(resume_args(small_data, out, "optim.lr=1e-3", "optim.min_lr=1e-5", "train.log_interval=2", "train.eval_interval=100"))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert max(losses(out)) == 5
 
 
 def test_a_dataset_too_small_for_its_split_stops_at_once_with_one_line(small_data, tmp_path):
@@ -272,3 +269,15 @@ def _build(cfg, samples):
 
     init_distributed(1)
     return len(build_datasets(cfg, samples).train)
+
+
+def test_an_out_dir_that_cannot_hold_a_run_is_refused_before_training(small_data, tmp_path):
+    """Found at start-up, not at the first save: here an out_dir below a regular file (a
+    read-only or full filesystem is refused the same way, by os.access and the free space)."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    proc = run_cli(argv(small_data, blocker / "run", "train.train_steps=2"))
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: train.out_dir={blocker / 'run'}: {blocker} is not a directory: choose another train.out_dir")
+    assert blocker.read_text() == "not a directory"

@@ -5,7 +5,6 @@ one line and exit code 2 with nothing written."""
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -280,20 +279,37 @@ def test_an_existing_run_is_never_overwritten(small_data, tmp_path):
     assert proc.stderr.strip().splitlines()[-1] == (
         f"error: train.out_dir={out} already holds a run: continue it with --resume auto, or choose another train.out_dir")
     assert snapshot(out) == before
-    # a pointer to nothing, or none at all: the newest complete checkpoint is found by scanning, with a
-    # warning, and continued; it is never started over nor written in place
+    # no pointer: the newest complete checkpoint is found by scanning, with a warning, and
+    # continued; it is never started over nor written in place (a pointer to nothing or to
+    # garbage takes the same path: test_a_lost_or_bad_latest_pointer_is_replaced_by_scanning)
     saved = snapshot(out / "checkpoints" / "step-00000002")
-    for damage in ("step-00000099\n", None):
-        if damage is None:
-            (out / "checkpoints" / "latest").unlink()
-        else:
-            (out / "checkpoints" / "latest").write_text(damage)
-        proc = run_cli(argv(small_data, out, "train.train_steps=3", "train.keep_last=5") + ["--resume", "auto"])
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        assert "using the newest complete checkpoint, step-00000002" in proc.stderr
-        assert snapshot(out / "checkpoints" / "step-00000002") == saved
-        assert (out / "checkpoints" / "latest").read_text().strip() == "step-00000003"
-        shutil.rmtree(out / "checkpoints" / "step-00000003")
+    (out / "checkpoints" / "latest").unlink()
+    proc = run_cli(argv(small_data, out, "train.train_steps=3", "train.keep_last=5") + ["--resume", "auto"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "using the newest complete checkpoint, step-00000002" in proc.stderr
+    assert snapshot(out / "checkpoints" / "step-00000002") == saved
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step-00000003"
+
+
+def test_a_lost_or_bad_latest_pointer_is_replaced_by_scanning(tmp_path, caplog):
+    from cplm_dist.checkpoint import latest_tag
+
+    root = tmp_path / "checkpoints"
+    for tag in ("step-00000002", "step-00000004"):
+        (root / tag).mkdir(parents=True)
+        (root / tag / "complete.json").write_text("{}")
+    (root / "step-00000006").mkdir()  # a save that never completed
+    assert latest_tag(tmp_path / "nothing") is None
+    for pointer in (None, "step-00000099\n", "step-00000006\n", b"\xff\xfe\x00garbage", "step-00000002\n"):
+        (root / "latest").unlink(missing_ok=True)
+        if isinstance(pointer, bytes):
+            (root / "latest").write_bytes(pointer)
+        elif pointer is not None:
+            (root / "latest").write_text(pointer)
+        caplog.clear()
+        want = "step-00000002" if pointer == "step-00000002\n" else "step-00000004"
+        assert latest_tag(root) == want
+        assert ("using the newest complete checkpoint, step-00000004" in caplog.text) == (want == "step-00000004")
 
 
 # --- schedules -----------------------------------------------------------------------------------
