@@ -156,8 +156,7 @@ def readable_tag(root: Path, newest: str) -> str:
 def check_config_change(step_dir: Path, cfg: Config) -> None:
     """A resumed run may change only RESUMABLE_CHANGES; one line names any other difference."""
     saved, here = _flatten(read_manifest(step_dir)["config"]), _flatten(to_dict(cfg))
-    changed = [k for k in sorted(set(saved) | set(here))
-               if saved.get(k) != here.get(k) and k not in RESUMABLE_CHANGES and k in saved]
+    changed = [k for k in sorted(saved) if k not in RESUMABLE_CHANGES and saved[k] != here.get(k)]
     if changed:
         what = ", ".join(f"{k} {saved.get(k)!r} -> {here.get(k)!r}" for k in changed[:4]) + (" ..." if len(changed) > 4 else "")
         raise CheckpointError(f"checkpoint {step_dir} was trained with another config ({what}): resume with the saved "

@@ -179,13 +179,12 @@ def _sentinel(lse, copy_all, gate, has_cand) -> MixWeights:
 
 
 MIXES: dict[str, Callable[..., MixWeights]] = {"gate": _gate, "joint": _joint, "sentinel": _sentinel}
-MIX_MODES = tuple(MIXES)
 
 
 def mix_weights(lse: torch.Tensor, copy: CopyTerms, mix: str) -> MixWeights:
     """The two log-weights of `mix` per row from LSE_V and the copy terms (any matching shapes)."""
     if mix not in MIXES:
-        raise ValueError(f"mix={mix!r} is not one of {MIX_MODES}")
+        raise ValueError(f"mix={mix!r} is not one of {list(MIXES)}")
     copy_all = copy.copy_all.to(lse.dtype)
     gate = None if copy.gate is None else copy.gate.to(lse.dtype)
     return MIXES[mix](lse, copy_all, gate, torch.isfinite(copy_all))
