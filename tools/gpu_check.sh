@@ -1,8 +1,13 @@
 #!/usr/bin/env bash
-# The GPU check for one lent H200 (../shared/gpu/README.md): profiles cplm-135m and cplm-1.7b
-# (bf16, ZeRO-1 and ZeRO-2, sequence 2048), the copy head's overhead on both, and the memory
-# estimator's error; then the copy head alone, dense against chunked (tools/bench_copy_head.py);
-# writes JSON per run, profile.csv, table.md and copy_head.md under $OUT.
+# The GPU check for one lent H200 (docs/performance.md, "Measured on GPU"): the bf16 matrix-product
+# ceiling of the card, then cplm-135m and cplm-1.7b (bf16, sequence 2048): throughput, MFU, memory
+# against the estimator, the copy head's overhead on both, the copy head alone (dense against
+# chunked, tools/bench_copy_head.py), ZeRO-2 and transformers' Llama on the same shapes.
+# Runs go most valuable first under one time budget (GPU_CHECK_BUDGET_S, default 420 s): a run
+# that would start past it is recorded as skipped, a failing run is recorded and the others go on.
+#
+# Under $OUT (at most 8 files come back from the device): device.txt, log.txt, table.md,
+# copy_head.md, failures.txt, results.tar.gz (each run's JSON, profile.csv, copy_head.json).
 #
 # Here, once:   bash ../shared/gpu/fetch_wheels.sh
 # On the device (carry: [".whl"]):
@@ -13,34 +18,52 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/gpu_check}
 PY=${PYTHON:-python3}
+BUDGET=${GPU_CHECK_BUDGET_S:-420}
 mkdir -p "$OUT"
+work=$(mktemp -d)
 : > "$OUT/failures.txt"
+: > "$OUT/log.txt"
 if [ -n "${GPU_CHECK_SMOKE:-}" ]; then
-  models=(tiny tiny); seq=64; steps=(--warmup 0 --steps 1 --breakdown-steps 1 --rounds 1); micro=(2 2)
+  small=tiny; large=; seq=64; steps=(--warmup 0 --steps 1 --breakdown-steps 1 --rounds 1); micro_small=2
   extra=(train.precision=fp32); copy_bench=(--seq-lens 128 --chunk 32 --repeat 1 --hidden 64)
 else
-  models=(cplm-135m cplm-1.7b); seq=2048; steps=(--warmup 3 --steps 10 --breakdown-steps 2 --rounds 3); micro=(16 8)
+  small=cplm-135m; large=cplm-1.7b; seq=2048; steps=(--warmup 3 --steps 10 --breakdown-steps 2 --rounds 3); micro_small=16
   extra=(train.precision=bf16); copy_bench=(--seq-lens 2048 8192 --batch 8 --hidden 2048)
-  "$PY" -c "import torch; print(torch.cuda.get_device_name(), torch.__version__, flush=True)" | tee "$OUT/device.txt"
+  { nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader
+    "$PY" tools/gpu_ceiling.py; } 2>&1 | tee "$OUT/device.txt"
 fi
-run() {  # name, then cplm_profile.py arguments; a failing run is recorded, the others go on
-  local name=$1; shift
-  echo "== $name" | tee -a "$OUT/log.txt"
-  timeout 600 "$PY" tools/cplm_profile.py "$@" "${steps[@]}" --json "$OUT/$name.json" --csv "$OUT/profile.csv" --label "$name" \
+left() { echo $((BUDGET - SECONDS)); }
+run() {  # name, the run's own cap in seconds, then cplm_profile.py arguments
+  local name=$1 cap=$2 t; shift 2
+  t=$(left); ((t > cap)) && t=$cap
+  if ((t < 30)); then echo "$name (skipped: ${BUDGET} s budget spent)" >> "$OUT/failures.txt"; return; fi
+  echo "== $name (at ${SECONDS} s, cap ${t} s)" | tee -a "$OUT/log.txt"
+  timeout "$t" "$PY" tools/cplm_profile.py "$@" "${steps[@]}" --json "$work/$name.json" --csv "$work/profile.csv" --label "$name" \
     >> "$OUT/log.txt" 2>&1 || { echo "$name (exit $?)" >> "$OUT/failures.txt"; tail -5 "$OUT/log.txt"; }
 }
-for i in 0 1; do
-  model=${models[$i]}
-  common=(--config "$model" "${extra[@]}" "train.micro_batch_size=${micro[$i]}" "model.max_seq_len=$seq" "data.seq_length=$seq")
-  for zero in 1 2; do
-    run "$model-zero$zero" "${common[@]}" "train.zero_stage=$zero"
-  done
-  run "$model-copy-overhead" "${common[@]}" train.zero_stage=1 --copy-overhead
-done
-"$PY" tools/cplm_profile.py --report "$OUT/profile.csv" > "$OUT/table.md"
-cat "$OUT/table.md"
-echo "== copy head alone" | tee -a "$OUT/log.txt"
-timeout 300 "$PY" tools/bench_copy_head.py "${copy_bench[@]}" --json "$OUT/copy_head.json" > "$OUT/copy_head.md" 2>> "$OUT/log.txt" \
-  || echo "copy-head bench (exit $?)" >> "$OUT/failures.txt"
-cat "$OUT/copy_head.md"
-echo "failures: $(wc -l < "$OUT/failures.txt")"
+shape() { echo --config "$1" "${extra[@]}" "train.micro_batch_size=$2" "model.max_seq_len=$seq" "data.seq_length=$seq"; }
+run "$small-zero1" 120 $(shape $small $micro_small) train.zero_stage=1
+if [ -n "$large" ]; then
+  run "$large-zero1" 150 $(shape $large 8) train.zero_stage=1
+  run "$large-copy-overhead" 180 $(shape $large 8) train.zero_stage=1 --copy-overhead
+fi
+run "$small-copy-overhead" 120 $(shape $small $micro_small) train.zero_stage=1 --copy-overhead
+t=$(left); ((t > 120)) && t=120
+if ((t >= 30)); then
+  echo "== copy head alone (at ${SECONDS} s)" | tee -a "$OUT/log.txt"
+  timeout "$t" "$PY" tools/bench_copy_head.py "${copy_bench[@]}" --json "$work/copy_head.json" > "$OUT/copy_head.md" 2>> "$OUT/log.txt" \
+    || echo "copy-head bench (exit $?)" >> "$OUT/failures.txt"
+else
+  echo "copy-head bench (skipped: ${BUDGET} s budget spent)" >> "$OUT/failures.txt"
+fi
+if [ -n "$large" ]; then
+  run "$large-zero2" 120 $(shape $large 8) train.zero_stage=2
+  run "$small-peer" 120 $(shape $small $micro_small) train.zero_stage=1 --peer
+else
+  run "$small-zero2" 120 $(shape $small $micro_small) train.zero_stage=2
+fi
+[ -f "$work/profile.csv" ] && "$PY" tools/cplm_profile.py --report "$work/profile.csv" > "$OUT/table.md"
+tar -czf "$OUT/results.tar.gz" -C "$work" .
+cat "$OUT/table.md" "$OUT/copy_head.md" 2>/dev/null
+echo "failures: $(wc -l < "$OUT/failures.txt") (total ${SECONDS} s)"
+cat "$OUT/failures.txt"
