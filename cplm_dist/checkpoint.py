@@ -54,7 +54,9 @@ RESUMABLE_CHANGES = (
     "train.train_steps", "train.micro_batch_size", "train.global_batch_size", "train.activation_checkpointing",
     "train.out_dir", "train.log_interval", "train.eval_interval", "train.eval_batches", "train.save_interval",
     "train.keep_last", "train.max_bad_steps", "train.exit_at_step", "train.inject_nonfinite_at", "train.tensorboard",
-    "train.wandb", "train.wandb_project", "train.collective_timeout_minutes",
+    "train.wandb", "train.wandb_project", "train.collective_timeout_minutes", "train.compile", "train.overlap_comm",
+    "train.contiguous_gradients", "train.reduce_bucket_size", "train.allgather_bucket_size",
+    "train.stage3_prefetch_bucket_size", "optim.impl",
     "train.zero_stage", "parallel.tp", "optim.lr", "optim.min_lr", "optim.schedule", "optim.warmup_steps",
     "optim.decay_fraction", "optim.weight_decay", "optim.clip_grad", "data.num_workers", "data.cache_dir",
 )

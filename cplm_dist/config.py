@@ -37,6 +37,7 @@ FLOAT32_MAX = 3.4028234663852886e38  # parameters and optimizer states are float
 MixMode = Literal["gate", "joint", "sentinel"]
 PasteMode = Literal["next", "self"]
 CopyImpl = Literal["chunked", "dense"]
+OptimImpl = Literal["auto", "fused", "foreach"]
 TokenizerBackend = Literal["sentencepiece", "huggingface"]
 Schedule = Literal["cosine", "wsd", "constant"]
 Precision = Literal["fp32", "bf16"]
@@ -133,6 +134,7 @@ class OptimConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     clip_grad: float = 1.0  # global gradient-norm clipping (0 = off)
+    impl: OptimImpl = "auto"  # AdamW's kernels: auto = fused on CUDA (one kernel per step), foreach on CPU
 
 
 @dataclass
@@ -145,6 +147,13 @@ class TrainConfig:
     precision: Precision = "bf16"
     zero_stage: int = 1
     activation_checkpointing: bool = False  # recompute each transformer layer in backward
+    compile: bool = False  # torch.compile each transformer layer (regional: one graph, reused by every layer)
+    # DeepSpeed ZeRO communication (docs/performance.md, "ZeRO settings"); null = on for CUDA, off on CPU/gloo
+    overlap_comm: bool | None = None  # reduce (stage 1-2) / gather (stage 3) on a side stream during backward
+    contiguous_gradients: bool = True  # copy gradients into one buffer as they are produced (less fragmentation)
+    reduce_bucket_size: int = 500_000_000  # elements per gradient reduction
+    allgather_bucket_size: int = 500_000_000  # elements per parameter all-gather after the step (stage 1-2)
+    stage3_prefetch_bucket_size: int = 50_000_000  # elements of upcoming parameters ZeRO-3 gathers ahead
     out_dir: str = "runs/default"  # checkpoints/ and logs/ go here
     log_interval: int = 10
     eval_interval: int = 200  # validation loss every this many steps (and at the end)
@@ -446,6 +455,11 @@ def validate_train(cfg: Config) -> None:
                         "train.max_bad_steps": t.max_bad_steps}.items():
         if value < 1:
             raise ConfigError(f"{name}={value} must be a positive integer")
+    for name, value in (("train.reduce_bucket_size", t.reduce_bucket_size),
+                        ("train.allgather_bucket_size", t.allgather_bucket_size),
+                        ("train.stage3_prefetch_bucket_size", t.stage3_prefetch_bucket_size)):
+        if value < 1:
+            raise ConfigError(f"{name}={value} must be a positive number of elements (DeepSpeed's default: 5e8, 5e8, 5e7)")
     if t.zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"train.zero_stage={t.zero_stage} is not valid: choose one of [0, 1, 2, 3]")
     if t.global_batch_size % t.micro_batch_size:

@@ -8,6 +8,8 @@ our parallel groups, and `deepspeed.initialize` with our optimizer and schedule.
 | global / (micro x dp) | gradient_accumulation_steps (checked: a ConfigError gives the numbers) |
 | optim.clip_grad | gradient_clipping |
 | train.zero_stage | zero_optimization.stage |
+| train.overlap_comm (null: on with CUDA) | zero_optimization.overlap_comm |
+| train.contiguous_gradients, reduce_bucket_size, allgather_bucket_size, stage3_prefetch_bucket_size | zero_optimization.* (same names) |
 | train.precision | bf16.enabled |
 
 The optimizer (GuardedAdamW with weight-decay groups) and LR schedule are ours, handed to
@@ -69,7 +71,14 @@ def deepspeed_config(cfg: Config, dims: ParallelDims) -> dict:
         "train_micro_batch_size_per_gpu": t.micro_batch_size,
         "gradient_accumulation_steps": accumulation,
         "gradient_clipping": cfg.optim.clip_grad,
-        "zero_optimization": {"stage": t.zero_stage},
+        "zero_optimization": {
+            "stage": t.zero_stage,
+            "overlap_comm": torch.cuda.is_available() if t.overlap_comm is None else t.overlap_comm,
+            "contiguous_gradients": t.contiguous_gradients,
+            "reduce_bucket_size": t.reduce_bucket_size,
+            "allgather_bucket_size": t.allgather_bucket_size,
+            "stage3_prefetch_bucket_size": t.stage3_prefetch_bucket_size,
+        },
         "bf16": {"enabled": t.precision == "bf16"},
         "fp16": {"enabled": False},
         "zero_allow_untested_optimizer": True,  # our AdamW subclass, not DeepSpeed's fused/CPU Adam

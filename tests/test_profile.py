@@ -165,6 +165,8 @@ def test_gpu_check_script_runs_end_to_end_in_smoke_mode(tmp_path):
         names = {Path(n).name for n in tar.getnames()}
     assert {"tiny-zero1.json", "tiny-copy-overhead.json", "tiny-zero2.json", "profile.csv", "copy_head.json"} <= names
     assert len([p for p in tmp_path.iterdir()]) <= 8  # the device returns at most 8 files
+    decode_rows = (tmp_path / "decode.md").read_text().splitlines()
+    assert len(decode_rows) == 3 and decode_rows[2].startswith("| 1 | 16 | 4 |"), decode_rows
     copy_rows = (tmp_path / "copy_head.md").read_text()
     assert "| 128 | dense |" in copy_rows and "| 128 | chunked (32) |" in copy_rows
 

@@ -47,10 +47,19 @@ def losses(out_dir):
 # --- the loss falls; what a run writes ----------------------------------------------------------
 
 
-def test_loss_goes_down_and_the_run_reports_everything(small_data, tmp_path):
-    out = tmp_path / "run"
-    rc = train(1, argv(small_data, out, "train.train_steps=40", "train.eval_interval=20"))
-    assert rc == [0]
+FORTY = ("train.train_steps=40", "train.eval_interval=20")
+
+
+@pytest.fixture(scope="module")
+def forty_steps(small_data, tmp_path_factory):
+    """One eager 40-step run, shared by the tests that read or follow it."""
+    out = tmp_path_factory.mktemp("forty") / "run"
+    assert train(1, argv(small_data, out, *FORTY)) == [0]
+    return out
+
+
+def test_loss_goes_down_and_the_run_reports_everything(forty_steps):
+    out = forty_steps
     log = read_metrics(out / "logs" / "metrics.jsonl")
     first, last = log[1]["loss"], sum(log[s]["loss"] for s in range(36, 41)) / 5
     assert last < first - 0.75, (first, last)
@@ -64,6 +73,16 @@ def test_loss_goes_down_and_the_run_reports_everything(small_data, tmp_path):
     assert sorted(valid) == [20, 40] and valid[40]["loss"] < valid[20]["loss"]
     assert list((out / "logs" / "tensorboard").glob("events.out.tfevents.*"))
     assert (out / "checkpoints" / "latest").read_text().strip() == "step-00000040"
+
+
+def test_compiled_layers_train_like_eager(small_data, tmp_path, forty_steps):
+    """train.compile=true (regional torch.compile) follows the eager run's first 20 steps within 1e-5."""
+    out = tmp_path / "compiled"
+    assert train(1, argv(small_data, out, *FORTY, "train.compile=true", "train.exit_at_step=20"), timeout=600) == [0]
+    got, want = losses(out), losses(forty_steps)
+    assert sorted(got) == list(range(1, 21))
+    for step in got:
+        assert abs(got[step] - want[step]) < 1e-5, (step, got[step], want[step])
 
 
 # --- parallel layouts follow one rank -----------------------------------------------------------
@@ -344,3 +363,50 @@ def test_weight_decay_groups():
     assert "copy_head.gate.bias" in groups["no_decay"] and "final_norm.weight" in groups["no_decay"]
     groups = run_ranks(_groups_worker, 1, args=(True,))[0]
     assert "embedding.weight" in groups["decay"] and "lm_head.weight" in groups["decay"]
+
+
+# --- optimizer kernels and ZeRO settings ---------------------------------------------------------
+
+
+def test_fused_adamw_steps_like_foreach_and_keeps_the_guard():
+    """optim.impl=fused (CUDA's default) makes the same updates as foreach, and a non-finite
+    gradient still leaves every parameter untouched."""
+    from cplm_dist.optim import GuardedAdamW, adamw_kernels
+
+    assert adamw_kernels("auto", torch.device("cuda")) == {"fused": True}
+    assert adamw_kernels("auto", torch.device("cpu")) == {"foreach": True}
+    gen = torch.Generator().manual_seed(0)
+    start = [torch.randn(64, 32, generator=gen), torch.randn(32, generator=gen)]
+    grads = [[torch.randn(p.shape, generator=gen) for p in start] for _ in range(4)]
+    grads[2][1][3] = float("nan")
+    finals = {}
+    for impl in ("fused", "foreach"):
+        params = [torch.nn.Parameter(p.clone()) for p in start]
+        opt = GuardedAdamW([{"params": params[:1], "weight_decay": 0.1}, {"params": params[1:], "weight_decay": 0.0}],
+                           lr=1e-2, betas=(0.9, 0.95), eps=1e-8, **adamw_kernels(impl, torch.device("cpu")))
+        for i, step_grads in enumerate(grads):
+            before = [p.detach().clone() for p in params]
+            for p, g in zip(params, step_grads):
+                p.grad = g.clone()
+            opt.step()
+            assert opt.skipped_last == (i == 2)
+            if i == 2:
+                assert all(torch.equal(b, p) for b, p in zip(before, params))
+        finals[impl] = [p.detach() for p in params]
+    for a, b in zip(finals["fused"], finals["foreach"]):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    assert not torch.equal(finals["fused"][0], start[0])
+
+
+def test_zero_settings_reach_deepspeed():
+    from cplm_dist.engine import deepspeed_config
+    from cplm_dist.parallel import ParallelDims
+
+    dims = ParallelDims(rank=0, world_size=1, tp_rank=0, tp_size=1, tp_group=None, dp_rank=0, dp_size=1, dp_group=None)
+    cfg = load_config(REPO / "configs/quickstart.yaml", ["train.zero_stage=3", "train.reduce_bucket_size=1000",
+                                                         "train.stage3_prefetch_bucket_size=77", "train.overlap_comm=true"])
+    zero = deepspeed_config(cfg, dims)["zero_optimization"]
+    assert zero == {"stage": 3, "overlap_comm": True, "contiguous_gradients": True, "reduce_bucket_size": 1000,
+                    "allgather_bucket_size": 500_000_000, "stage3_prefetch_bucket_size": 77}
+    default = deepspeed_config(load_config(REPO / "configs/quickstart.yaml"), dims)["zero_optimization"]
+    assert default["overlap_comm"] is torch.cuda.is_available()  # null: overlap where there are CUDA streams

@@ -6,6 +6,7 @@
     python tools/cplm_profile.py --config tiny --sweep zero=0,1,2 micro=1,2,4 --nproc 2     # each point a fresh launch
     python tools/cplm_profile.py --config cplm-135m --copy-overhead                 # copy on / off, alternating
     python tools/cplm_profile.py --config cplm-135m --peer                          # against transformers' Llama
+    python tools/cplm_profile.py --config cplm-135m --decode                        # KV-cache decoding, copy on / off
 
 Reports tokens/s (global, per device), the step-time breakdown (forward, backward, optimizer;
 tensor-parallel and data-parallel / ZeRO communication), TFLOP/s and MFU (cplm_dist.profiling.throughput),
@@ -62,7 +63,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out-dir", default="runs/profile", help="--sweep: CSV and plots go here")
     p.add_argument("--copy-overhead", action="store_true", help="copy head on and off, alternating, same shapes")
     p.add_argument("--peer", action="store_true", help="also transformers' LlamaForCausalLM, same shapes, tp=1")
-    p.add_argument("--rounds", type=int, default=3, help="--copy-overhead / --peer: alternations")
+    p.add_argument("--rounds", type=int, default=3, help="--copy-overhead / --peer / --decode: alternations")
+    p.add_argument("--decode", action="store_true", help="decoding tokens/s with the KV cache, copy on and off (cplm_dist.profiling.decoding)")
+    p.add_argument("--decode-batches", type=int, nargs="+", default=[1, 8], metavar="B")
+    p.add_argument("--decode-prompts", type=int, nargs="+", default=[512, 2048], metavar="T", help="prompt lengths")
+    p.add_argument("--new-tokens", type=int, default=64, help="--decode: tokens generated after each prompt")
     p.add_argument("--report", metavar="CSV", help="print a markdown table of a profile CSV and exit")
     return p
 
@@ -240,6 +245,31 @@ def peer(cfg: Config, args) -> dict:
             "speedup_copy_on_vs_hf": res["ours_copy_on"]["tokens_per_s"] / res["hf_llama"]["tokens_per_s"]}
 
 
+def decode(cfg: Config, args) -> dict:
+    """Decoding tokens/s, copy on and off, in the training precision (tp = 1: one process)."""
+    import copy as copylib
+
+    from cplm_dist.model import build_model
+    from cplm_dist.profiling.decoding import decode_overhead, markdown
+
+    longest = max(args.decode_prompts) + args.new_tokens
+    if longest > cfg.model.max_seq_len:
+        raise UsageError(f"--decode: prompt {max(args.decode_prompts)} + --new-tokens {args.new_tokens} exceeds "
+                         f"model.max_seq_len={cfg.model.max_seq_len}: add model.max_seq_len={longest} (RoPE extends)")
+    if cfg.parallel.tp != 1:
+        raise UsageError("--decode measures one process: use parallel.tp=1")
+    dims, device, seq, accumulation = setup(cfg, args)
+    dtype = torch.bfloat16 if cfg.train.precision == "bf16" and device.type == "cuda" else torch.float32
+    off = copylib.deepcopy(cfg)
+    off.copy.enabled = False
+    cfg.copy.enabled = True
+    models = {name: build_model(c, device=device, dtype=dtype, compile_layers=False).eval() for name, c in (("copy_on", cfg), ("copy_off", off))}
+    points = [(b, t) for b in args.decode_batches for t in args.decode_prompts]
+    rows = decode_overhead(models, cfg.model.vocab_size, points, args.new_tokens, args.rounds, device, seed=cfg.seed)
+    print(markdown(rows), flush=True)
+    return {**describe(cfg, dims, seq, accumulation), "label": args.label, "mode": "decode", "dtype": str(dtype).removeprefix("torch."), "points": rows}
+
+
 # --- output --------------------------------------------------------------------------------------
 
 
@@ -384,13 +414,16 @@ def main(argv=None) -> int:
         result = copy_overhead(cfg, args)
     elif args.peer:
         result = peer(cfg, args)
+    elif args.decode:
+        result = decode(cfg, args)
     else:
         result = profile_one(cfg, args)
     if torch.distributed.get_rank() == 0:
         print(table(result), flush=True)
         if args.json:
             Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
-        append_csv(args.csv, result)
+        if not args.decode:  # one row per point, not a profile row
+            append_csv(args.csv, result)
     destroy_distributed()
     return 0
 

@@ -1,19 +1,22 @@
 #!/usr/bin/env bash
-# The GPU check for one lent H200 (docs/performance.md, "Measured on GPU"): the bf16 matrix-product
-# ceiling of the card, then cplm-135m and cplm-1.7b (bf16, sequence 2048): throughput, MFU, memory
-# against the estimator, the copy head's overhead on both, the copy head alone (dense against
-# chunked, tools/bench_copy_head.py), ZeRO-2 and transformers' Llama on the same shapes.
+# The GPU check for one lent H200 (docs/benchmarks.md, "GPU"): the card's bf16 matrix-product and
+# copy ceilings, then cplm-135m and cplm-1.7b (bf16, sequence 2048): throughput, MFU, memory against
+# the estimator, train.compile on and off, the copy head's overhead in training and in KV-cache
+# decoding, the copy head alone (dense against chunked, tools/bench_copy_head.py), ZeRO-2 and
+# transformers' Llama on the same shapes.
 # Runs go most valuable first under one time budget (GPU_CHECK_BUDGET_S, default 420 s): a run
 # that would start past it is recorded as skipped, a failing run is recorded and the others go on.
 #
 # Under $OUT (at most 8 files come back from the device): device.txt, log.txt, table.md,
-# copy_head.md, failures.txt, results.tar.gz (each run's JSON, profile.csv, copy_head.json).
+# copy_head.md, decode.md, failures.txt, results.tar.gz (each run's JSON, profile.csv,
+# copy_head.json, a Chrome trace of one cplm-135m step).
 #
 # Here, once:   bash ../shared/gpu/fetch_wheels.sh
 # On the device (carry: [".whl"]):
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
 #     && export PYTHONPATH=/tmp/site:$PWD && bash tools/gpu_check.sh
-# On CPU, GPU_CHECK_SMOKE=1 runs the same steps on the tiny config in seconds (tests/test_profile.py).
+# On CPU, GPU_CHECK_SMOKE=1 runs the same steps on the tiny config in seconds (tests/test_profile.py);
+# it leaves out compilation (tests/test_train.py covers it) and the transformers peer.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/gpu_check}
@@ -26,9 +29,11 @@ work=$(mktemp -d)
 if [ -n "${GPU_CHECK_SMOKE:-}" ]; then
   small=tiny; large=; seq=64; steps=(--warmup 0 --steps 1 --breakdown-steps 1 --rounds 1); micro_small=2
   extra=(train.precision=fp32); copy_bench=(--seq-lens 128 --chunk 32 --repeat 1 --hidden 64)
+  decode=(--decode-batches 1 --decode-prompts 16 --new-tokens 4); trace=()
 else
   small=cplm-135m; large=cplm-1.7b; seq=2048; steps=(--warmup 3 --steps 10 --breakdown-steps 2 --rounds 3); micro_small=16
   extra=(train.precision=bf16); copy_bench=(--seq-lens 2048 8192 --batch 8 --hidden 2048)
+  decode=(--decode-batches 1 8 --decode-prompts 512 2048 --new-tokens 64 model.max_seq_len=2112); trace=(--trace "$work/trace-135m.json")
   { nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader
     "$PY" tools/gpu_ceiling.py; } 2>&1 | tee "$OUT/device.txt"
 fi
@@ -42,12 +47,20 @@ run() {  # name, the run's own cap in seconds, then cplm_profile.py arguments
     >> "$OUT/log.txt" 2>&1 || { echo "$name (exit $?)" >> "$OUT/failures.txt"; tail -5 "$OUT/log.txt"; }
 }
 shape() { echo --config "$1" "${extra[@]}" "train.micro_batch_size=$2" "model.max_seq_len=$seq" "data.seq_length=$seq"; }
-run "$small-zero1" 120 $(shape $small $micro_small) train.zero_stage=1
+run "$small-zero1" 120 $(shape $small $micro_small) train.zero_stage=1 "${trace[@]}"
+if [ ! -f "$work/$small-zero1.json" ]; then  # the GPU defaults failed: the rest runs on the earlier settings
+  extra+=(optim.impl=foreach train.overlap_comm=false)
+  echo "falling back to ${extra[*]} for the remaining runs" | tee -a "$OUT/failures.txt"
+fi
 if [ -n "$large" ]; then
   run "$large-zero1" 150 $(shape $large 8) train.zero_stage=1
-  run "$large-copy-overhead" 180 $(shape $large 8) train.zero_stage=1 --copy-overhead
+  run "$large-zero1-compile" 240 $(shape $large 8) train.zero_stage=1 train.compile=true
+  run "$large-copy-overhead-compile" 240 $(shape $large 8) train.zero_stage=1 train.compile=true --copy-overhead
 fi
 run "$small-copy-overhead" 120 $(shape $small $micro_small) train.zero_stage=1 --copy-overhead
+run "$small-decode" 150 $(shape $small 1) "${decode[@]}" --decode --rounds 2
+[ -f "$work/$small-decode.json" ] && "$PY" -c "import json, sys; from cplm_dist.profiling.decoding import markdown
+print(markdown(json.load(open(sys.argv[1]))['points']))" "$work/$small-decode.json" > "$OUT/decode.md"
 t=$(left); ((t > 120)) && t=120
 if ((t >= 30)); then
   echo "== copy head alone (at ${SECONDS} s)" | tee -a "$OUT/log.txt"
@@ -64,6 +77,6 @@ else
 fi
 [ -f "$work/profile.csv" ] && "$PY" tools/cplm_profile.py --report "$work/profile.csv" > "$OUT/table.md"
 tar -czf "$OUT/results.tar.gz" -C "$work" .
-cat "$OUT/table.md" "$OUT/copy_head.md" 2>/dev/null
+cat "$OUT/table.md" "$OUT/decode.md" "$OUT/copy_head.md" 2>/dev/null
 echo "failures: $(wc -l < "$OUT/failures.txt") (total ${SECONDS} s)"
 cat "$OUT/failures.txt"

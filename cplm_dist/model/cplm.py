@@ -28,6 +28,7 @@ import torch.utils.checkpoint
 from cplm_dist import vocab_parallel
 from cplm_dist.config import Config, CopyConfig, ModelConfig
 from cplm_dist.megatron_compat import ModelParallelConfig, parallel_state, tensor_parallel
+from cplm_dist.model import compiled
 from cplm_dist.model.block import TransformerLayer
 from cplm_dist.model.copy_head import CopyHead
 from cplm_dist.model.initialization import deferred_init, init_parameters
@@ -65,9 +66,11 @@ def megatron_config(tp_size: int, device: torch.device, dtype: torch.dtype) -> M
 
 class CPLM(torch.nn.Module):
     def __init__(self, model_cfg: ModelConfig, copy_cfg: CopyConfig, tp_group: dist.ProcessGroup | None, *,
-                 seed: int, activation_checkpointing: bool = False, device=None, dtype=torch.float32):
+                 seed: int, activation_checkpointing: bool = False, compile_layers: bool = False, device=None,
+                 dtype=torch.float32):
         """copy_cfg.enabled=False builds the matched baseline (no copy head). activation_checkpointing:
-        recompute each transformer layer in backward instead of keeping its activations."""
+        recompute each transformer layer in backward instead of keeping its activations;
+        compile_layers: training runs torch.compile'd layers (cplm_dist.model.compiled)."""
         super().__init__()
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if device.type == "cuda" and device.index is None:
@@ -101,6 +104,7 @@ class CPLM(torch.nn.Module):
         self.activation_checkpointing = activation_checkpointing
         self.to(device)
         init_parameters(self, model_cfg, copy_cfg, seed, self.tp_rank, self.tp_size)
+        self.compiled_layers = compiled.compile_layers(self.layers, device) if compile_layers else None
 
     # --- shared trunk --------------------------------------------------------------------------
 
@@ -113,7 +117,8 @@ class CPLM(torch.nn.Module):
         cos, sin = rope_tables(offset + T, self.model_cfg.head_dim, self.model_cfg.rope_theta, device=input_ids.device)
         cos, sin = cos[offset:], sin[offset:]
         x = self.embedding(input_ids)  # (B, T, D)
-        for i, layer in enumerate(self.layers):
+        layers = self.compiled_layers if self.compiled_layers is not None and state is None else self.layers
+        for i, layer in enumerate(layers):
             if state is not None:
                 x = layer(x, cos, sin, state.layers[i])
             elif self.activation_checkpointing and self.training and torch.is_grad_enabled():
@@ -171,9 +176,9 @@ class CPLM(torch.nn.Module):
 
 
 def build_model(cfg: Config, *, tp_group: dist.ProcessGroup | None = None, device=None, dtype=torch.float32,
-                activation_checkpointing: bool | None = None) -> CPLM:
+                activation_checkpointing: bool | None = None, compile_layers: bool | None = None) -> CPLM:
     """The model for this rank from cfg.model, cfg.copy and cfg.seed, its tp group taken from the
-    initialised parallel state; activation checkpointing as cfg.train says unless given."""
+    initialised parallel state; activation checkpointing and compilation as cfg.train says unless given."""
     if tp_group is None:
         if not parallel_state.model_parallel_is_initialized():
             raise RuntimeError("build_model needs the parallel groups: call cplm_dist.parallel.init_distributed first")
@@ -187,5 +192,7 @@ def build_model(cfg: Config, *, tp_group: dist.ProcessGroup | None = None, devic
         log.warning(note)
     if activation_checkpointing is None:
         activation_checkpointing = cfg.train.activation_checkpointing
+    if compile_layers is None:
+        compile_layers = cfg.train.compile
     return CPLM(m, cfg.copy, tp_group, seed=cfg.seed, activation_checkpointing=activation_checkpointing,
-                device=device, dtype=dtype)
+                compile_layers=compile_layers, device=device, dtype=dtype)
