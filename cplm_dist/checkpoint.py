@@ -56,7 +56,7 @@ RESUMABLE_CHANGES = (
     "train.keep_last", "train.max_bad_steps", "train.exit_at_step", "train.inject_nonfinite_at", "train.tensorboard",
     "train.wandb", "train.wandb_project", "train.collective_timeout_minutes", "train.compile", "train.overlap_comm",
     "train.contiguous_gradients", "train.reduce_bucket_size", "train.allgather_bucket_size",
-    "train.stage3_prefetch_bucket_size", "optim.impl",
+    "train.stage3_prefetch_bucket_size", "optim.impl", "loss.impl", "loss.chunk_rows",
     "train.zero_stage", "parallel.tp", "optim.lr", "optim.min_lr", "optim.schedule", "optim.warmup_steps",
     "optim.decay_fraction", "optim.weight_decay", "optim.clip_grad", "data.num_workers", "data.cache_dir",
 )

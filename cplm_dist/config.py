@@ -38,6 +38,7 @@ MixMode = Literal["gate", "joint", "sentinel"]
 PasteMode = Literal["next", "self"]
 CopyImpl = Literal["chunked", "dense"]
 OptimImpl = Literal["auto", "fused", "foreach"]
+LossImpl = Literal["dense", "chunked"]
 TokenizerBackend = Literal["sentencepiece", "huggingface"]
 Schedule = Literal["cosine", "wsd", "constant"]
 Precision = Literal["fp32", "bf16"]
@@ -88,6 +89,14 @@ class CopyConfig:
     gate_bias_init: float = 0.0  # gate mix: sigmoid(0) = half the mass to the LM head at init
     impl: CopyImpl = "chunked"  # chunked: scores recomputed in backward per row block; dense: the reference
     chunk_size: int = 256  # query rows per block of the chunked path
+
+
+@dataclass
+class LossConfig:
+    """How the LM side of the loss is computed (cplm_dist.vocab_parallel); the value is the same."""
+
+    impl: LossImpl = "dense"  # chunked: logits made and differentiated `chunk_rows` rows at a time, none kept
+    chunk_rows: int = 1024  # rows (tokens) per block of the chunked path (1024 x 49152 fp32: 201 MB)
 
 
 @dataclass
@@ -173,6 +182,7 @@ class TrainConfig:
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     copy: CopyConfig = field(default_factory=CopyConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -462,6 +472,11 @@ def validate_train(cfg: Config) -> None:
             raise ConfigError(f"{name}={value} must be a positive number of elements (DeepSpeed's default: 5e8, 5e8, 5e7)")
     if t.zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"train.zero_stage={t.zero_stage} is not valid: choose one of [0, 1, 2, 3]")
+    if cfg.loss.chunk_rows < 1:
+        raise ConfigError(f"loss.chunk_rows={cfg.loss.chunk_rows} must be a positive integer")
+    if cfg.loss.impl == "chunked" and t.zero_stage == 3:
+        raise ConfigError("loss.impl=chunked with train.zero_stage=3: ZeRO-3 gathers the LM-head weight only inside "
+                          "its module's forward, which the chunked loss bypasses; use loss.impl=dense or zero_stage<=2")
     if t.global_batch_size % t.micro_batch_size:
         raise ConfigError(
             f"train.global_batch_size={t.global_batch_size} is not a multiple of train.micro_batch_size={t.micro_batch_size}"

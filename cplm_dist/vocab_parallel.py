@@ -6,12 +6,15 @@ The pieces, in the order a loss uses them (docs/copy_head.md):
 1. `target_logit_and_lse`  z_{t,y} and LSE_V(z_t) per row from the shards: Megatron's vocab-parallel
    cross-entropy steps (all-reduce MAX of the local max, the target logit from its owner by
    all-reduce SUM, all-reduce SUM of the local sum-exp) in an autograd Function that keeps one
-   [N, V/tp] buffer, the softmax, for backward.
+   [N, V/tp] buffer, the softmax, for backward (loss.impl=dense).
+   `chunked_target_logit_and_lse` (loss.impl=chunked) computes the same two numbers from the
+   hidden states and the LM-head shard, block of rows by block of rows, recomputing each block's
+   logits in backward: no [N, V/tp] tensor is kept.
 2. `MIXES`                 each mix defined once, as the log-weights of its two components:
        log p(w) = logaddexp(lm + log softmax_V(z)_w,  copy + log copy_mass_w)
    where copy_mass_w = sum_{j in C_t, src_j = w} exp(s_tj) (M_t at w = y_t). The per-row loss and
    the full distribution are both this one line; the copy side's share of the mass is 1 - exp(lm).
-3. `mixed_nll`             THE loss, copy on or off (copy off: LSE_V - z_y, the same Function on
+3. `mixed_nll`             THE loss (`mixed_nll_from_lm` after the chunked path), copy on or off (copy off: LSE_V - z_y, the same Function on
    the same group), with the LM head's own loss and the copy share as detached statistics. Chained
    with (1) the logits gradient is the closed form of docs/copy_head.md: the Function receives
    dL/dLSE = r_t and dL/dz_y = -r_t (gate, sentinel) or the joint pair, and returns
@@ -149,6 +152,83 @@ def target_logit_and_lse(
     return _TargetLogitAndLSE.apply(logits, labels, tp_group, inplace)
 
 
+def _block_logits(h: torch.Tensor, weight: torch.Tensor, real_local: int) -> torch.Tensor:
+    """float32 logits [rows, V/tp] of one row block, padded vocabulary columns at -inf."""
+    logits = F.linear(h, weight).float()
+    if real_local < logits.size(-1):
+        logits[:, real_local:] = NEG_INF
+    return logits
+
+
+class _ChunkedTargetLogitAndLSE(torch.autograd.Function):
+    """(z_y, LSE_V) per row straight from the hidden states and the LM-head shard, `rows` rows at a
+    time: no [N, V/tp] tensor lives across forward and backward (backward recomputes each block's
+    logits). The same three all-reduces as `_TargetLogitAndLSE`, on [N] vectors after all blocks;
+    backward all-reduces dL/dh over tp (the LM head's input is replicated)."""
+
+    @staticmethod
+    def forward(ctx, h, weight, labels, tp_group, real_local, rows):
+        n, v_local = h.size(0), weight.size(0)
+        start, end = vocab_range(v_local, tp_group)
+        owned = (labels >= start) & (labels < end)
+        local = torch.where(owned, labels - start, torch.zeros_like(labels))
+        local_max = torch.empty(n, dtype=torch.float32, device=h.device)
+        local_sum = torch.empty_like(local_max)
+        z_y = torch.zeros_like(local_max)
+        for i in range(0, n, rows):
+            logits = _block_logits(h[i : i + rows], weight, real_local)
+            m = logits.amax(dim=-1)
+            safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # a shard of padding only
+            local_max[i : i + rows] = m
+            z_y[i : i + rows] = torch.where(owned[i : i + rows], logits.gather(1, local[i : i + rows, None]).squeeze(1), 0.0)
+            local_sum[i : i + rows] = logits.sub_(safe.unsqueeze(-1)).exp_().sum(dim=-1)  # in place: one block buffer
+        global_max = local_max.clone()
+        _all_reduce(global_max, dist.ReduceOp.MAX, tp_group)
+        scale = torch.where(torch.isfinite(local_max), torch.exp(local_max - global_max), torch.zeros_like(local_max))
+        sum_exp = local_sum * scale
+        _all_reduce(sum_exp, dist.ReduceOp.SUM, tp_group)
+        _all_reduce(z_y, dist.ReduceOp.SUM, tp_group)
+        lse = global_max + torch.log(sum_exp)
+        ctx.save_for_backward(h, weight, owned, local, lse)
+        ctx.tp_group, ctx.real_local, ctx.rows = tp_group, real_local, rows
+        return z_y, lse
+
+    @staticmethod
+    def backward(ctx, grad_z_y, grad_lse):
+        h, weight, owned, local, lse = ctx.saved_tensors
+        grad_z_y = torch.zeros_like(lse) if grad_z_y is None else grad_z_y
+        grad_lse = torch.zeros_like(lse) if grad_lse is None else grad_lse
+        grad_h = torch.empty_like(h)
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        for i in range(0, h.size(0), ctx.rows):
+            block = slice(i, i + ctx.rows)
+            g = _block_logits(h[block], weight, ctx.real_local).sub_(lse[block, None]).exp_().mul_(grad_lse[block, None])
+            g.scatter_add_(1, local[block, None], (grad_z_y[block] * owned[block]).unsqueeze(1).to(g.dtype))
+            g = g.to(weight.dtype)  # the dtype the dense LM head's backward multiplies in
+            grad_h[block] = g @ weight
+            grad_w += (g.t() @ h[block]).float()
+        _all_reduce(grad_h, dist.ReduceOp.SUM, tp_group=ctx.tp_group)
+        return grad_h, grad_w.to(weight.dtype), None, None, None, None
+
+
+def chunked_target_logit_and_lse(
+    h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, tp_group: dist.ProcessGroup | None = None, *,
+    real_local: int | None = None, rows: int = 2048,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`target_logit_and_lse` of the logits h @ weight^T without forming them whole (loss.impl=chunked).
+
+    h [..., D] hidden states, identical on every tp rank; weight [V/tp, D] this rank's LM-head
+    shard; labels [...] global ids (-100: z_y = 0); real_local: the shard's columns before the
+    vocabulary padding (default: all). Returns float32 [...] each. dL/dh comes back all-reduced
+    over tp, so the caller must not route h through another tp region.
+    """
+    if rows < 1:
+        raise ValueError(f"rows={rows} must be >= 1")
+    z_y, lse = _ChunkedTargetLogitAndLSE.apply(h.reshape(-1, h.size(-1)), weight, labels.reshape(-1), tp_group,
+                                               weight.size(0) if real_local is None else real_local, rows)
+    return z_y.view(labels.shape), lse.view(labels.shape)
+
+
 # ---------------------------------------------------------------------------------------------
 # 2. the mixtures, each defined once by its two log-weights
 # ---------------------------------------------------------------------------------------------
@@ -220,6 +300,13 @@ def mixed_nll(
               label), gate logit (gate) or sentinel score (sentinel), None (joint)
     """
     z_y, lse = target_logit_and_lse(lm_logits, labels, tp_group, inplace=inplace)
+    return mixed_nll_from_lm(z_y, lse, labels, copy, mix)
+
+
+def mixed_nll_from_lm(z_y: torch.Tensor, lse: torch.Tensor, labels: torch.Tensor, copy: CopyTerms | None = None,
+                      mix: str = "gate") -> TokenLoss:
+    """`mixed_nll` from the LM side's two per-row numbers, however they were computed (from a
+    logits shard, or block by block by `chunked_target_logit_and_lse`)."""
     lm_log_p = z_y - lse  # log softmax_V(z)_y
     if copy is None:
         log_p, share = lm_log_p, torch.zeros_like(lm_log_p)

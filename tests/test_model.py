@@ -25,6 +25,9 @@ VARIANTS = {
     # the gate shut (g = sigmoid(40)): the copy weight at 0, so the copy model must be the baseline
     "gate-shut": ["copy.mix=gate", "copy.gate_bias_init=40"],
 }
+# loss.impl=chunked (blocks of 7 of the 48 rows) beside the dense variant it must equal
+CHUNKED_LOSS = {f"{name}+chunked-loss": name for name in ("copy-off-padded-untied", "joint-next", "sentinel-next-2heads")}
+VARIANTS.update({chunked: VARIANTS[dense] + ["loss.impl=chunked", "loss.chunk_rows=7"] for chunked, dense in CHUNKED_LOSS.items()})
 TPS = (1, 2, 4)
 
 
@@ -137,3 +140,16 @@ def test_copy_on_with_its_weight_at_zero_is_the_copy_off_baseline(runs, tp):
         torch.testing.assert_close(shut["grads"][name], g, rtol=1e-5, atol=1e-6 * g.abs().max().item(), msg=name)
     copy_grads = [g for name, g in shut["grads"].items() if name.startswith("copy_head.")]
     assert copy_grads and max(float(g.abs().max()) for g in copy_grads) < 1e-9
+
+
+@pytest.mark.parametrize("tp", TPS)
+@pytest.mark.parametrize("chunked", sorted(CHUNKED_LOSS))
+def test_the_chunked_loss_is_the_dense_loss_in_the_model(runs, tp, chunked):
+    """loss.impl=chunked through the whole model (tied and untied LM head, padded vocabulary, copy
+    off and on): the same nll and every parameter's gradient as loss.impl=dense at the same tp."""
+    for rank, res in enumerate(runs[tp]):
+        got, want = res[chunked], res[CHUNKED_LOSS[chunked]]
+        torch.testing.assert_close(got["nll"], want["nll"], rtol=1e-6, atol=1e-6, msg=f"nll, rank {rank}")
+        for name, g in want["grads"].items():
+            scale = g.abs().max().item()
+            torch.testing.assert_close(got["grads"][name], g, rtol=1e-5, atol=1e-6 * scale, msg=f"grad {name}, rank {rank}")

@@ -144,7 +144,45 @@ def _tp_worker(tp):
                                dims.tp_group)
     results["dist"] = vp.gather_vocab(lp, dims.tp_group)
     assert dist.get_world_size(dims.tp_group) == tp
+    results["chunked"] = {mix: _dense_and_chunked_lm_loss(dims, tp, mix) for mix in (None, *MIXES)}
     return results
+
+
+REAL_V, D = 60, 8  # 4 padded vocabulary rows: at tp = 4 the last shard holds 12 real ids of 16
+
+
+def _dense_and_chunked_lm_loss(dims, tp, mix):
+    """The loss from hidden states through the LM-head shard, both ways (loss.impl dense and
+    chunked, blocks of 5 rows over 14), with dL/dh (all-reduced over tp as the model's region
+    does), dL/dW (gathered) and dL/d(copy terms)."""
+    _, copy_all, copy_match, gate, labels = make_inputs(seed=11, dtype=torch.float32)
+    labels = torch.where(labels == vp.IGNORE_INDEX, labels, labels % REAL_V)
+    g = torch.Generator().manual_seed(12)
+    h_full, w_full = torch.randn(N, D, generator=g), torch.randn(V, D, generator=g)
+    w_full[REAL_V:] = 0
+    spec = ShardSpec(dim=0)
+    v_local = V // tp
+    real_local = max(0, min(v_local, REAL_V - dims.tp_rank * v_local))
+    out = {}
+    for impl in ("dense", "chunked"):
+        h = h_full.clone().requires_grad_(True)
+        w = take_shard(w_full, spec, dims.tp_rank, tp).clone().requires_grad_(True)
+        terms = [t.clone().requires_grad_(True) for t in (copy_all, copy_match, gate)]
+        copy = vp.CopyTerms(*terms) if mix else None
+        if impl == "dense":
+            logits = torch.nn.functional.linear(h, w)
+            logits = logits.masked_fill(torch.arange(v_local) >= real_local, float("-inf"))
+            loss = vp.mixed_nll(logits, labels, copy, mix or "gate", dims.tp_group).nll
+        else:
+            z_y, lse = vp.chunked_target_logit_and_lse(h, w, labels, dims.tp_group, real_local=real_local, rows=5)
+            loss = vp.mixed_nll_from_lm(z_y, lse, labels, copy, mix or "gate").nll
+        (loss * torch.linspace(0.5, 1.5, N)).sum().backward()
+        dh = h.grad.clone()
+        if impl == "dense" and tp > 1:
+            dist.all_reduce(dh, group=dims.tp_group)
+        d_copy = torch.stack([t.grad if t.grad is not None else torch.zeros_like(t) for t in terms])
+        out[impl] = {"nll": loss.detach(), "dh": dh, "dw": gather_full(w.grad, spec, dims.tp_group), "d_copy": d_copy}
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -172,3 +210,17 @@ def test_tp_full_distribution_equals_one_process(tp_results, tp):
     torch.testing.assert_close(one.exp().sum(-1), torch.ones(2, 3))
     for res in tp_results[tp]:
         torch.testing.assert_close(res["dist"], one, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("mix", [None, *MIXES])
+def test_chunked_lm_loss_equals_dense(tp_results, tp, mix):
+    """loss.impl=chunked: the same loss and gradients of h, the LM weight and the copy terms as the
+    dense path at the same tp (fp32, 1e-6), and as one process; copy off too (mix None)."""
+    one = tp_results[1][0]["chunked"][mix]["dense"]
+    assert torch.isfinite(one["nll"]).all() and one["dw"][REAL_V:].abs().max() == 0  # padding gets no gradient
+    for rank, res in enumerate(tp_results[tp]):
+        dense, chunked = res["chunked"][mix]["dense"], res["chunked"][mix]["chunked"]
+        for key in ("nll", "dh", "dw", "d_copy"):
+            torch.testing.assert_close(chunked[key], dense[key], rtol=1e-6, atol=1e-6, msg=f"{key}, rank {rank}")
+            torch.testing.assert_close(chunked[key], one[key], rtol=1e-5, atol=1e-6, msg=f"{key} vs one process, rank {rank}")

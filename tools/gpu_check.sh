@@ -2,7 +2,7 @@
 # The GPU check for one lent H200 (docs/benchmarks.md, "GPU"): the card's bf16 matrix-product and
 # copy ceilings, then cplm-135m and cplm-1.7b (bf16, sequence 2048): throughput, MFU, memory against
 # the estimator, train.compile on and off, the copy head's overhead in training and in KV-cache
-# decoding, the copy head alone (dense against chunked, tools/bench_copy_head.py), ZeRO-2 and
+# decoding, the copy head alone (dense against chunked, tools/bench_copy_head.py), the chunked LM loss, ZeRO-2 and
 # transformers' Llama on the same shapes.
 # Runs go most valuable first under one time budget (GPU_CHECK_BUDGET_S, default 420 s): a run
 # that would start past it is recorded as skipped, a failing run is recorded and the others go on.
@@ -70,9 +70,11 @@ else
   echo "copy-head bench (skipped: ${BUDGET} s budget spent)" >> "$OUT/failures.txt"
 fi
 if [ -n "$large" ]; then
+  run "$large-compile-chunked-loss" 180 $(shape $large 8) train.zero_stage=1 train.compile=true loss.impl=chunked
   run "$large-zero2" 120 $(shape $large 8) train.zero_stage=2
   run "$small-peer" 120 $(shape $small $micro_small) train.zero_stage=1 --peer
 else
+  run "$small-chunked-loss" 120 $(shape $small $micro_small) train.zero_stage=1 loss.impl=chunked loss.chunk_rows=32
   run "$small-zero2" 120 $(shape $small $micro_small) train.zero_stage=2
 fi
 [ -f "$work/profile.csv" ] && "$PY" tools/cplm_profile.py --report "$work/profile.csv" > "$OUT/table.md"

@@ -54,7 +54,7 @@ def generate(model, prompt: torch.Tensor, max_new_tokens: int, *, temperature: f
     done = torch.zeros(prompt.shape[0], dtype=torch.bool, device=prompt.device)
     for _ in range(max_new_tokens):
         if cached:
-            logprobs, copy_part = model.decode(feed, state, with_copy_part=mark_copies)
+            logprobs, copy_part = model.decode(feed, state, with_copy_part=mark_copies, last_only=True)
             logprobs = logprobs[:, -1]
             copy_part = copy_part[:, -1] if copy_part is not None else None
         else:

@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.utils.checkpoint
 
 from cplm_dist import vocab_parallel
-from cplm_dist.config import Config, CopyConfig, ModelConfig
+from cplm_dist.config import Config, CopyConfig, LossConfig, ModelConfig
 from cplm_dist.megatron_compat import ModelParallelConfig, parallel_state, tensor_parallel
 from cplm_dist.model import compiled
 from cplm_dist.model.block import TransformerLayer
@@ -66,16 +66,18 @@ def megatron_config(tp_size: int, device: torch.device, dtype: torch.dtype) -> M
 
 class CPLM(torch.nn.Module):
     def __init__(self, model_cfg: ModelConfig, copy_cfg: CopyConfig, tp_group: dist.ProcessGroup | None, *,
-                 seed: int, activation_checkpointing: bool = False, compile_layers: bool = False, device=None,
-                 dtype=torch.float32):
+                 seed: int, activation_checkpointing: bool = False, compile_layers: bool = False,
+                 loss_cfg: LossConfig | None = None, device=None, dtype=torch.float32):
         """copy_cfg.enabled=False builds the matched baseline (no copy head). activation_checkpointing:
         recompute each transformer layer in backward instead of keeping its activations;
-        compile_layers: training runs torch.compile'd layers (cplm_dist.model.compiled)."""
+        compile_layers: training runs torch.compile'd layers (cplm_dist.model.compiled); loss_cfg:
+        dense (default) or chunked LM-side loss (the same value)."""
         super().__init__()
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         self.model_cfg, self.copy_cfg, self.tp_group = model_cfg, copy_cfg, tp_group
+        self.loss_cfg = loss_cfg or LossConfig()
         self.tp_rank, self.tp_size = vocab_parallel.tp_rank_size(tp_group)
         m = model_cfg
         self.vocab_size = m.vocab_size
@@ -143,6 +145,11 @@ class CPLM(torch.nn.Module):
             labels = torch.cat([input_ids[:, 1:], torch.full_like(input_ids[:, :1], vocab_parallel.IGNORE_INDEX)], 1)
         h = self.hidden_states(input_ids)
         copy = self.copy_head(h, input_ids, labels) if self.copy_head is not None else None
+        if self.loss_cfg.impl == "chunked":
+            weight = self.embedding.weight if self.model_cfg.tie_embeddings else self.lm_head.weight
+            z_y, lse = vocab_parallel.chunked_target_logit_and_lse(h, weight, labels, self.tp_group, real_local=self.real_local,
+                                                                   rows=self.loss_cfg.chunk_rows)
+            return vocab_parallel.mixed_nll_from_lm(z_y, lse, labels, copy, self.copy_cfg.mix)
         return vocab_parallel.mixed_nll(self.lm_logits(h), labels, copy, self.copy_cfg.mix, self.tp_group, inplace=True)
 
     # --- evaluation ----------------------------------------------------------------------------
@@ -156,18 +163,24 @@ class CPLM(torch.nn.Module):
         return DecodeState(layers=[{} for _ in self.layers])
 
     @torch.no_grad()
-    def decode(self, input_ids: torch.Tensor, state: DecodeState, with_copy_part: bool = False):
+    def decode(self, input_ids: torch.Tensor, state: DecodeState, with_copy_part: bool = False, last_only: bool = False):
         """Feed `input_ids` (B, T) after what `state` holds (a prompt, then one token at a time)
         and return (log p (B, T, V) of the next token at each new position, and with
-        `with_copy_part` the copy component's log mass on each id, else None), gathered over tp."""
+        `with_copy_part` the copy component's log mass on each id, else None), gathered over tp.
+        last_only: the distributions of the last position only (B, 1, V), what generation reads
+        (a prompt's (B, T, V) would be T times the memory)."""
         offset = state.length
         h = self.hidden_states(input_ids, state)
-        logits = self.lm_logits(h)
         state.ids = input_ids if state.ids is None else torch.cat([state.ids, input_ids], dim=1)
         copy_lp, terms = None, None
         if self.copy_head is not None:
             q, k = self.copy_head.project(h, offset)
             state.copy_k = k if state.copy_k is None else torch.cat([state.copy_k, k], dim=2)
+        if last_only:
+            offset, h = offset + h.shape[1] - 1, h[:, -1:]
+            q = q[:, :, -1:] if self.copy_head is not None else None
+        logits = self.lm_logits(h)
+        if self.copy_head is not None:
             weights, src, terms = self.copy_head.weights_for(q, state.copy_k, state.ids, offset, h)
             copy_lp = vocab_parallel.scatter_copy_log_probs(weights, src, self.v_local, self.tp_group)
         shard, copy_part = vocab_parallel.mixed_log_probs(logits, copy_lp, terms, self.copy_cfg.mix, self.tp_group)
@@ -195,4 +208,4 @@ def build_model(cfg: Config, *, tp_group: dist.ProcessGroup | None = None, devic
     if compile_layers is None:
         compile_layers = cfg.train.compile
     return CPLM(m, cfg.copy, tp_group, seed=cfg.seed, activation_checkpointing=activation_checkpointing,
-                compile_layers=compile_layers, device=device, dtype=dtype)
+                compile_layers=compile_layers, loss_cfg=cfg.loss, device=device, dtype=dtype)

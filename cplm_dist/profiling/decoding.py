@@ -24,12 +24,12 @@ def decode_once(model, prompt: torch.Tensor, new_tokens: int) -> tuple[float, fl
     state = model.new_decode_state()
     synchronize(device)
     start = time.perf_counter()
-    logprobs, _ = model.decode(prompt, state)
+    logprobs, _ = model.decode(prompt, state, last_only=True)
     nxt = logprobs[:, -1].argmax(dim=-1)
     synchronize(device)
     prefilled = time.perf_counter()
     for _ in range(new_tokens):
-        logprobs, _ = model.decode(nxt[:, None], state)
+        logprobs, _ = model.decode(nxt[:, None], state, last_only=True)
         nxt = logprobs[:, -1].argmax(dim=-1)
     synchronize(device)
     return prefilled - start, time.perf_counter() - prefilled

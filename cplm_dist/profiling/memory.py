@@ -29,7 +29,8 @@ per layer, not counted). With activation checkpointing a layer keeps only its in
 (b D per token) and one layer's activations exist at a time, during its recomputation.
 
 Outside the layers, per token: the final norm (8 D + 4 + b D), the loss's [tokens, V/tp] fp32
-softmax (4 V/tp, plus the bf16 logits while they are cast), and the copy head's fp32 q and k
+softmax (4 V/tp, plus the bf16 logits while they are cast; with loss.impl=chunked, one block of
+loss.chunk_rows rows, 8 V/tp each plus the bf16 logits), and the copy head's fp32 q and k
 (4 H_c d_c each), then by `copy.impl`:
   - dense: its (B, H_c, T, T) fp32 score tensors, the masked exponentials for A_t and M_t kept for
     backward and their gradients; measured on CPU, about 3 score-sized tensors after forward and 6
@@ -145,7 +146,10 @@ def estimate(cfg: Config, *, tp: int, dp: int, micro_batch: int, seq_len: int, z
         recompute = 0.0
     activations += tokens * (8 * m.hidden_size + 4 + b * m.hidden_size) + 2 * 4 * seq_len * m.head_dim
     v_local = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp) / tp
-    logits = tokens * v_local * (4 + (b if b != 4 else 0))
+    if cfg.loss.impl == "chunked":  # one row block at a time: its fp32 logits and their exp / gradient, its bf16 logits
+        logits = min(tokens, cfg.loss.chunk_rows) * v_local * (8 + (b if b != 4 else 0))
+    else:
+        logits = tokens * v_local * (4 + (b if b != 4 else 0))
     copy_head = 0.0
     if c.enabled:
         copy_head = copy_head_bytes(cfg, micro_batch, seq_len)
