@@ -63,6 +63,8 @@ BAD = [
     (["copy.impl=flash"], r"^copy\.impl='flash' is not valid: choose one of \['chunked', 'dense'\]"),
     (["copy.chunk_size=0"], r"^copy\.chunk_size=0 must be a positive integer"),
     (["train.reduce_bucket_size=0"], r"^train\.reduce_bucket_size=0 must be a positive number of elements"),
+    (["loss.impl=chunked", "train.zero_stage=3"], r"^loss\.impl=chunked with train\.zero_stage=3: .* use loss\.impl=dense"),
+    (["loss.chunk_rows=0"], r"^loss\.chunk_rows=0 must be a positive integer"),
     (["optim.impl=apex"], r"^optim\.impl='apex' is not valid: choose one of \['auto', 'fused', 'foreach'\]"),
     (["train.overlap_comm=sometimes"], r"^train\.overlap_comm='sometimes' must be"),
     (["train.precision=bf16", "train.zero_stage=0", "parallel.tp=2", "optim.clip_grad=1.0"],

@@ -28,7 +28,7 @@ import torch.utils.checkpoint
 from cplm_dist import vocab_parallel
 from cplm_dist.config import Config, CopyConfig, LossConfig, ModelConfig
 from cplm_dist.megatron_compat import ModelParallelConfig, parallel_state, tensor_parallel
-from cplm_dist.model import compiled
+from cplm_dist.model.compiled import compile_layers as compile_each_layer
 from cplm_dist.model.block import TransformerLayer
 from cplm_dist.model.copy_head import CopyHead
 from cplm_dist.model.initialization import deferred_init, init_parameters
@@ -106,7 +106,7 @@ class CPLM(torch.nn.Module):
         self.activation_checkpointing = activation_checkpointing
         self.to(device)
         init_parameters(self, model_cfg, copy_cfg, seed, self.tp_rank, self.tp_size)
-        self.compiled_layers = compiled.compile_layers(self.layers, device) if compile_layers else None
+        self.compiled_layers = compile_each_layer(self.layers, device) if compile_layers else None
 
     # --- shared trunk --------------------------------------------------------------------------
 
