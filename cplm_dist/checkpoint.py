@@ -56,7 +56,7 @@ RESUMABLE_CHANGES = (
     "train.keep_last", "train.max_bad_steps", "train.exit_at_step", "train.inject_nonfinite_at", "train.tensorboard",
     "train.wandb", "train.wandb_project", "train.collective_timeout_minutes", "train.compile", "train.overlap_comm",
     "train.contiguous_gradients", "train.reduce_bucket_size", "train.allgather_bucket_size",
-    "train.stage3_prefetch_bucket_size", "optim.impl", "loss.impl", "loss.chunk_rows",
+    "train.stage3_prefetch_bucket_size", "optim.impl", "loss.impl", "loss.chunk_rows", "model.init_from",
     "train.zero_stage", "parallel.tp", "optim.lr", "optim.min_lr", "optim.schedule", "optim.warmup_steps",
     "optim.decay_fraction", "optim.weight_decay", "optim.clip_grad", "data.num_workers", "data.cache_dir",
 )
@@ -518,34 +518,44 @@ def _load_states(file: Path) -> dict:
 
 
 def load_model(path: str | Path, device=None, dtype=torch.float32):
-    """(model in eval mode, config, manifest) on this rank, whose tp group must match the
-    checkpoint's tp. Reads this rank's weights file once; ZeRO-3 checkpoints keep the weights
-    only in the optimizer shards, which DeepSpeed's zero_to_fp32 merges (tp = 1)."""
+    """(model in eval mode, config, manifest) on this rank, at this launch's tp whatever tp the
+    checkpoint was saved at: every saved tp rank's weights are joined into the tp-independent
+    tensors (cplm_dist.model.sharding) and this rank's shard is taken. ZeRO-3 checkpoints keep the
+    weights only in the optimizer shards, which DeepSpeed's zero_to_fp32 merges (saved at tp = 1)."""
     from cplm_dist.megatron_compat import parallel_state
     from cplm_dist.model import build_model
+    from cplm_dist.model.sharding import full_state_dict, load_full_state_dict
 
     cfg, info = load_checkpoint_config(path)
     tp_group = parallel_state.get_tensor_model_parallel_group()
     tp, tp_rank = dist.get_world_size(tp_group), dist.get_rank(tp_group)
-    if tp != info["layout"]["tp"]:
-        raise CheckpointError(f"{path} was saved at tp={info['layout']['tp']}: evaluate it with that many tensor-parallel ranks "
-                              f"(this launch has tp={tp})")
-    model = build_model(cfg, device=device, dtype=dtype, activation_checkpointing=False)
+    saved_tp = info["layout"]["tp"]
+    cfg.parallel.tp = tp
+    for name, value in (("model.num_heads", cfg.model.num_heads), ("model.num_kv_heads", cfg.model.num_kv_heads),
+                        ("model.ffn_hidden_size", cfg.model.ffn_hidden_size)):
+        if value % tp:
+            raise CheckpointError(f"{path} cannot be loaded at tp={tp}: {name}={value} is not divisible by it "
+                                  f"(it was saved at tp={saved_tp}); launch a tp that divides {name}")
+    model = build_model(cfg, device=device, dtype=dtype, activation_checkpointing=False, compile_layers=False)
     step_dir = info["root"] / info["tag"]
-    states = model_states_file(step_dir, tp_rank)
-    _check_intact(step_dir, info, [states.name])
-    module = _load_states(states)["module"]
-    if any(getattr(v, "numel", lambda: 1)() == 0 for v in module.values()):  # ZeRO-3: weights live in the optimizer shards
-        if tp != 1:
-            raise CheckpointError(f"{path}: ZeRO-3 checkpoints are merged for evaluation at tp=1 only")
+    files = [model_states_file(step_dir, r) for r in range(saved_tp)]
+    _check_intact(step_dir, info, [f.name for f in files])
+    shards = [_load_states(f)["module"] for f in files]
+    if any(getattr(v, "numel", lambda: 1)() == 0 for v in shards[0].values()):  # ZeRO-3: weights live in the optimizer shards
+        if saved_tp != 1:
+            raise CheckpointError(f"{path}: ZeRO-3 checkpoints saved at tp>1 cannot be merged for evaluation yet "
+                                  "(DeepSpeed's zero_to_fp32 reads tp rank 0 only); evaluate one saved at tp=1")
         import_deepspeed()
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         _check_intact(step_dir, info, None)
         with _weights_only_torch_load():
-            module = get_fp32_state_dict_from_zero_checkpoint(str(info["root"]), tag=info["tag"])
-    missing, unexpected = model.load_state_dict({k: v for k, v in module.items() if v is not None}, strict=False)
-    missing = [k for k in missing if not k.endswith("_extra_state")]
-    if missing or unexpected:
-        raise CheckpointError(f"{path}: weights do not match the model (missing {missing[:3]}, unexpected {unexpected[:3]})")
+            shards = [get_fp32_state_dict_from_zero_checkpoint(str(info["root"]), tag=info["tag"])]
+    unexpected = [k for k in shards[0] if k not in dict(model.named_parameters()) and not k.endswith("_extra_state")]
+    try:
+        if unexpected:
+            raise ValueError(f"unexpected {unexpected[:3]}")
+        load_full_state_dict(model, full_state_dict(shards, model), tp_rank, tp)
+    except ValueError as e:
+        raise CheckpointError(f"{path}: weights do not match the model ({e})") from None
     return model.to(dtype).eval(), cfg, info

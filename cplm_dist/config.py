@@ -62,6 +62,7 @@ class ModelConfig:
     vocab_size: int = 512
     max_seq_len: int = 2048
     tie_embeddings: bool = True
+    init_from: str | None = None  # a local HF LlamaForCausalLM directory: a fresh run starts from its weights (cplm_dist.hf_llama)
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     init_std: float = 0.02

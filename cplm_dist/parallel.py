@@ -59,6 +59,12 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def evaluation_tp() -> int:
+    """The tp of an evaluation or generation launch: all of its ranks hold one model replica (a
+    checkpoint loads at any tp, cplm_dist.checkpoint.load_model)."""
+    return dist.get_world_size() if dist.is_initialized() else LaunchEnv.from_environ().world_size
+
+
 def check_world(tp_size: int, world_size: int) -> None:
     if world_size % tp_size:
         valid = [d for d in range(1, world_size + 1) if world_size % d == 0]

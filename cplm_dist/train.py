@@ -39,6 +39,7 @@ from cplm_dist.data.gpt_data import build_datasets, check_data
 from cplm_dist.data.loader import ResumableLoader
 from cplm_dist.engine import build_engine
 from cplm_dist.heartbeat import Heartbeat
+from cplm_dist.hf_llama import check_hf_dir, initialise_from_hf
 from cplm_dist.launch_env import LaunchEnv
 from cplm_dist.model import build_model
 from cplm_dist.model.counting import parameter_count
@@ -145,6 +146,8 @@ def run(argv, stop: StopRequest) -> int:
     dp = world // cfg.parallel.tp
     accumulation = batch_layout(cfg, dp)
     resume = find_resume(cfg, args.resume, cfg.parallel.tp, dp)
+    if cfg.model.init_from and resume[1] is None:
+        check_hf_dir(cfg.model.init_from, cfg.model)
     check_out_dir(cfg)
     samples = (t.train_steps * t.global_batch_size, t.eval_batches * t.micro_batch_size * dp, 0)
     tokenizer = check_data(cfg, samples)
@@ -175,7 +178,11 @@ def train(cfg: Config, dims: ParallelDims, accumulation: int, resume: tuple, sam
 
     # 4. model, 5. DeepSpeed engine (ZeRO over dp, our AdamW and schedule), the step -------------
     stop.enter("building the model and the DeepSpeed engine")
-    engine, optimizer, scheduler = build_engine(build_model(cfg, device=device), cfg, dims)
+    model = build_model(cfg, device=device)
+    if cfg.model.init_from and resume[1] is None:  # a fresh run from a HF Llama; a resume reads its checkpoint
+        stop.enter(f"loading {cfg.model.init_from}")
+        initialise_from_hf(model, cfg.model.init_from, dims.tp_rank, dims.tp_size)
+    engine, optimizer, scheduler = build_engine(model, cfg, dims)
     train_step = TrainStep(engine, optimizer, scheduler, dims, cfg)
 
     # 6. data: megatron's blended GPTDatasets, our resumable loader -------------------------------

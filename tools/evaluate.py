@@ -100,7 +100,7 @@ def main(argv=None) -> int:
     from cplm_dist.data.tokenizer import check_tokenizer_fits_model, load_tokenizer
     from cplm_dist.errors import ConfigError, DataError
     from cplm_dist.checkpoint import load_checkpoint_config, load_model
-    from cplm_dist.parallel import destroy_distributed, init_distributed
+    from cplm_dist.parallel import destroy_distributed, evaluation_tp, init_distributed
 
     args = parser().parse_intermixed_args(argv)
     if any(not o.startswith("data.") for o in args.overrides):
@@ -109,7 +109,7 @@ def main(argv=None) -> int:
         raise UsageError(f"--samples {args.samples} / --valid-batches {args.valid_batches}: need samples >= 1, "
                          "valid-batches >= 0 (0: no perplexity)")
     cfg, info = load_checkpoint_config(args.checkpoint)
-    dims = init_distributed(info["layout"]["tp"])
+    dims = init_distributed(evaluation_tp())
     model, cfg, info = load_model(args.checkpoint)
     if args.overrides:
         cfg = from_dict(apply_overrides(to_dict(cfg), args.overrides))

@@ -24,7 +24,7 @@ def main(argv=None) -> int:
     from cplm_dist.data.tokenizer import check_tokenizer_fits_model, load_tokenizer
     from cplm_dist.checkpoint import load_checkpoint_config, load_model
     from cplm_dist.evaluation.generation import generate
-    from cplm_dist.parallel import destroy_distributed, init_distributed
+    from cplm_dist.parallel import destroy_distributed, evaluation_tp, init_distributed
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--checkpoint", required=True)
@@ -42,7 +42,7 @@ def main(argv=None) -> int:
                          f"--top-p {args.top_p}: need max-new-tokens >= 1, temperature >= 0 (0: greedy), top-k >= 0 "
                          "(0: off) and 0 < top-p <= 1")
     _, info = load_checkpoint_config(args.checkpoint)
-    dims = init_distributed(info["layout"]["tp"])
+    dims = init_distributed(evaluation_tp())
     model, cfg, info = load_model(args.checkpoint)
     tok_path = args.tokenizer or cfg.data.tokenizer
     if not tok_path:

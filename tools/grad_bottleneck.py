@@ -60,7 +60,7 @@ def main(argv=None) -> int:
     from cplm_dist.config import load_config
     from cplm_dist.checkpoint import complete_tags, load_checkpoint_config, load_model, resolve_checkpoint
     from cplm_dist.model import build_model
-    from cplm_dist.parallel import destroy_distributed, init_distributed
+    from cplm_dist.parallel import destroy_distributed, evaluation_tp, init_distributed
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     src = p.add_mutually_exclusive_group(required=True)
@@ -87,7 +87,7 @@ def main(argv=None) -> int:
         root, tag = resolve_checkpoint(args.checkpoint)
         tags = complete_tags(root) if args.all else [tag]
         _, info = load_checkpoint_config(root / tags[0])
-        dims = init_distributed(info["layout"]["tp"])
+        dims = init_distributed(evaluation_tp())
         data = None
         for t in tags:
             model, cfg, info = load_model(root / t)

@@ -77,14 +77,14 @@ def register() -> None:
 
     from cplm_dist.data.gpt_data import tokenizer_for
     from cplm_dist.checkpoint import load_checkpoint_config, load_model
-    from cplm_dist.parallel import init_distributed
+    from cplm_dist.parallel import evaluation_tp, init_distributed
 
     @register_model("cplm")
     class CPLMHarnessModel(LM):
         def __init__(self, checkpoint: str, **_):
             super().__init__()
-            _, info = load_checkpoint_config(checkpoint)
-            init_distributed(info["layout"]["tp"])
+            load_checkpoint_config(checkpoint)  # a bad checkpoint: one line before joining a process group
+            init_distributed(evaluation_tp())
             model, cfg, _ = load_model(checkpoint)
             self.adapter = HarnessAdapter(model, tokenizer_for(cfg))  # loaded and checked against the model
 

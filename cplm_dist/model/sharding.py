@@ -87,3 +87,44 @@ def gather_full(tensor: torch.Tensor, spec: ShardSpec, tp_group: dist.ProcessGro
     shards = [torch.empty_like(tensor) for _ in range(dist.get_world_size(tp_group))]
     dist.all_gather(shards, tensor.detach().contiguous(), group=tp_group)
     return join_shards(shards, spec)
+
+
+# --- whole state dicts: tp-independent "full" weights <-> one rank's shards -------------------------
+
+
+def full_state_dict(shards: list[dict], model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The tp-independent weights from every tp rank's state dict (rank order) of a model laid out
+    like `model` (any tp: only the layout marks are read): split tensors joined, vocabulary
+    padding cut off. Entries `model` lacks, or that are None, are left out."""
+    params = dict(model.named_parameters())
+    full = {}
+    for name, first in shards[0].items():
+        if first is None or name not in params:
+            continue
+        spec = spec_of(params[name])
+        joined = join_shards([s[name] for s in shards], spec)
+        full[name] = joined[: spec.full_rows] if spec.full_rows else joined
+    return full
+
+
+def load_full_state_dict(model: torch.nn.Module, full: dict[str, torch.Tensor], tp_rank: int, tp_size: int, *,
+                         require_all: bool = True) -> None:
+    """Load tp-independent weights into this rank's `model` at any tp: vocabulary rows padded with
+    zeros to the model's padded size, then this rank's shard taken. Every parameter must be
+    given (require_all=False: those not given keep their values), with the full shape the model
+    expects; a ValueError names the first that is not, or a name the model lacks."""
+    params = dict(model.named_parameters())
+    missing, unknown = sorted(set(params) - set(full)), sorted(set(full) - set(params))
+    if unknown:
+        raise ValueError(f"the model has no {unknown[:3]}")
+    if missing and require_all:
+        raise ValueError(f"no weights for {missing[:3]}{' ...' if len(missing) > 3 else ''}")
+    with torch.no_grad():
+        for name, param in ((n, p) for n, p in params.items() if n in full):
+            spec, tensor = spec_of(param), full[name]
+            want = full_shape(param.shape, spec, tp_size)
+            if spec.full_rows and tensor.shape[0] == spec.full_rows < want[0]:
+                tensor = torch.cat([tensor, tensor.new_zeros(want[0] - spec.full_rows, *tensor.shape[1:])])
+            if tuple(tensor.shape) != want:
+                raise ValueError(f"{name} has shape {tuple(tensor.shape)}, the model needs {want}")
+            param.copy_(take_shard(tensor, spec, tp_rank, tp_size))

@@ -1,0 +1,141 @@
+"""Hugging Face Llama <-> CPLM backbone: one name and layout map, used both ways.
+
+Import (`model.init_from: <local HF Llama directory>`): a transformers `LlamaForCausalLM` saved
+with `save_pretrained` (config.json and *.safetensors) initialises the backbone at any tp; the
+copy head starts fresh. Export (`tools/export_hf.py`, copy head off): the backbone as a stock
+`LlamaForCausalLM` directory that loads without remote code.
+
+Both sides are tp-independent "full" weights (cplm_dist.model.sharding turns them into a rank's
+shards). The layouts differ in two places:
+
+| ours | HF Llama |
+|---|---|
+| layers.i.attention.qkv [(nh + 2 nkv) hd, D], per kv group [q_1 .. q_g, k, v] | self_attn.q_proj, k_proj, v_proj |
+| layers.i.mlp.fc1 [2 F, D] = [gate; up] | mlp.gate_proj, mlp.up_proj |
+
+RoPE is the rotate-half convention on both sides (HF's checkpoints are already permuted for it),
+RMSNorm the same formula, no biases.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from cplm_dist.config import ModelConfig
+from cplm_dist.errors import UsageError
+
+# (our config field, HF config key)
+SHAPE_FIELDS = (("num_layers", "num_hidden_layers"), ("hidden_size", "hidden_size"), ("num_heads", "num_attention_heads"),
+                ("num_kv_heads", "num_key_value_heads"), ("ffn_hidden_size", "intermediate_size"),
+                ("vocab_size", "vocab_size"))
+LAYER_NAMES = {"attn_norm.weight": "input_layernorm.weight", "attention.proj.weight": "self_attn.o_proj.weight",
+               "mlp_norm.weight": "post_attention_layernorm.weight", "mlp.fc2.weight": "mlp.down_proj.weight"}
+
+
+class HFImportError(UsageError):
+    """A Hugging Face directory that cannot initialise this model (one line, exit 2)."""
+
+
+def hf_config(m: ModelConfig) -> dict:
+    """config.json of the `LlamaForCausalLM` with this backbone's shapes."""
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **{hf: getattr(m, ours) for ours, hf in SHAPE_FIELDS},
+            "head_dim": m.head_dim, "max_position_embeddings": m.max_seq_len, "rms_norm_eps": m.norm_eps,
+            "rope_theta": m.rope_theta, "tie_word_embeddings": m.tie_embeddings, "hidden_act": "silu",
+            "attention_bias": False, "mlp_bias": False, "torch_dtype": "float32"}
+
+
+def check_hf_config(hf: dict, m: ModelConfig, where: str) -> None:
+    """One line naming the first field where the HF model and the config disagree."""
+    if hf.get("model_type") != "llama":
+        raise HFImportError(f"{where}: model_type={hf.get('model_type')!r}, only Llama checkpoints import (model_type 'llama')")
+    for ours, theirs in SHAPE_FIELDS:
+        if hf.get(theirs) != getattr(m, ours):
+            raise HFImportError(f"{where}: {theirs}={hf.get(theirs)} but model.{ours}={getattr(m, ours)}: "
+                                f"set model.{ours}={hf.get(theirs)} (the shapes must match the checkpoint)")
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    if head_dim != m.head_dim:
+        raise HFImportError(f"{where}: head_dim={head_dim} but hidden_size/num_heads={m.head_dim}: not importable")
+    for key in ("attention_bias", "mlp_bias"):
+        if hf.get(key):
+            raise HFImportError(f"{where}: {key}=true; the CPLM backbone has no biases")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise HFImportError(f"{where}: hidden_act={hf.get('hidden_act')!r}; the CPLM MLP is SwiGLU (silu)")
+
+
+def to_hf(full: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, torch.Tensor]:
+    """Our full backbone weights (copy head ignored) -> LlamaForCausalLM's state dict."""
+    g, hd, D = m.num_heads // m.num_kv_heads, m.head_dim, m.hidden_size
+    out = {"model.embed_tokens.weight": full["embedding.weight"], "model.norm.weight": full["final_norm.weight"]}
+    if not m.tie_embeddings:
+        out["lm_head.weight"] = full["lm_head.weight"]
+    for i in range(m.num_layers):
+        ours, theirs = f"layers.{i}.", f"model.layers.{i}."
+        qkv = full[ours + "attention.qkv.weight"].view(m.num_kv_heads, g + 2, hd, D)
+        out[theirs + "self_attn.q_proj.weight"] = qkv[:, :g].reshape(m.num_heads * hd, D)
+        out[theirs + "self_attn.k_proj.weight"] = qkv[:, g].reshape(m.num_kv_heads * hd, D)
+        out[theirs + "self_attn.v_proj.weight"] = qkv[:, g + 1].reshape(m.num_kv_heads * hd, D)
+        gate, up = full[ours + "mlp.fc1.weight"].chunk(2, dim=0)
+        out[theirs + "mlp.gate_proj.weight"], out[theirs + "mlp.up_proj.weight"] = gate, up
+        out.update({theirs + hf: full[ours + name] for name, hf in LAYER_NAMES.items()})
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def from_hf(hf: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, torch.Tensor]:
+    """LlamaForCausalLM's state dict -> our full backbone weights (no copy head)."""
+    g, hd, D = m.num_heads // m.num_kv_heads, m.head_dim, m.hidden_size
+    full = {"embedding.weight": hf["model.embed_tokens.weight"], "final_norm.weight": hf["model.norm.weight"]}
+    if not m.tie_embeddings:
+        full["lm_head.weight"] = hf.get("lm_head.weight", hf["model.embed_tokens.weight"])
+    for i in range(m.num_layers):
+        ours, theirs = f"layers.{i}.", f"model.layers.{i}."
+        q = hf[theirs + "self_attn.q_proj.weight"].view(m.num_kv_heads, g, hd, D)
+        k = hf[theirs + "self_attn.k_proj.weight"].view(m.num_kv_heads, 1, hd, D)
+        v = hf[theirs + "self_attn.v_proj.weight"].view(m.num_kv_heads, 1, hd, D)
+        full[ours + "attention.qkv.weight"] = torch.cat([q, k, v], dim=1).reshape(-1, D)
+        full[ours + "mlp.fc1.weight"] = torch.cat([hf[theirs + "mlp.gate_proj.weight"], hf[theirs + "mlp.up_proj.weight"]])
+        full.update({ours + name: hf[theirs + theirs_name] for name, theirs_name in LAYER_NAMES.items()})
+    return full
+
+
+def check_hf_dir(directory: str | Path, m: ModelConfig) -> list[Path]:
+    """The safetensors files of a local `save_pretrained` directory whose config fits `m`; else
+    one-line HFImportError. Reads config.json only (training checks this before it starts)."""
+    d = Path(directory)
+    where = f"model.init_from={directory}"
+    if not (d / "config.json").is_file():
+        raise HFImportError(f"{where}: no config.json there; point it at a directory written by save_pretrained")
+    files = sorted(d.glob("*.safetensors"))
+    if not files:
+        raise HFImportError(f"{where}: no *.safetensors weights there (save with safe_serialization=True)")
+    try:
+        hf_cfg = json.loads((d / "config.json").read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise HFImportError(f"{where}: config.json is not JSON ({e})") from None
+    check_hf_config(hf_cfg, m, where)
+    return files
+
+
+def read_hf_llama(directory: str | Path, m: ModelConfig) -> dict[str, torch.Tensor]:
+    """Our full backbone weights (float32) from a local `save_pretrained` directory."""
+    from safetensors.torch import load_file
+
+    state: dict[str, torch.Tensor] = {}
+    for f in check_hf_dir(directory, m):
+        state.update(load_file(str(f)))
+    try:
+        full = from_hf(state, m)
+    except (KeyError, RuntimeError) as e:
+        raise HFImportError(f"model.init_from={directory}: its weights do not fit a LlamaForCausalLM of these shapes "
+                            f"({str(e).splitlines()[0][:120]})") from None
+    return {k: v.float() for k, v in full.items()}
+
+
+def initialise_from_hf(model: torch.nn.Module, directory: str | Path, tp_rank: int, tp_size: int) -> None:
+    """Overwrite this rank's backbone with a HF Llama's weights at any tp (the copy head keeps its
+    fresh initialisation)."""
+    from cplm_dist.model.sharding import load_full_state_dict
+
+    load_full_state_dict(model, read_hf_llama(directory, model.model_cfg), tp_rank, tp_size, require_all=False)

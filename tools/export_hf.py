@@ -1,0 +1,87 @@
+"""Export a checkpoint's backbone as a Hugging Face `LlamaForCausalLM` directory (copy head off).
+
+    python tools/export_hf.py --checkpoint runs/my-run --out hf/my-run [--dtype bf16]
+
+From any saved tp (the shards are joined) and ZeRO stage 0-2 (ZeRO-3 at tp = 1). Writes
+config.json, model.safetensors and the run's tokenizer file (tokenizer.model for SentencePiece)
+into a new directory, made beside --out and renamed into place when complete; an existing --out is
+kept unless --overwrite. Load it with `LlamaForCausalLM.from_pretrained(DIR)`; the logits equal
+ours (tests/test_hf.py). A copy-on run needs the CPLM model class on the transformers side, which
+does not exist yet: its export is refused with one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from cplm_dist.cli import exit_on_usage_error
+from cplm_dist.errors import UsageError
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def export(checkpoint: str, out: Path, dtype: str) -> Path:
+    from safetensors.torch import save_file
+
+    from cplm_dist.checkpoint import load_model
+    from cplm_dist.hf_llama import hf_config, to_hf
+    from cplm_dist.model.sharding import full_state_dict
+
+    model, cfg, info = load_model(checkpoint)
+    if cfg.copy.enabled:
+        raise UsageError(f"{checkpoint} has the copy head on: export to transformers needs the CPLM model class there, "
+                         "which is not built yet; export a copy.enabled=false run")
+    tensors = to_hf(full_state_dict([model.state_dict()], model), cfg.model)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        save_file({k: v.to(DTYPES[dtype]).contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"),
+                  metadata={"format": "pt"})
+        config = {**hf_config(cfg.model), "torch_dtype": {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[dtype],
+                  "cplm_dist": {"checkpoint": str(Path(info["root"]) / info["tag"]), "step": info["step"]}}
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        tok = Path(cfg.data.tokenizer) if cfg.data.tokenizer else None
+        if tok is not None and tok.is_file():
+            shutil.copy2(tok, tmp / ("tokenizer.model" if cfg.data.tokenizer_backend == "sentencepiece" else tok.name))
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+@exit_on_usage_error
+def main(argv=None) -> int:
+    from cplm_dist.checkpoint import load_checkpoint_config
+    from cplm_dist.parallel import destroy_distributed, init_distributed
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--checkpoint", required=True, help="a run directory, its checkpoints/ or one step-* directory")
+    p.add_argument("--out", required=True, type=Path, help="the directory to write (made; must not exist unless --overwrite)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    args = p.parse_args(argv)
+    if args.out.exists() and not args.overwrite:
+        raise UsageError(f"--out {args.out} exists: choose a new directory or pass --overwrite")
+    if not args.out.parent.is_dir():
+        raise UsageError(f"--out {args.out}: its parent directory {args.out.parent} does not exist")
+    load_checkpoint_config(args.checkpoint)  # a bad checkpoint: one line before anything starts
+    init_distributed(1)
+    try:
+        out = export(args.checkpoint, args.out, args.dtype)
+    finally:
+        destroy_distributed()
+    print(f"exported {args.checkpoint} -> {out} (LlamaForCausalLM, {args.dtype})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
