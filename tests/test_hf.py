@@ -78,15 +78,44 @@ def test_a_random_transformers_llama_imports_with_its_own_logits(tmp_path, overr
     assert got["copy_kept"]
 
 
-# --- a copy-off run saved at tp = 2: any-tp loading, export, init_from ------------------------------------
+# --- a copy-off run at tp = 2 started from a HF Llama: init_from, any-tp loading, export ---------------
 
 
 @pytest.fixture(scope="module")
-def tp2_run(small_data, tmp_path_factory):
-    out = tmp_path_factory.mktemp("hf") / "tp2"
-    assert train(2, argv(small_data, out, "train.train_steps=3", "parallel.tp=2", "train.zero_stage=1",
-                         "copy.enabled=false", *UNTIED)) == [0, 0]
-    return out
+def from_llama(small_data, tmp_path_factory):
+    """A fresh tp = 2 run with model.init_from and a negligible lr: its checkpoint holds the Llama."""
+    root = tmp_path_factory.mktemp("hf")
+    _random_llama(root / "llama", UNTIED)
+    out = root / "tp2"
+    assert train(2, argv(small_data, out, "train.train_steps=1", "train.save_interval=1", "parallel.tp=2",
+                         "train.zero_stage=1", "copy.enabled=false", "optim.lr=1e-30", "optim.min_lr=0",
+                         "optim.warmup_steps=0", "optim.weight_decay=0", f"model.init_from={root / 'llama'}",
+                         *UNTIED)) == [0, 0]
+    return out, root / "llama"
+
+
+def _loaded_full(checkpoint):
+    from cplm_dist.checkpoint import load_model
+    from cplm_dist.model.sharding import full_state_dict
+    from cplm_dist.parallel import init_distributed
+
+    init_distributed(1)
+    model, cfg, _ = load_model(checkpoint)
+    return full_state_dict([model.state_dict()], model), cfg
+
+
+def test_init_from_starts_a_run_from_a_hf_directory(from_llama):
+    from safetensors.torch import load_file
+
+    from cplm_dist.hf_llama import to_hf
+
+    run, llama = from_llama
+    full, cfg = run_ranks(_loaded_full, 1, args=(run,))[0]
+    saved = to_hf(full, cfg.model)
+    source = load_file(str(llama / "model.safetensors"))
+    assert sorted(saved) == sorted(source)
+    for name, tensor in source.items():
+        torch.testing.assert_close(saved[name], tensor, rtol=0, atol=1e-6, msg=name)
 
 
 def _load_worker(tp, checkpoint):
@@ -98,49 +127,22 @@ def _load_worker(tp, checkpoint):
     return model.next_token_logprobs(_ids(cfg.model.vocab_size))
 
 
-def test_a_checkpoint_loads_at_any_tp_and_exports_to_a_stock_llama(tp2_run, tmp_path):
-    at = {tp: run_ranks(_load_worker, tp, args=(tp, tp2_run))[0] for tp in (1, 2, 4)}
+def test_a_checkpoint_loads_at_any_tp_and_exports_to_a_stock_llama(from_llama, tmp_path):
+    run, llama = from_llama
+    at = {tp: run_ranks(_load_worker, tp, args=(tp, run))[0] for tp in (1, 2, 4)}
     for tp in (2, 4):
         torch.testing.assert_close(at[tp], at[1], rtol=1e-5, atol=1e-5, msg=f"loaded at tp={tp} vs tp=1")
+    torch.testing.assert_close(at[1], _hf_logprobs(llama, _ids(512)), rtol=1e-5, atol=1e-5)  # lr ~ 0: still the Llama
     out = tmp_path / "exported"
-    proc = subprocess.run([sys.executable, "tools/export_hf.py", "--checkpoint", str(tp2_run), "--out", str(out)],
+    proc = subprocess.run([sys.executable, "tools/export_hf.py", "--checkpoint", str(run), "--out", str(out)],
                           capture_output=True, text=True, timeout=300, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "tokenizer.model"]
     torch.testing.assert_close(_hf_logprobs(out, _ids(512)), at[1], rtol=1e-5, atol=1e-5)
     # an existing --out is kept
-    proc = subprocess.run([sys.executable, "tools/export_hf.py", "--checkpoint", str(tp2_run), "--out", str(out)],
+    proc = subprocess.run([sys.executable, "tools/export_hf.py", "--checkpoint", str(run), "--out", str(out)],
                           capture_output=True, text=True, timeout=300, cwd=REPO)
     assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith(f"error: --out {out} exists")
-
-
-def test_init_from_starts_a_run_from_a_hf_directory(small_data, tmp_path):
-    """A fresh tp = 2 run with model.init_from and a negligible lr saves the imported backbone."""
-    from safetensors.torch import load_file
-
-    from cplm_dist.hf_llama import to_hf
-
-    _random_llama(tmp_path / "llama", UNTIED)
-    out = tmp_path / "from-llama"
-    assert train(2, argv(small_data, out, "train.train_steps=1", "train.save_interval=1", "parallel.tp=2",
-                         "optim.lr=1e-30", "optim.min_lr=0", "optim.warmup_steps=0", "optim.weight_decay=0",
-                         f"model.init_from={tmp_path / 'llama'}", *UNTIED)) == [0, 0]
-    full, cfg = run_ranks(_loaded_full, 1, args=(out,))[0]
-    saved = to_hf(full, cfg.model)
-    source = load_file(str(tmp_path / "llama" / "model.safetensors"))
-    assert sorted(saved) == sorted(source)
-    for name, tensor in source.items():
-        torch.testing.assert_close(saved[name], tensor, rtol=0, atol=1e-6, msg=name)
-
-
-def _loaded_full(checkpoint):
-    from cplm_dist.checkpoint import load_model
-    from cplm_dist.model.sharding import full_state_dict
-    from cplm_dist.parallel import init_distributed
-
-    init_distributed(1)
-    model, cfg, _ = load_model(checkpoint)
-    return full_state_dict([model.state_dict()], model), cfg
 
 
 def test_bad_hf_directories_give_one_line(small_data, tmp_path):
