@@ -2,8 +2,11 @@
 
 Import (`model.init_from: <local HF Llama directory>`): a transformers `LlamaForCausalLM` saved
 with `save_pretrained` (config.json and *.safetensors) initialises the backbone at any tp; the
-copy head starts fresh. Export (`tools/export_hf.py`, copy head off): the backbone as a stock
-`LlamaForCausalLM` directory that loads without remote code.
+copy head starts fresh. Export (`tools/export_hf.py`): copy off, a stock `LlamaForCausalLM`
+directory that loads without remote code; copy on, a `CPLMForCausalLM` (cplm_dist/hf_remote,
+copied into the directory and named in config.json's auto_map) for
+`AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)`, whose logits are the
+mixture's log-probabilities.
 
 Both sides are tp-independent "full" weights (cplm_dist.model.sharding turns them into a rank's
 shards). The layouts differ in two places:
@@ -24,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from cplm_dist.config import ModelConfig
+from cplm_dist.config import CopyConfig, ModelConfig
 from cplm_dist.errors import UsageError
 
 # (our config field, HF config key)
@@ -39,12 +42,25 @@ class HFImportError(UsageError):
     """A Hugging Face directory that cannot initialise this model (one line, exit 2)."""
 
 
-def hf_config(m: ModelConfig) -> dict:
-    """config.json of the `LlamaForCausalLM` with this backbone's shapes."""
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **{hf: getattr(m, ours) for ours, hf in SHAPE_FIELDS},
-            "head_dim": m.head_dim, "max_position_embeddings": m.max_seq_len, "rms_norm_eps": m.norm_eps,
-            "rope_theta": m.rope_theta, "tie_word_embeddings": m.tie_embeddings, "hidden_act": "silu",
-            "attention_bias": False, "mlp_bias": False, "torch_dtype": "float32"}
+REMOTE_CODE = Path(__file__).resolve().parent / "hf_remote"  # the transformers side of a copy-on export
+REMOTE_FILES = ("configuration_cplm.py", "modeling_cplm.py")
+
+
+def hf_config(m: ModelConfig, copy: CopyConfig | None = None) -> dict:
+    """config.json for this model: a stock `LlamaForCausalLM` without copy head, else our
+    `CPLMForCausalLM` (cplm_dist/hf_remote, loaded with trust_remote_code=True)."""
+    out = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **{hf: getattr(m, ours) for ours, hf in SHAPE_FIELDS},
+           "head_dim": m.head_dim, "max_position_embeddings": m.max_seq_len, "rms_norm_eps": m.norm_eps,
+           "rope_theta": m.rope_theta, "rope_parameters": {"rope_theta": m.rope_theta, "rope_type": "default"},
+           "tie_word_embeddings": m.tie_embeddings, "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
+           "torch_dtype": "float32"}
+    if copy is not None and copy.enabled:
+        out.update({"architectures": ["CPLMForCausalLM"], "model_type": "cplm",
+                    "auto_map": {"AutoConfig": "configuration_cplm.CPLMConfig",
+                                 "AutoModelForCausalLM": "modeling_cplm.CPLMForCausalLM"},
+                    "copy_num_heads": copy.num_heads, "copy_head_dim": copy.head_dim, "copy_paste": copy.paste,
+                    "copy_mix": copy.mix, "copy_rope": copy.rope})
+    return out
 
 
 def check_hf_config(hf: dict, m: ModelConfig, where: str) -> None:
@@ -55,6 +71,11 @@ def check_hf_config(hf: dict, m: ModelConfig, where: str) -> None:
         if hf.get(theirs) != getattr(m, ours):
             raise HFImportError(f"{where}: {theirs}={hf.get(theirs)} but model.{ours}={getattr(m, ours)}: "
                                 f"set model.{ours}={hf.get(theirs)} (the shapes must match the checkpoint)")
+    rope = hf.get("rope_parameters") or {}
+    theta, kind = rope.get("rope_theta", hf.get("rope_theta", 10000.0)), rope.get("rope_type", "default")
+    if kind != "default" or theta != m.rope_theta:
+        raise HFImportError(f"{where}: RoPE {kind} with theta {theta}, the config has plain RoPE with model.rope_theta="
+                            f"{m.rope_theta}: set model.rope_theta={theta} (scaled RoPE does not import)")
     head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
     if head_dim != m.head_dim:
         raise HFImportError(f"{where}: head_dim={head_dim} but hidden_size/num_heads={m.head_dim}: not importable")
@@ -66,9 +87,10 @@ def check_hf_config(hf: dict, m: ModelConfig, where: str) -> None:
 
 
 def to_hf(full: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, torch.Tensor]:
-    """Our full backbone weights (copy head ignored) -> LlamaForCausalLM's state dict."""
+    """Our full weights -> LlamaForCausalLM's state dict, plus the copy head's (same names) if any."""
     g, hd, D = m.num_heads // m.num_kv_heads, m.head_dim, m.hidden_size
     out = {"model.embed_tokens.weight": full["embedding.weight"], "model.norm.weight": full["final_norm.weight"]}
+    out.update({k: v for k, v in full.items() if k.startswith("copy_head.")})
     if not m.tie_embeddings:
         out["lm_head.weight"] = full["lm_head.weight"]
     for i in range(m.num_layers):
@@ -139,3 +161,20 @@ def initialise_from_hf(model: torch.nn.Module, directory: str | Path, tp_rank: i
     from cplm_dist.model.sharding import load_full_state_dict
 
     load_full_state_dict(model, read_hf_llama(directory, model.model_cfg), tp_rank, tp_size, require_all=False)
+
+
+def write_hf_dir(full: dict[str, torch.Tensor], m: ModelConfig, copy: CopyConfig, directory: Path, dtype: torch.dtype,
+                 extra: dict | None = None) -> None:
+    """model.safetensors, config.json (and for a copy-on model its remote-code files) into an
+    existing empty `directory`."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    save_file({k: v.to(dtype).contiguous() for k, v in to_hf(full, m).items()}, str(directory / "model.safetensors"),
+              metadata={"format": "pt"})
+    config = {**hf_config(m, copy), "torch_dtype": str(dtype).removeprefix("torch."), **(extra or {})}
+    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    if copy.enabled:
+        for name in REMOTE_FILES:
+            shutil.copy2(REMOTE_CODE / name, directory / name)

@@ -1,7 +1,8 @@
 """Checkpoints beyond one layout and beyond this project: a checkpoint loads at any tp; a random
-transformers Llama imports at tp 1 and 2 with its own logits; a copy-off run exported with
-tools/export_hf.py is a stock LlamaForCausalLM with our log-probs; `model.init_from` starts a
-training run from a HF directory; bad HF directories give one line."""
+transformers Llama imports at tp 1 and 2 with its own logits; an export is a stock LlamaForCausalLM
+(copy off) or our remote-code CPLMForCausalLM (copy on, every mix and paste mode) with our
+log-probs and our greedy tokens; `model.init_from` starts a training run from a HF directory; bad
+HF directories give one line."""
 
 import subprocess
 import sys
@@ -34,84 +35,88 @@ def _random_llama(directory: Path, overrides: list[str]) -> None:
     model.save_pretrained(directory, safe_serialization=True)
 
 
-def _hf_logprobs(directory: Path, ids: torch.Tensor) -> torch.Tensor:
-    from transformers import LlamaForCausalLM
+def _hf_model(directory: Path, remote: bool = False):
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
-    model = LlamaForCausalLM.from_pretrained(directory, torch_dtype=torch.float32).eval()
+    if remote:
+        return AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True, dtype=torch.float32).eval()
+    return LlamaForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+
+
+def _hf_logprobs(directory: Path, ids: torch.Tensor, remote: bool = False) -> torch.Tensor:
     with torch.no_grad():
-        return torch.log_softmax(model(input_ids=ids).logits.float(), dim=-1)
+        return torch.log_softmax(_hf_model(directory, remote)(input_ids=ids).logits.float(), dim=-1)
 
 
 def _ids(vocab: int) -> torch.Tensor:
     return torch.randint(0, vocab, (2, 20), generator=torch.Generator().manual_seed(4))
 
 
-def _import_worker(tp, directory, overrides):
+def _import_worker(tp, cases):
+    """For each (directory, overrides): the model built at this tp, initialised from the directory."""
     from cplm_dist.hf_llama import initialise_from_hf
     from cplm_dist.model import build_model
     from cplm_dist.parallel import init_distributed
 
     dims = init_distributed(tp)
-    cfg = load_config("tiny", [*overrides, f"parallel.tp={tp}"])
-    model = build_model(cfg)
-    copy_before = {n: p.detach().clone() for n, p in model.named_parameters() if n.startswith("copy_head.")}
-    initialise_from_hf(model, directory, dims.tp_rank, dims.tp_size)
-    ids = _ids(cfg.model.vocab_size)
-    out = model(ids)
-    return {"logprobs": model.eval().next_token_logprobs(ids), "lm_nll": out.lm_nll.detach(),
-            "copy_kept": all(torch.equal(p, copy_before[n]) for n, p in model.named_parameters() if n in copy_before)}
+    out = []
+    for directory, overrides in cases:
+        cfg = load_config("tiny", [*overrides, f"parallel.tp={tp}"])
+        model = build_model(cfg)
+        copy_before = {n: p.detach().clone() for n, p in model.named_parameters() if n.startswith("copy_head.")}
+        initialise_from_hf(model, directory, dims.tp_rank, dims.tp_size)
+        ids = _ids(cfg.model.vocab_size)
+        nll = model(ids).lm_nll.detach()
+        out.append({"logprobs": model.eval().next_token_logprobs(ids), "lm_nll": nll,
+                    "copy_kept": all(torch.equal(p, copy_before[n]) for n, p in model.named_parameters() if n in copy_before)})
+    return out
 
 
-@pytest.mark.parametrize("overrides", [[], PADDED_UNTIED], ids=["tied", "padded-untied"])
-def test_a_random_transformers_llama_imports_with_its_own_logits(tmp_path, overrides):
-    _random_llama(tmp_path / "llama", overrides)
-    ids = _ids(load_config("tiny", overrides).model.vocab_size)
-    want = _hf_logprobs(tmp_path / "llama", ids)
+def test_a_random_transformers_llama_imports_with_its_own_logits(tmp_path):
+    """Tied and padded + untied, at tp 1 and 2, copy off; and (tp 1) copy on: the backbone imports,
+    the copy head keeps its fresh weights, the LM head's own loss is Llama's."""
+    variants = {"tied": [], "padded-untied": PADDED_UNTIED}
+    want = {}
+    for name, overrides in variants.items():
+        _random_llama(tmp_path / name, overrides)
+        want[name] = _hf_logprobs(tmp_path / name, _ids(load_config("tiny", overrides).model.vocab_size))
+    cases = [(tmp_path / name, ["copy.enabled=false", *overrides]) for name, overrides in variants.items()]
+    copy_on = (tmp_path / "tied", [])
     for tp in (1, 2):
-        got = run_ranks(_import_worker, tp, args=(tp, tmp_path / "llama", ["copy.enabled=false", *overrides]))
-        for rank in got:
-            torch.testing.assert_close(rank["logprobs"], want, rtol=1e-5, atol=1e-5, msg=f"tp={tp}")
-    # copy on: the backbone imports, the copy head keeps its fresh weights, the LM head's own loss is Llama's
-    got = run_ranks(_import_worker, 1, args=(1, tmp_path / "llama", overrides))[0]
-    nll = -want[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
-    torch.testing.assert_close(got["lm_nll"][:, :-1], nll, rtol=1e-5, atol=1e-5)
-    assert got["copy_kept"]
+        for rank in run_ranks(_import_worker, tp, args=(tp, cases + [copy_on] if tp == 1 else cases)):
+            for name, res in zip(variants, rank):
+                torch.testing.assert_close(res["logprobs"], want[name], rtol=1e-5, atol=1e-5, msg=f"{name}, tp={tp}")
+        if tp == 1:
+            on, ids = rank[2], _ids(512)
+            nll = -want["tied"][:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
+            torch.testing.assert_close(on["lm_nll"][:, :-1], nll, rtol=1e-5, atol=1e-5)
+            assert on["copy_kept"]
 
 
-# --- a copy-off run at tp = 2 started from a HF Llama: init_from, any-tp loading, export ---------------
+# --- a copy-on run at tp = 2 started from a HF Llama: init_from, any-tp loading, export ----------------
 
 
 @pytest.fixture(scope="module")
 def from_llama(small_data, tmp_path_factory):
-    """A fresh tp = 2 run with model.init_from and a negligible lr: its checkpoint holds the Llama."""
+    """A fresh tp = 2 copy-on run with model.init_from and a negligible lr: its checkpoint holds the
+    Llama's backbone and a fresh copy head."""
     root = tmp_path_factory.mktemp("hf")
     _random_llama(root / "llama", UNTIED)
     out = root / "tp2"
     assert train(2, argv(small_data, out, "train.train_steps=1", "train.save_interval=1", "parallel.tp=2",
-                         "train.zero_stage=1", "copy.enabled=false", "optim.lr=1e-30", "optim.min_lr=0",
+                         "train.zero_stage=1", "optim.lr=1e-30", "optim.min_lr=0",
                          "optim.warmup_steps=0", "optim.weight_decay=0", f"model.init_from={root / 'llama'}",
                          *UNTIED)) == [0, 0]
     return out, root / "llama"
 
 
-def _loaded_full(checkpoint):
-    from cplm_dist.checkpoint import load_model
-    from cplm_dist.model.sharding import full_state_dict
-    from cplm_dist.parallel import init_distributed
-
-    init_distributed(1)
-    model, cfg, _ = load_model(checkpoint)
-    return full_state_dict([model.state_dict()], model), cfg
-
-
-def test_init_from_starts_a_run_from_a_hf_directory(from_llama):
+def test_init_from_starts_a_run_from_a_hf_directory(from_llama, loaded):
     from safetensors.torch import load_file
 
     from cplm_dist.hf_llama import to_hf
 
-    run, llama = from_llama
-    full, cfg = run_ranks(_loaded_full, 1, args=(run,))[0]
-    saved = to_hf(full, cfg.model)
+    llama = from_llama[1]
+    saved = {k: v for k, v in to_hf(loaded[1]["full"], loaded[1]["cfg"].model).items() if not k.startswith("copy_head.")}
     source = load_file(str(llama / "model.safetensors"))
     assert sorted(saved) == sorted(source)
     for name, tensor in source.items():
@@ -120,25 +125,32 @@ def test_init_from_starts_a_run_from_a_hf_directory(from_llama):
 
 def _load_worker(tp, checkpoint):
     from cplm_dist.checkpoint import load_model
+    from cplm_dist.model.sharding import full_state_dict
     from cplm_dist.parallel import evaluation_tp, init_distributed
 
     init_distributed(evaluation_tp())
     model, cfg, _ = load_model(checkpoint)
-    return model.next_token_logprobs(_ids(cfg.model.vocab_size))
+    full = full_state_dict([model.state_dict()], model) if tp == 1 else None
+    return {"logprobs": model.next_token_logprobs(_ids(cfg.model.vocab_size)), "full": full, "cfg": cfg}
 
 
-def test_a_checkpoint_loads_at_any_tp_and_exports_to_a_stock_llama(from_llama, tmp_path):
-    run, llama = from_llama
-    at = {tp: run_ranks(_load_worker, tp, args=(tp, run))[0] for tp in (1, 2, 4)}
+@pytest.fixture(scope="module")
+def loaded(from_llama):
+    return {tp: run_ranks(_load_worker, tp, args=(tp, from_llama[0]))[0] for tp in (1, 2, 4)}
+
+
+def test_a_checkpoint_loads_at_any_tp_and_exports(from_llama, loaded, tmp_path):
+    run = from_llama[0]
+    at = {tp: r["logprobs"] for tp, r in loaded.items()}
     for tp in (2, 4):
         torch.testing.assert_close(at[tp], at[1], rtol=1e-5, atol=1e-5, msg=f"loaded at tp={tp} vs tp=1")
-    torch.testing.assert_close(at[1], _hf_logprobs(llama, _ids(512)), rtol=1e-5, atol=1e-5)  # lr ~ 0: still the Llama
     out = tmp_path / "exported"
     proc = subprocess.run([sys.executable, "tools/export_hf.py", "--checkpoint", str(run), "--out", str(out)],
                           capture_output=True, text=True, timeout=300, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "tokenizer.model"]
-    torch.testing.assert_close(_hf_logprobs(out, _ids(512)), at[1], rtol=1e-5, atol=1e-5)
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "configuration_cplm.py", "model.safetensors",
+                                                     "modeling_cplm.py", "tokenizer.model"]
+    torch.testing.assert_close(_hf_logprobs(out, _ids(512), remote=True), at[1], rtol=1e-5, atol=1e-5)
     # an existing --out is kept
     proc = subprocess.run([sys.executable, "tools/export_hf.py", "--checkpoint", str(run), "--out", str(out)],
                           capture_output=True, text=True, timeout=300, cwd=REPO)
@@ -146,18 +158,65 @@ def test_a_checkpoint_loads_at_any_tp_and_exports_to_a_stock_llama(from_llama, t
 
 
 def test_bad_hf_directories_give_one_line(small_data, tmp_path):
+    from cplm_dist.hf_llama import HFImportError, check_hf_dir
+
     _random_llama(tmp_path / "llama", [])
     (tmp_path / "empty").mkdir()
-    fresh = tmp_path / "fresh"
-    cases = [
-        ([f"model.init_from={tmp_path / 'empty'}"],
-         f"error: model.init_from={tmp_path / 'empty'}: no config.json there; point it at a directory written by save_pretrained"),
-        ([f"model.init_from={tmp_path / 'llama'}", "model.num_layers=3"],
-         f"error: model.init_from={tmp_path / 'llama'}: num_hidden_layers=2 but model.num_layers=3: set model.num_layers=2 "
-         "(the shapes must match the checkpoint)"),
-    ]
-    for extra, expected in cases:
-        proc = run_cli(argv(small_data, fresh, *extra))
-        assert proc.returncode == 2, proc.stderr[-2000:]
-        assert proc.stderr.strip().splitlines()[-1] == expected
-        assert not fresh.exists()
+    m = load_config("tiny").model
+    with pytest.raises(HFImportError, match=r"no config\.json there; point it at a directory written by save_pretrained$"):
+        check_hf_dir(tmp_path / "empty", m)
+    m.rope_theta = 500000.0
+    with pytest.raises(HFImportError, match=r"RoPE default with theta 10000\.0, .* set model\.rope_theta=10000\.0"):
+        check_hf_dir(tmp_path / "llama", m)
+    fresh = tmp_path / "fresh"  # through cplm-train: one line, exit 2, nothing written
+    proc = run_cli(argv(small_data, fresh, f"model.init_from={tmp_path / 'llama'}", "model.num_layers=3"))
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: model.init_from={tmp_path / 'llama'}: num_hidden_layers=2 but model.num_layers=3: set model.num_layers=2 "
+        "(the shapes must match the checkpoint)")
+    assert not fresh.exists()
+
+
+EXPORT_VARIANTS = {
+    "off": ["copy.enabled=false"],
+    "gate-next": [],
+    "gate-self-2heads-rope": ["copy.paste=self", "copy.num_heads=2", "copy.rope=true", "copy.gate_bias_init=-1"],
+    "joint-next-2heads": ["copy.mix=joint", "copy.num_heads=2"],
+    "joint-self": ["copy.mix=joint", "copy.paste=self"],
+    "sentinel-next-rope": ["copy.mix=sentinel", "copy.rope=true"],
+    "sentinel-self-2heads": ["copy.mix=sentinel", "copy.paste=self", "copy.num_heads=2"],
+}
+
+
+def _export_worker(directory):
+    from cplm_dist.evaluation.generation import generate
+    from cplm_dist.hf_llama import write_hf_dir
+    from cplm_dist.model import build_model
+    from cplm_dist.model.sharding import full_state_dict
+    from cplm_dist.parallel import init_distributed
+
+    init_distributed(1)
+    out = {}
+    for name, overrides in EXPORT_VARIANTS.items():
+        cfg = load_config("tiny", [*overrides, "model.vocab_size=300", "model.rope_theta=5000"])
+        model = build_model(cfg).eval()
+        (Path(directory) / name).mkdir()
+        write_hf_dir(full_state_dict([model.state_dict()], model), cfg.model, cfg.copy, Path(directory) / name, torch.float32)
+        span = torch.randint(0, 300, (2, 7), generator=torch.Generator().manual_seed(6))
+        ids = torch.cat([span, span], dim=1)  # repeats, so the copy head has matches
+        out[name] = {"ids": ids, "logprobs": model.next_token_logprobs(ids), "greedy": generate(model, ids[:, :9], 5).tokens}
+    return out
+
+
+def test_every_mix_and_paste_exports_with_our_log_probs_and_greedy_tokens(tmp_path):
+    ours = run_ranks(_export_worker, 1, args=(str(tmp_path),))[0]
+    for name, r in ours.items():
+        config = (tmp_path / name / "config.json").read_text()
+        assert ('"CPLMForCausalLM"' in config) == (name != "off")
+        hf = _hf_model(tmp_path / name, remote=name != "off")
+        with torch.no_grad():
+            got = torch.log_softmax(hf(input_ids=r["ids"]).logits.float(), dim=-1)
+        torch.testing.assert_close(got, r["logprobs"], rtol=1e-5, atol=1e-5, msg=name)
+        hf.generation_config.eos_token_id = None  # ours runs the full 5 tokens
+        tokens = hf.generate(r["ids"][:, :9], max_new_tokens=5, do_sample=False, pad_token_id=0)[:, 9:]
+        assert torch.equal(tokens, r["greedy"]), name

@@ -1,13 +1,15 @@
-"""Export a checkpoint's backbone as a Hugging Face `LlamaForCausalLM` directory (copy head off).
+"""Export a checkpoint as a Hugging Face directory: `LlamaForCausalLM` (copy off) or `CPLMForCausalLM` (copy on).
 
     python tools/export_hf.py --checkpoint runs/my-run --out hf/my-run [--dtype bf16]
 
 From any saved tp (the shards are joined) and ZeRO stage 0-2 (ZeRO-3 at tp = 1). Writes
 config.json, model.safetensors and the run's tokenizer file (tokenizer.model for SentencePiece)
 into a new directory, made beside --out and renamed into place when complete; an existing --out is
-kept unless --overwrite. Load it with `LlamaForCausalLM.from_pretrained(DIR)`; the logits equal
-ours (tests/test_hf.py). A copy-on run needs the CPLM model class on the transformers side, which
-does not exist yet: its export is refused with one line.
+kept unless --overwrite. Copy off: `LlamaForCausalLM.from_pretrained(DIR)`, no remote code.
+Copy on: `AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)` loads the
+`CPLMForCausalLM` written beside the weights (cplm_dist/hf_remote); its logits are the mixture's
+log-probabilities, so `generate()` samples from the mixture (no KV cache: each step recomputes the
+sequence). Both give our log-probabilities to 1e-5 (tests/test_hf.py).
 """
 
 from __future__ import annotations
@@ -29,24 +31,16 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def export(checkpoint: str, out: Path, dtype: str) -> Path:
-    from safetensors.torch import save_file
-
     from cplm_dist.checkpoint import load_model
-    from cplm_dist.hf_llama import hf_config, to_hf
+    from cplm_dist.hf_llama import write_hf_dir
     from cplm_dist.model.sharding import full_state_dict
 
     model, cfg, info = load_model(checkpoint)
-    if cfg.copy.enabled:
-        raise UsageError(f"{checkpoint} has the copy head on: export to transformers needs the CPLM model class there, "
-                         "which is not built yet; export a copy.enabled=false run")
-    tensors = to_hf(full_state_dict([model.state_dict()], model), cfg.model)
+    full = full_state_dict([model.state_dict()], model)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        save_file({k: v.to(DTYPES[dtype]).contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"),
-                  metadata={"format": "pt"})
-        config = {**hf_config(cfg.model), "torch_dtype": {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[dtype],
-                  "cplm_dist": {"checkpoint": str(Path(info["root"]) / info["tag"]), "step": info["step"]}}
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        write_hf_dir(full, cfg.model, cfg.copy, tmp, DTYPES[dtype],
+                     extra={"cplm_dist": {"checkpoint": str(Path(info["root"]) / info["tag"]), "step": info["step"]}})
         tok = Path(cfg.data.tokenizer) if cfg.data.tokenizer else None
         if tok is not None and tok.is_file():
             shutil.copy2(tok, tmp / ("tokenizer.model" if cfg.data.tokenizer_backend == "sentencepiece" else tok.name))
@@ -79,7 +73,7 @@ def main(argv=None) -> int:
         out = export(args.checkpoint, args.out, args.dtype)
     finally:
         destroy_distributed()
-    print(f"exported {args.checkpoint} -> {out} (LlamaForCausalLM, {args.dtype})")
+    print(f"exported {args.checkpoint} -> {out} ({json.loads((out / 'config.json').read_text())['architectures'][0]}, {args.dtype})")
     return 0
 
 

@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash tools/setup_env.sh
 set +e
-"${CPLM_VENV:-.venv}/bin/python" -m pytest -q "$@"
+"${CPLM_VENV:-.venv}/bin/python" -m pytest -q --durations=15 "$@"  # the slowest tests, to keep the suite within budget
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then  # pytest: no tests collected -- a suite that tests nothing must not pass
