@@ -36,7 +36,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from cplm_dist.config import Config, from_dict, to_dict
+from cplm_dist.config import Config, check_tp_divides, from_dict, to_dict
 from cplm_dist.errors import ConfigError, UsageError
 from cplm_dist.files import sha256_file, write_text_atomic
 from cplm_dist.megatron_compat import import_deepspeed
@@ -530,12 +530,11 @@ def load_model(path: str | Path, device=None, dtype=torch.float32):
     tp_group = parallel_state.get_tensor_model_parallel_group()
     tp, tp_rank = dist.get_world_size(tp_group), dist.get_rank(tp_group)
     saved_tp = info["layout"]["tp"]
+    try:
+        check_tp_divides(cfg.model, tp)
+    except ConfigError as e:
+        raise CheckpointError(f"{path} (saved at tp={saved_tp}) cannot be loaded with {tp} ranks: {e}") from None
     cfg.parallel.tp = tp
-    for name, value in (("model.num_heads", cfg.model.num_heads), ("model.num_kv_heads", cfg.model.num_kv_heads),
-                        ("model.ffn_hidden_size", cfg.model.ffn_hidden_size)):
-        if value % tp:
-            raise CheckpointError(f"{path} cannot be loaded at tp={tp}: {name}={value} is not divisible by it "
-                                  f"(it was saved at tp={saved_tp}); launch a tp that divides {name}")
     model = build_model(cfg, device=device, dtype=dtype, activation_checkpointing=False, compile_layers=False)
     step_dir = info["root"] / info["tag"]
     files = [model_states_file(step_dir, r) for r in range(saved_tp)]
@@ -551,7 +550,8 @@ def load_model(path: str | Path, device=None, dtype=torch.float32):
         _check_intact(step_dir, info, None)
         with _weights_only_torch_load():
             shards = [get_fp32_state_dict_from_zero_checkpoint(str(info["root"]), tag=info["tag"])]
-    unexpected = [k for k in shards[0] if k not in dict(model.named_parameters()) and not k.endswith("_extra_state")]
+    params = dict(model.named_parameters())
+    unexpected = [k for k in shards[0] if k not in params and not k.endswith("_extra_state")]
     try:
         if unexpected:
             raise ValueError(f"unexpected {unexpected[:3]}")

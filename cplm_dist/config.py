@@ -421,6 +421,12 @@ def validate(cfg: Config) -> None:
         )
     validate_data(cfg)
     validate_train(cfg)
+    check_tp_divides(m, tp)
+
+
+def check_tp_divides(m: ModelConfig, tp: int) -> None:
+    """The heads, kv heads and MLP width split evenly over `tp` ranks (training, and loading a
+    checkpoint at another tp)."""
     for name, value in (("model.num_heads", m.num_heads), ("model.num_kv_heads", m.num_kv_heads),
                         ("model.ffn_hidden_size", m.ffn_hidden_size)):
         if value % tp:

@@ -110,6 +110,22 @@ def from_llama(small_data, tmp_path_factory):
     return out, root / "llama"
 
 
+def _load_error_worker(checkpoint):
+    from cplm_dist.checkpoint import CheckpointError, load_model
+    from cplm_dist.parallel import evaluation_tp, init_distributed
+
+    init_distributed(evaluation_tp())
+    with pytest.raises(CheckpointError) as e:
+        load_model(checkpoint)
+    return str(e.value)
+
+
+def test_a_tp_that_does_not_divide_the_heads_is_one_line(from_llama):
+    for message in run_ranks(_load_error_worker, 3, args=(from_llama[0],)):
+        assert message == (f"{from_llama[0]} (saved at tp=2) cannot be loaded with 3 ranks: model.num_heads=8 is not "
+                           "divisible by parallel.tp=3 (valid tp for this model: [1, 2, 4])")
+
+
 def test_init_from_starts_a_run_from_a_hf_directory(from_llama, loaded):
     from safetensors.torch import load_file
 
