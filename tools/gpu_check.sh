@@ -11,7 +11,7 @@
 # copy_head.md, decode.md, failures.txt, results.tar.gz (each run's JSON, profile.csv,
 # copy_head.json, a Chrome trace of one cplm-135m step).
 #
-# Here, once:   bash ../shared/gpu/fetch_wheels.sh
+# Here, once:   bash tools/fetch_gpu_wheels.sh
 # On the device (carry: [".whl"]):
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
 #     && export PYTHONPATH=/tmp/site:$PWD && bash tools/gpu_check.sh
