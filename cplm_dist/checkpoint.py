@@ -115,30 +115,31 @@ def resolve_checkpoint(path: str | Path) -> tuple[Path, str]:
     return root, tag
 
 
-def find_resume(cfg: Config, resume: str | None, tp: int, dp: int) -> tuple[Path | None, str | None]:
+def find_resume(cfg: Config, resume: str | None, tp: int, dp: int, reshape: bool = False) -> tuple[Path | None, str | None]:
     """(checkpoint root, tag) to resume from, or (None, None) for a fresh start; refuses to
-    write over another run. Reads only: nothing is created or changed."""
+    write over another run, and a layout change unless `reshape`. Reads only: nothing is created
+    or changed."""
     out = Path(cfg.train.out_dir)
     if resume is None:
         if (out / "checkpoints").exists() or (out / "logs" / "metrics.jsonl").exists():
             raise UsageError(f"train.out_dir={out} already holds a run: continue it with --resume auto, "
                              "or choose another train.out_dir")
         return None, None
-    if resume == "auto":
-        root = out / "checkpoints"
+    source = out if resume == "auto" else Path(resume)
+    if (source / COMPLETE).is_file():  # one step-* directory: that step, not the newest
+        root, tag = source.parent, source.name
     else:
-        source = Path(resume)
-        root = source / "checkpoints" if (source / "checkpoints").is_dir() else source
-        if root.resolve() != (out / "checkpoints").resolve() and (out / "checkpoints").exists():
-            raise UsageError(f"train.out_dir={out} already holds a run: choose another train.out_dir to continue {resume} into")
-    tag = latest_tag(root) if root.is_dir() else None
+        root = source / "checkpoints" if resume == "auto" or (source / "checkpoints").is_dir() else source
+        tag = latest_tag(root) if root.is_dir() else None
+    if resume != "auto" and root.resolve() != (out / "checkpoints").resolve() and (out / "checkpoints").exists():
+        raise UsageError(f"train.out_dir={out} already holds a run: choose another train.out_dir to continue {resume} into")
     if tag is None:
         if resume == "auto" and not (root.is_dir() and any(root.glob("step-*"))):
             return None, None
         raise CheckpointError(f"--resume {resume}: no complete checkpoint in {root}; "
-                              "give a run directory or its checkpoints/ directory, or --resume auto for a new out_dir")
+                              "give a run directory, its checkpoints/ directory or one step-* directory, or --resume auto for a new out_dir")
     tag = readable_tag(root, tag)
-    check_layout(root, tag, cfg, tp, dp)
+    check_layout(root, tag, cfg, tp, dp, reshape)
     check_config_change(root / tag, cfg)
     return root, tag
 
@@ -259,16 +260,27 @@ def read_manifest(step_dir: Path) -> dict:
     return manifest
 
 
-def check_layout(root: Path, tag: str, cfg: Config, tp: int, dp: int) -> None:
-    """A checkpoint resumes only with the layout it was saved with (ZeRO shards by dp)."""
-    saved = read_manifest(root / tag)["layout"]
-    here = layout(cfg, tp, dp)
+def layout_change(root: Path, tag: str, cfg: Config, tp: int, dp: int) -> dict:
+    """{field: (saved, now)} of the layout fields that differ in a way the saved files cannot be
+    read in place (ZeRO shards by dp, so dp counts only under ZeRO > 0)."""
+    saved, here = read_manifest(root / tag)["layout"], layout(cfg, tp, dp)
     must_match = ["tp", "zero_stage"] + (["dp"] if here["zero_stage"] > 0 or saved["zero_stage"] > 0 else [])
-    diff = {k: (saved[k], here[k]) for k in must_match if saved[k] != here[k]}
-    if diff:
-        what = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in diff.items())
-        raise CheckpointError(f"checkpoint {root / tag} was saved with another layout ({what}): "
-                              "resume with the layout it was saved with")
+    return {k: (saved[k], here[k]) for k in must_match if saved[k] != here[k]}
+
+
+def check_layout(root: Path, tag: str, cfg: Config, tp: int, dp: int, reshape: bool = False) -> None:
+    """A checkpoint resumes with the layout it was saved with, or with another one under
+    `reshape` where the new layout can hold it (cplm_dist.reshape)."""
+    diff = layout_change(root, tag, cfg, tp, dp)
+    if not diff:
+        return
+    what = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in diff.items())
+    if not reshape:
+        raise CheckpointError(f"checkpoint {root / tag} was saved with another layout ({what}): resume with the "
+                              "layout it was saved with, or add --reshape to convert it to this one")
+    from cplm_dist.reshape import check_reshape
+
+    check_reshape(read_manifest(root / tag)["layout"], cfg, tp, dp, root / tag)
 
 
 def _os_error(write, directory: Path | None = None) -> str | None:
@@ -347,8 +359,10 @@ class Checkpointer:
         """(the step's directory, whether it was written now: False when it already held this step)."""
         if self.on_disk is not None and self.on_disk[0] == step:
             return self.on_disk[1], False
+        from cplm_dist.reshape import UNIVERSAL_INFO, universal_info
+
         tag = tag_for(step)
-        state = {**client_state, "step": step, "rng": rng_state()}
+        state = {**client_state, "step": step, "rng": rng_state(), UNIVERSAL_INFO: universal_info(engine.module)}
         error = _os_error(lambda: engine.save_checkpoint(str(self.root), tag=tag, client_state=state, save_latest=False),
                           self.root)
         self._agree(error, tag)  # every rank's files are on disk, or the save is undone everywhere
@@ -395,9 +409,15 @@ class Checkpointer:
         dist.all_gather_object(gathered, mine)
         return {name: entry for part in gathered for name, entry in sorted(part.items())}
 
-    def newest_intact(self, source_root: Path, tag: str) -> str:
-        """`tag`, or the newest older complete checkpoint whose files all match their manifest
-        (sizes and sha256, hashed by all ranks together), with a warning for each one skipped."""
+    def loads_universal(self, source_root: Path | None, tag: str | None) -> bool:
+        """Whether the engine must be built to load a universal checkpoint: a resume from another
+        layout under ZeRO > 0 (at ZeRO-0 cplm_dist.reshape loads it without DeepSpeed)."""
+        return (tag is not None and self.cfg.train.zero_stage > 0
+                and bool(layout_change(source_root, tag, self.cfg, self.dims.tp_size, self.dims.dp_size)))
+
+    def newest_intact(self, source_root: Path, tag: str) -> tuple[Path, str]:
+        """(source_root, `tag` or the newest older complete checkpoint whose files all match their
+        manifest (sizes and sha256, hashed by all ranks together)), with a warning for each one skipped."""
         for candidate in reversed([t for t in complete_tags(source_root) if t <= tag]):
             try:
                 manifest = read_manifest(source_root / candidate)
@@ -409,7 +429,7 @@ class Checkpointer:
             dist.all_gather_object(gathered, bad)
             bad = sorted({b for part in gathered for b in part})
             if not bad:
-                return candidate
+                return source_root, candidate
             if self.dims.rank == 0:
                 log.warning(f"skipping checkpoint {source_root / candidate}: damaged or missing {bad[:3]} "
                             "(sizes or sha256 differ from its manifest)")
@@ -425,16 +445,67 @@ class Checkpointer:
             if not (p / COMPLETE).is_file() and p.name < newest:
                 shutil.rmtree(p, ignore_errors=True)
 
-    def load(self, engine, source_root: Path, tag: str) -> dict:
-        """Weights, optimizer, schedule (DeepSpeed) and our client state from source_root/tag."""
-        check_layout(source_root, tag, self.cfg, self.dims.tp_size, self.dims.dp_size)
-        path, client_state = engine.load_checkpoint(str(source_root), tag=tag, load_optimizer_states=True,
-                                                    load_lr_scheduler_states=True)
-        if path is None:
-            raise CheckpointError(f"DeepSpeed could not load {source_root / tag}: its files are missing or unreadable")
+    def load(self, engine, source_root: Path, tag: str, reshape: bool = False) -> dict:
+        """Weights, optimizer, schedule (DeepSpeed) and our client state from source_root/tag;
+        with `reshape`, also from a checkpoint saved at another layout (cplm_dist.reshape)."""
+        check_layout(source_root, tag, self.cfg, self.dims.tp_size, self.dims.dp_size, reshape)
+        if layout_change(source_root, tag, self.cfg, self.dims.tp_size, self.dims.dp_size):
+            client_state = self._load_reshaped(engine, source_root, tag)
+        else:
+            path, client_state = engine.load_checkpoint(str(source_root), tag=tag, load_optimizer_states=True,
+                                                        load_lr_scheduler_states=True)
+            if path is None:
+                raise CheckpointError(f"DeepSpeed could not load {source_root / tag}: its files are missing or unreadable")
         set_rng_state(client_state["rng"])
         if source_root.resolve() == self.root.resolve():
             self.on_disk = (client_state["step"], self.root / tag)
+        return client_state
+
+    def _load_reshaped(self, engine, source_root: Path, tag: str) -> dict:
+        """Rank 0 writes the universal form of the checkpoint into out_dir/.reshape-<tag>; every
+        rank loads its part (DeepSpeed's universal loader under ZeRO > 0, ours at ZeRO-0); the
+        transient copy is removed."""
+        from cplm_dist import reshape
+
+        saved = read_manifest(source_root / tag)["layout"]
+        tmp = Path(self.cfg.train.out_dir) / f".reshape-{tag}"
+        error, start = None, time.perf_counter()
+        if self.dims.rank == 0:
+            error = _os_error(lambda: reshape.to_universal(source_root / tag, tmp, engine.module, self.cfg, saved), tmp.parent)
+        gathered = [None] * self.dims.world_size
+        dist.all_gather_object(gathered, error)
+        try:
+            if gathered[0]:
+                raise CheckpointError(f"converting {source_root / tag} (tp={saved['tp']}, dp={saved['dp']}, ZeRO-"
+                                      f"{saved['zero_stage']}) for this layout failed: {gathered[0]}")
+            # the config's optimizer settings per group (DeepSpeed's ZeRO-3 loader gives every group
+            # the first group's, weight decay included); the learning rate is the schedule's
+            settings = [{k: v for k, v in g.items() if k not in ("params", "lr", "initial_lr")}
+                        for g in engine.optimizer.param_groups]
+            if self.cfg.train.zero_stage > 0:
+                with reshape.trusted_torch_load():
+                    path, client_state = engine.load_checkpoint(str(tmp.parent), tag=tmp.name, load_optimizer_states=True,
+                                                                load_lr_scheduler_states=True)
+                if path is None:
+                    raise CheckpointError(f"DeepSpeed could not load the universal form of {source_root / tag}")
+            else:
+                client_state = reshape.load_zero0(tmp, engine.module, engine.optimizer, engine.lr_scheduler,
+                                                  self.dims.tp_rank, self.dims.tp_size)
+            for group, kept, lr in zip(engine.optimizer.param_groups, settings, engine.lr_scheduler.get_last_lr()):
+                group.update(kept, lr=lr)
+            # DeepSpeed's ZeRO-3 loader hands every group one and the same step tensor, which
+            # AdamW would then advance once per group and step
+            base = getattr(engine.optimizer, "optimizer", engine.optimizer)
+            for state in base.state.values():
+                if torch.is_tensor(state.get("step")):
+                    state["step"] = state["step"].clone()
+        finally:
+            dist.barrier()
+            if self.dims.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+        log.info(f"reshaped {source_root / tag} from tp={saved['tp']} dp={saved['dp']} ZeRO-{saved['zero_stage']} to "
+                 f"tp={self.dims.tp_size} dp={self.dims.dp_size} ZeRO-{self.cfg.train.zero_stage} in "
+                 f"{time.perf_counter() - start:.1f}s")
         return client_state
 
 

@@ -11,6 +11,7 @@ our parallel groups, and `deepspeed.initialize` with our optimizer and schedule.
 | train.overlap_comm (null: on with CUDA) | zero_optimization.overlap_comm |
 | train.contiguous_gradients, reduce_bucket_size, allgather_bucket_size, stage3_prefetch_bucket_size | zero_optimization.* (same names) |
 | train.precision | bf16.enabled |
+| `--reshape` to another layout, ZeRO > 0 | checkpoint.load_universal |
 
 The optimizer (GuardedAdamW with weight-decay groups) and LR schedule are ours, handed to
 DeepSpeed, which steps them at accumulation boundaries and saves them in its checkpoints.
@@ -63,7 +64,7 @@ class DeepSpeedMPU:
         return 1
 
 
-def deepspeed_config(cfg: Config, dims: ParallelDims) -> dict:
+def deepspeed_config(cfg: Config, dims: ParallelDims, load_universal: bool = False) -> dict:
     t = cfg.train
     accumulation = batch_layout(cfg, dims.dp_size)
     return {
@@ -80,6 +81,7 @@ def deepspeed_config(cfg: Config, dims: ParallelDims) -> dict:
             "stage3_prefetch_bucket_size": t.stage3_prefetch_bucket_size,
         },
         "bf16": {"enabled": t.precision == "bf16"},
+        "checkpoint": {"load_universal": load_universal},  # resuming from another layout (cplm_dist.reshape)
         "fp16": {"enabled": False},
         "zero_allow_untested_optimizer": True,  # our AdamW subclass, not DeepSpeed's fused/CPU Adam
         "steps_per_print": 1 << 30,  # our logger reports progress
@@ -87,8 +89,9 @@ def deepspeed_config(cfg: Config, dims: ParallelDims) -> dict:
     }
 
 
-def build_engine(model: torch.nn.Module, cfg: Config, dims: ParallelDims):
-    """(engine, optimizer we built, scheduler) for the model; DeepSpeed's init joins our process group."""
+def build_engine(model: torch.nn.Module, cfg: Config, dims: ParallelDims, load_universal: bool = False):
+    """(engine, optimizer we built, scheduler) for the model; DeepSpeed's init joins our process
+    group. `load_universal`: the engine will resume from a universal checkpoint (a reshape)."""
     deepspeed = import_deepspeed()
     if cfg.model.tie_embeddings and cfg.train.zero_stage == 3:
         # ZeRO-3 gathers a parameter only around its own module's forward: the LM head reads the
@@ -97,7 +100,7 @@ def build_engine(model: torch.nn.Module, cfg: Config, dims: ParallelDims):
     optimizer = build_optimizer(model, cfg)
     scheduler = build_scheduler(optimizer, cfg)
     engine, _, _, _ = deepspeed.initialize(
-        model=model, optimizer=optimizer, lr_scheduler=scheduler, config=deepspeed_config(cfg, dims),
+        model=model, optimizer=optimizer, lr_scheduler=scheduler, config=deepspeed_config(cfg, dims, load_universal),
         mpu=DeepSpeedMPU(dims), dist_init_required=False,
     )
     use_safe_loading(engine)  # a resume never unpickles code from a received checkpoint

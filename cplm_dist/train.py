@@ -135,6 +135,8 @@ def run(argv, stop: StopRequest) -> int:
     # 1. config ----------------------------------------------------------------------------------
     parser = config_parser(__doc__.splitlines()[0])
     parser.add_argument("--resume", metavar="auto|PATH", help="continue from the latest checkpoint of out_dir (auto) or of PATH")
+    parser.add_argument("--reshape", action="store_true",
+                        help="the checkpoint may have another layout (tp, dp, ZeRO stage): convert it to this one")
     args = parser.parse_intermixed_args(argv)
     cfg = load_from_args(args)
     t = cfg.train
@@ -145,7 +147,7 @@ def run(argv, stop: StopRequest) -> int:
     check_world(cfg.parallel.tp, world)
     dp = world // cfg.parallel.tp
     accumulation = batch_layout(cfg, dp)
-    resume = find_resume(cfg, args.resume, cfg.parallel.tp, dp)
+    resume = find_resume(cfg, args.resume, cfg.parallel.tp, dp, args.reshape)
     if cfg.model.init_from and resume[1] is None:
         check_hf_dir(cfg.model.init_from, cfg.model)
     check_out_dir(cfg)
@@ -157,7 +159,7 @@ def run(argv, stop: StopRequest) -> int:
     dims = init_distributed(cfg.parallel.tp, timeout_minutes=t.collective_timeout_minutes)
     stop.heartbeat = Heartbeat.start(phase=stop.phase)
     try:
-        return train(cfg, dims, accumulation, resume, samples, tokenizer, stop)
+        return train(cfg, dims, accumulation, resume, samples, tokenizer, stop, args.reshape)
     except (RuntimeError, dist.DistError) as e:
         message = lost_rank_message(e, stop, t.collective_timeout_minutes)
         if message is None:
@@ -171,7 +173,7 @@ def run(argv, stop: StopRequest) -> int:
 
 
 def train(cfg: Config, dims: ParallelDims, accumulation: int, resume: tuple, samples: tuple, tokenizer,
-          stop: StopRequest) -> int:
+          stop: StopRequest, reshape: bool = False) -> int:
     t = cfg.train
     device = default_device()
     torch.manual_seed(cfg.seed)
@@ -182,7 +184,9 @@ def train(cfg: Config, dims: ParallelDims, accumulation: int, resume: tuple, sam
     if cfg.model.init_from and resume[1] is None:  # a fresh run from a HF Llama; a resume reads its checkpoint
         stop.enter(f"loading {cfg.model.init_from}")
         initialise_from_hf(model, cfg.model.init_from, dims.tp_rank, dims.tp_size)
-    engine, optimizer, scheduler = build_engine(model, cfg, dims)
+    ckpt = Checkpointer(Path(t.out_dir) / "checkpoints", cfg, dims)
+    resume = ckpt.newest_intact(*resume) if resume[1] is not None else resume
+    engine, optimizer, scheduler = build_engine(model, cfg, dims, load_universal=ckpt.loads_universal(*resume))
     train_step = TrainStep(engine, optimizer, scheduler, dims, cfg)
 
     # 6. data: megatron's blended GPTDatasets, our resumable loader -------------------------------
@@ -192,12 +196,10 @@ def train(cfg: Config, dims: ParallelDims, accumulation: int, resume: tuple, sam
                              num_workers=cfg.data.num_workers, pin_memory=device.type == "cuda")
 
     # 7. resume: weights, optimizer, schedule (DeepSpeed) + step, data position, RNG (ours) -------
-    ckpt = Checkpointer(Path(t.out_dir) / "checkpoints", cfg, dims)
     step, skipped_total, skipped_in_a_row = 0, 0, 0
     if resume[1] is not None:
         stop.enter(f"loading checkpoint {resume[0] / resume[1]}")
-        resume = (resume[0], ckpt.newest_intact(*resume))
-        state = ckpt.load(engine, *resume)
+        state = ckpt.load(engine, *resume, reshape=reshape)
         step, skipped_total = state["step"], state["bad_steps_total"]
         loader.load_state_dict(state["loader"])
     log = RunLog(cfg, dims, device, step)

@@ -279,7 +279,7 @@ def test_bad_input_one_line_exit_2_nothing_written(small_data, tmp_path):
          "tools/preprocess_data.py, or fix data.blend)"),
         (argv(small_data, fresh) + ["--resume", str(tmp_path / "nothing-here")], None,
          f"error: --resume {tmp_path / 'nothing-here'}: no complete checkpoint in {tmp_path / 'nothing-here'}; "
-         "give a run directory or its checkpoints/ directory, or --resume auto for a new out_dir"),
+         "give a run directory, its checkpoints/ directory or one step-* directory, or --resume auto for a new out_dir"),
     ]
     for args, env, expected in cases:
         proc = run_cli(args, env)

@@ -1,0 +1,254 @@
+"""Reshape on resume: a checkpoint saved at one layout (tp, dp, ZeRO stage) continues at another,
+carrying the fp32 master weights, AdamW's moments and step, the schedule and the data position.
+
+The go-between is DeepSpeed's universal checkpoint: one directory per parameter holding its full,
+tp- and dp-independent fp32 weight and moments,
+
+    <tmp>/zero/<parameter name>/{fp32,exp_avg,exp_avg_sq,step}.pt    + zero/optimizer_state.pt
+
+1. **To universal** (rank 0, once). Under ZeRO 1-3 DeepSpeed's own converter
+   (`deepspeed.checkpoint.ds_to_universal`) joins the ZeRO shards and then the tp shards, told how
+   by the parameter layout every save records (`universal_info`: vocabulary rows and their
+   unpadded size, row-parallel splits, SwiGLU's two sub-parameters, replicated tensors). ZeRO-0
+   checkpoints hold a plain torch AdamW state per tp rank, which that converter does not read
+   (it reads ZeRO optimizer shards only): `_zero0_to_universal` writes the same files from them
+   with our shard layout (cplm_dist.model.sharding).
+2. **From universal**. ZeRO 1-3 engines load it themselves (`checkpoint.load_universal` in their
+   DeepSpeed config, cplm_dist.engine): every rank cuts its tp shard and its ZeRO partition.
+   A ZeRO-0 engine has no such loader (its optimizer is our AdamW), so `load_zero0` takes each
+   parameter's shard with our layout and sets the weights, moments and step itself.
+
+The schedule, the loader position and the counters are not sharded: they come from the saved
+tp rank 0's model states (DeepSpeed keeps them there) and are global (the loader position is
+the number of samples consumed by all ranks), so a new dp reads on where the old one stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import os
+import re
+import shutil
+from pathlib import Path
+
+import torch
+
+from cplm_dist.config import Config, ConfigError, check_tp_divides
+from cplm_dist.errors import UsageError
+from cplm_dist.megatron_compat import import_deepspeed
+from cplm_dist.model.sharding import full_shape, join_shards, spec_of, take_shard
+
+UNIVERSAL_INFO = "universal_checkpoint_info"  # the key DeepSpeed's converter reads from the model states
+
+
+class ReshapeError(UsageError):
+    """A checkpoint that cannot continue at the asked layout."""
+
+
+def universal_info(model: torch.nn.Module) -> dict:
+    """What DeepSpeed's converter needs to join our tp shards, from the layout marks of `model`'s
+    parameters (recorded with every checkpoint). Replicated tensors are averaged over tp ranks
+    (they are equal; averaging does not assert bit-equality of the optimizer moments)."""
+    from deepspeed.checkpoint import constants as c
+
+    groups = {c.PARAMETER_TO_AVERAGE_PATTERNS: [], c.PARAMETER_WITH_ROW_PARALLELISM_PATTERNS: [],
+              c.PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0: [], c.VOCABULARY_PARAMETER_PATTERNS: []}
+    vocab = None
+    for name, param in model.named_parameters():
+        spec, pattern = spec_of(param), f"^{re.escape(name)}$"
+        if not spec.is_split:
+            groups[c.PARAMETER_TO_AVERAGE_PATTERNS].append(pattern)
+        elif spec.stride == 2 and spec.dim == 0:
+            groups[c.PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0].append(pattern)
+        elif spec.stride != 1:
+            raise ValueError(f"{name}: a split of stride {spec.stride} along dim {spec.dim} has no universal form")
+        elif spec.dim == 1:
+            groups[c.PARAMETER_WITH_ROW_PARALLELISM_PATTERNS].append(pattern)
+        if spec.full_rows:
+            groups[c.VOCABULARY_PARAMETER_PATTERNS].append(pattern)
+            vocab = spec.full_rows
+    info = {k: v for k, v in groups.items() if v}
+    info[c.UNIVERSAL_CHECKPOINT_VERSION_KEY] = c.UNIVERSAL_CHECKPOINT_VERSION_VALUE
+    if vocab is not None:
+        info[c.ORIGINAL_VOCAB_SIZE] = vocab
+    return info
+
+
+def check_reshape(saved: dict, cfg: Config, tp: int, dp: int, path) -> None:
+    """One line when the saved run cannot continue at this layout (before any process starts)."""
+    try:
+        check_tp_divides(cfg.model, tp)
+    except ConfigError as e:
+        raise ReshapeError(f"{path} (saved at tp={saved['tp']}) cannot continue at tp={tp}: {e}") from None
+    for stage, where in ((saved["zero_stage"], "saved"), (cfg.train.zero_stage, "asked")):
+        if stage == 0 and cfg.train.precision != "fp32":
+            raise ReshapeError(f"{path}: reshaping a {where} ZeRO-0 layout is supported in fp32 only (under bf16 "
+                               "DeepSpeed wraps the optimizer at ZeRO-0): reshape with train.zero_stage>=1")
+
+
+def to_universal(step_dir: Path, out: Path, model: torch.nn.Module, cfg: Config, saved: dict) -> None:
+    """Write the universal form of `step_dir` (saved with layout `saved`) into `out` (removed
+    first): DeepSpeed's converter under ZeRO 1-3, ours for ZeRO-0. Rank 0 only."""
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    if saved["zero_stage"] == 0:
+        _zero0_to_universal(step_dir, out, model, cfg, saved["tp"])
+        _readable_by_every_stage(out, cfg, saved["tp"])
+        return
+    import_deepspeed()
+    from deepspeed.checkpoint import ds_to_universal
+
+    args = argparse.Namespace(input_folder=str(step_dir), output_folder=str(out), num_extract_workers=1,
+                              num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=False)
+    quiet = contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO())
+    with quiet[0], quiet[1], trusted_torch_load(universal_info(model)):
+        ds_to_universal.main(args)
+    (out.parent / "latest_universal").unlink(missing_ok=True)  # the converter's pointer; we name `out` ourselves
+    _readable_by_every_stage(out, cfg, saved["tp"])
+
+
+def _readable_by_every_stage(out: Path, cfg: Config, saved_tp: int) -> None:
+    """DeepSpeed's ZeRO-1/2 and ZeRO-3 universal loaders read different fields, and its
+    converter writes those of the stage it read: the ZeRO-1/2 loader wants `ds_version`,
+    `clip_grad` and `param_groups` at the top of zero/optimizer_state.pt and a step.pt per
+    parameter; the ZeRO-3 loader wants the step and groups inside `optimizer_state_dict`, and
+    the model states under ZeRO-3's file name. Both are written, so any stage loads any."""
+    import deepspeed
+
+    from cplm_dist.checkpoint import safe_load
+
+    path = out / "zero" / "optimizer_state.pt"
+    sd = safe_load(path, map_location="cpu")
+    inner = sd.get("optimizer_state_dict") or {}
+    groups = sd.get("param_groups") or inner.get("param_groups")
+    folders = [p for p in (out / "zero").iterdir() if p.is_dir()]
+    step = inner.get("state", {}).get(0, {}).get("step")
+    if step is None:
+        step = next(safe_load(p / "step.pt") for p in folders if (p / "step.pt").is_file())
+    sd.update(param_groups=groups, ds_version=sd.get("ds_version", deepspeed.__version__),
+              clip_grad=sd.get("clip_grad", cfg.optim.clip_grad),
+              optimizer_state_dict={**inner, "state": inner.get("state") or {0: {"step": step}}, "param_groups": groups})
+    torch.save(sd, path)
+    for folder in folders:
+        if (folder / "exp_avg.pt").is_file() and not (folder / "step.pt").is_file():
+            torch.save(step, folder / "step.pt")
+    for r in range(saved_tp):
+        names = [out / f"mp_rank_{r:02d}_model_states.pt", out / f"zero_pp_rank_0_mp_rank_{r:02d}_model_states.pt"]
+        have = next(p for p in names if p.is_file())
+        for p in names:
+            if not p.exists():
+                os.link(have, p)
+
+
+@contextlib.contextmanager
+def trusted_torch_load(info: dict | None = None):
+    """DeepSpeed's converter and universal loader call torch.load(weights_only=False) on the
+    files; they load through the checkpoint allow-list instead (nothing in them runs code).
+    megatron-core's layers save an `_extra_state` of None in the module states, which the
+    converter would copy as a weight (None.float()): those entries are left out of what it reads.
+    `info`: the layout for model states saved without one (by cplm_dist before reshaping existed)."""
+    from cplm_dist.checkpoint import safe_load
+
+    def load(f, map_location=None, **_):
+        obj = safe_load(f, map_location)
+        if isinstance(obj, dict) and isinstance(obj.get("module"), dict):
+            obj["module"] = {k: v for k, v in obj["module"].items() if v is not None}
+            if info is not None:
+                obj.setdefault(UNIVERSAL_INFO, info)
+        return obj
+
+    real = torch.load
+    torch.load = load
+    try:
+        yield
+    finally:
+        torch.load = real
+
+
+def _zero0_to_universal(step_dir: Path, out: Path, model: torch.nn.Module, cfg: Config, saved_tp: int) -> None:
+    """Universal files from a ZeRO-0 checkpoint: every tp rank's weights and torch AdamW state
+    (indexed in parameter-group order, which does not depend on tp) joined by our layout."""
+    from cplm_dist.checkpoint import _load_states, model_states_file
+    from cplm_dist.optim import parameter_groups
+
+    from deepspeed.checkpoint import constants as c
+
+    states = [_load_states(model_states_file(step_dir, r)) for r in range(saved_tp)]
+    by_id = {id(p): n for n, p in model.named_parameters()}
+    order = [by_id[id(p)] for g in parameter_groups(model, cfg) for p in g["params"]]
+    params = dict(model.named_parameters())
+    optim = [s["optimizer"] for s in states]
+    index = {name: i for i, name in enumerate(order)}
+    for name, param in params.items():
+        spec = spec_of(param)
+        per_state = {"fp32": [s["module"][name].float() for s in states]}
+        slots = [o["state"].get(index[name], {}) for o in optim]
+        for key in ("exp_avg", "exp_avg_sq"):
+            if all(key in s for s in slots):
+                per_state[key] = [s[key] for s in slots]
+        folder = out / "zero" / name
+        folder.mkdir(parents=True)
+        for key, shards in per_state.items():
+            full = join_shards(shards, spec) if spec.is_split else sum(shards) / len(shards)
+            torch.save({c.PARAM: full[: spec.full_rows] if spec.full_rows else full, **how_to_split(spec)}, folder / f"{key}.pt")
+        if all("step" in s for s in slots):
+            torch.save(slots[0]["step"], folder / "step.pt")
+    import deepspeed
+
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in optim[0]["param_groups"]]
+    torch.save({"param_groups": groups, "ds_version": deepspeed.__version__, "clip_grad": cfg.optim.clip_grad},
+               out / "zero" / "optimizer_state.pt")
+    for r in range(saved_tp):  # the schedule and our client state, read from the model states
+        shutil.copy2(model_states_file(step_dir, r), out / f"mp_rank_{r:02d}_model_states.pt")
+
+
+def how_to_split(spec) -> dict:
+    """The keys by which DeepSpeed's universal loader cuts a full tensor into tp shards (the
+    same its converter writes): the split dimension, SwiGLU's two sub-parameters, vocabulary rows
+    to pad. Replicated tensors need none (their full shape is their shape)."""
+    from deepspeed.checkpoint import constants as c
+
+    if not spec.is_split:
+        return {}
+    keys = {c.CAT_DIM: spec.dim}
+    if spec.stride > 1:
+        keys[c.PARAM_N_SUB_PARAMS] = spec.stride
+    if spec.full_rows:
+        keys[c.VOCAB_TENSOR] = True
+    return keys
+
+
+def load_zero0(universal: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler, tp_rank: int,
+               tp_size: int) -> dict:
+    """This rank's tp shard of every parameter's universal fp32 weight and moments into a ZeRO-0
+    run's model and AdamW, and the schedule (our loader: DeepSpeed's needs a ZeRO optimizer).
+    Returns the saved client state."""
+    from cplm_dist.checkpoint import safe_load
+
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            spec, folder = spec_of(param), universal / "zero" / name
+            if not (folder / "fp32.pt").is_file():
+                raise ReshapeError(f"{universal}: no weights for {name}: the checkpoint holds another model")
+            want = full_shape(param.shape, spec, tp_size)
+
+            def shard(key: str) -> torch.Tensor:
+                full = safe_load(folder / f"{key}.pt", map_location="cpu")["param"]
+                if spec.full_rows and full.shape[0] < want[0]:
+                    full = torch.cat([full, full.new_zeros(want[0] - full.shape[0], *full.shape[1:])])
+                if tuple(full.shape) != want:
+                    raise ReshapeError(f"{universal}: {name} has shape {tuple(full.shape)}, the model needs {want}")
+                return take_shard(full, spec, tp_rank, tp_size).to(param.device, torch.float32).contiguous()
+
+            param.copy_(shard("fp32"))
+            if (folder / "exp_avg.pt").is_file():
+                step = safe_load(folder / "step.pt", map_location="cpu")
+                optimizer.state[param] = {"step": torch.as_tensor(float(step), dtype=torch.float32),
+                                          "exp_avg": shard("exp_avg"), "exp_avg_sq": shard("exp_avg_sq")}
+    states = safe_load(next(universal.glob("*mp_rank_00_model_states.pt")), map_location="cpu")
+    scheduler.load_state_dict(states["lr_scheduler"])
+    for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
+        group["lr"] = lr
+    return states
