@@ -1,5 +1,7 @@
 """Shared fixtures: a small corpus turned into a tokenizer and two indexed datasets, once per session."""
 
+import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -11,6 +13,12 @@ from cplm_dist.data.sources import iter_documents
 from cplm_dist.data.tokenizer import load_tokenizer, train_sentencepiece
 
 VOCAB = 512
+
+# One ninja for every process, as in an activated venv: DeepSpeed JIT-builds its shm comm op in
+# ~/.cache/torch_extensions, and the launcher tests put the venv's bin first on PATH (mpirun,
+# deepspeed). Its ninja (1.13) and the system's (1.11) keep incompatible build logs, so each switch
+# between them rebuilt the op from scratch (~45 s each, twice a suite).
+os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
 
 
 @dataclass

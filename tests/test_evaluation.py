@@ -233,15 +233,48 @@ def test_evaluation_tools_refuse_bad_input_with_one_line(trained, small_data, tm
          r"has 700 ids but model.vocab_size=512"),
         (["tools/generate.py", "--checkpoint", str(damaged), "--prompt", "x"], r"model_states\.pt'\] missing or damaged"),
     ]
-    for args, pattern in cases:
-        proc = subprocess.run([sys.executable, *args, "--out" if "evaluate" in args[0] else "--seed",
-                               str(tmp_path / "out") if "evaluate" in args[0] else "0"],
-                              capture_output=True, text=True, timeout=300, cwd=REPO)
-        lines = proc.stderr.strip().splitlines()
-        assert proc.returncode == 2 and len(lines) == 1 and re.search(pattern, lines[0]), (args, proc.stderr[-1500:])
+    cases = [([*args, "--out" if "evaluate" in args[0] else "--seed", str(tmp_path / "out") if "evaluate" in args[0] else "0"],
+              pattern) for args, pattern in cases]
+    # the real command line once, for the case that goes furthest (a loaded model, data overrides,
+    # a tokenizer); the others call each tool's main() in one spawned process (a process each cost
+    # ~5 s of imports), stderr captured at the file descriptor
+    cli = cases.pop(5)
+    proc = subprocess.run([sys.executable, *cli[0]], capture_output=True, text=True, timeout=300, cwd=REPO)
+    results = run_ranks(_refusals_worker, 1, args=([args for args, _ in cases],))[0] + [(proc.returncode, proc.stderr)]
+    cases.append(cli)
+    for (args, pattern), (code, stderr) in zip(cases, results, strict=True):
+        lines = stderr.strip().splitlines()
+        assert code == 2 and len(lines) == 1 and re.search(pattern, lines[0]), (args, stderr[-1500:])
     assert not (tmp_path / "out").exists()
 
-def test_ablation_in_miniature(small_data, tmp_path):
+
+def _refusals_worker(cases):
+    """Each case's (exit code, stderr) from `tools/<name>.py`'s main(argv), in this one process."""
+    import importlib
+    import os
+    import tempfile
+
+    results = []
+    for args in cases:
+        main = importlib.import_module(f"cplm_dist_tools.{Path(args[0]).stem}").main
+        with tempfile.TemporaryFile("w+") as err:
+            sys.stderr.flush()
+            saved = os.dup(2)
+            os.dup2(err.fileno(), 2)
+            try:
+                code = main(args[1:])
+            except SystemExit as e:
+                code = e.code
+            finally:
+                sys.stderr.flush()
+                os.dup2(saved, 2)
+                os.close(saved)
+            err.seek(0)
+            results.append((code, err.read()))
+    return results
+
+
+def test_ablation_in_miniature(small_data, tmp_path, capsys, monkeypatch):
     blend = ", ".join(f"{{path: {small_data.prefixes[n]}, weight: 0.5}}" for n in ("code", "copy"))
     out = tmp_path / "ablation"
     stdout = tool("tools/ablate.py", "--sizes", "tiny", "--variants", "off", "gate", "--steps", "4", "--samples", "2",
@@ -255,12 +288,17 @@ def test_ablation_in_miniature(small_data, tmp_path):
     for png in ("loss.png", "suite.png", "suppression.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
     assert "Copy on beat copy off" in stdout
-    # finished runs are reused: a second call trains nothing
-    again = tool("tools/ablate.py", "--sizes", "tiny", "--variants", "off", "gate", "--steps", "4", "--samples", "2",
+    # finished runs are reused: a second call trains nothing (in this process: it only reads and
+    # plots, and would still launch a training if it retrained)
+    from cplm_dist_tools.ablate import main
+
+    monkeypatch.chdir(REPO)  # where the tool ran above
+    assert main(["--sizes", "tiny", "--variants", "off", "gate", "--steps", "4", "--samples", "2",
                  "--out", str(out), "model.vocab_size=512", "model.max_seq_len=64", "data.seq_length=64",
                  f"data.tokenizer={small_data.tokenizer}", f"data.blend=[{blend}]", "data.num_workers=0",
-                 "optim.warmup_steps=1", "train.eval_batches=2")
-    assert "train tiny" not in again
+                 "optim.warmup_steps=1", "train.eval_batches=2"]) == 0
+    again = capsys.readouterr().out
+    assert "train tiny" not in again and "Copy on beat copy off" in again
 
 
 
