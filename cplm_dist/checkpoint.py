@@ -606,7 +606,8 @@ def load_model(path: str | Path, device=None, dtype=torch.float32):
     except ConfigError as e:
         raise CheckpointError(f"{path} (saved at tp={saved_tp}) cannot be loaded with {tp} ranks: {e}") from None
     cfg.parallel.tp = tp
-    model = build_model(cfg, device=device, dtype=dtype, activation_checkpointing=False, compile_layers=False)
+    model = build_model(cfg, device=device, dtype=dtype, activation_checkpointing=False, compile_layers=False,
+                        sequence_parallel=False)
     step_dir = info["root"] / info["tag"]
     files = [model_states_file(step_dir, r) for r in range(saved_tp)]
     _check_intact(step_dir, info, [f.name for f in files])

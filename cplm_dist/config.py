@@ -127,6 +127,9 @@ class DataConfig:
 @dataclass
 class ParallelConfig:
     tp: int = 1  # tensor-parallel size; dp = world_size / tp
+    # Megatron sequence parallelism (tp > 1): norms, residuals and the copy head's queries on
+    # sequence shards between the tp regions (docs/parallelism.md); a no-op at tp = 1
+    sequence_parallel: bool = False
 
 
 @dataclass
@@ -422,6 +425,11 @@ def validate(cfg: Config) -> None:
     validate_data(cfg)
     validate_train(cfg)
     check_tp_divides(m, tp)
+    if cfg.parallel.sequence_parallel and tp > 1 and cfg.data.seq_length % tp:
+        raise ConfigError(
+            f"data.seq_length={cfg.data.seq_length} is not divisible by parallel.tp={tp}, which "
+            f"parallel.sequence_parallel=true needs (each tp rank holds seq_length/tp positions): "
+            f"make seq_length a multiple of {tp} or set parallel.sequence_parallel=false")
 
 
 def check_tp_divides(m: ModelConfig, tp: int) -> None:

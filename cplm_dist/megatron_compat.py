@@ -4,11 +4,21 @@ import-time noise.
 megatron-core warns on import that Transformer Engine and Apex are absent (they are optional for
 us: our block uses torch SDPA and torch optimizers), once per process and per rank. Everything in
 cplm_dist takes megatron from here so that the warning filter is in place first.
+
+Sequence parallelism on a machine without CUDA: megatron-core's sequence-parallel linears and
+mappings allocate their all-gather / reduce-scatter buffers with
+`device=torch.cuda.current_device()`, which a CPU-only torch cannot answer. Where CUDA is absent,
+those three modules (tensor_parallel.layers, tensor_parallel.mappings, core.utils) see a torch
+whose `cuda.current_device()` is the CPU, so the same megatron code runs on gloo (the tests).
+With CUDA nothing is changed.
 """
 
 import logging
 import os
+import types
 import warnings
+
+import torch
 
 with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
@@ -19,6 +29,43 @@ with warnings.catch_warnings():
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
     from megatron.core.tensor_parallel.cross_entropy import VocabParallelCrossEntropy
+
+
+
+class _CudaOnCPU:
+    """torch.cuda as megatron's allocation sites use it, answering the CPU as the current device."""
+
+    def __getattr__(self, name):
+        return getattr(torch.cuda, name)
+
+    @staticmethod
+    def current_device():
+        return torch.device("cpu")
+
+
+class _TorchOnCPU(types.ModuleType):
+    """The torch module, but for `cuda` (read through to torch for everything else)."""
+
+    cuda = _CudaOnCPU()
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
+def _allocate_on_cpu_without_cuda() -> None:
+    if torch.cuda.is_available():
+        return
+    from megatron.core import utils as core_utils
+    from megatron.core.tensor_parallel import layers, mappings
+
+    shim = _TorchOnCPU("torch")
+    for module in (layers, mappings, core_utils):
+        module.torch = shim
+
+
+_allocate_on_cpu_without_cuda()
+# megatron-core calls torch's reduce_scatter_tensor, which torch 2.13 deprecates once per call site
+warnings.filterwarnings("ignore", message=".*reduce_scatter_tensor. is deprecated.*", category=FutureWarning)
 
 __all__ = [
     "BlendedMegatronDatasetBuilder",

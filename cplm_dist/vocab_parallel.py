@@ -167,7 +167,7 @@ class _ChunkedTargetLogitAndLSE(torch.autograd.Function):
     backward all-reduces dL/dh over tp (the LM head's input is replicated)."""
 
     @staticmethod
-    def forward(ctx, h, weight, labels, tp_group, real_local, rows):
+    def forward(ctx, h, weight, labels, tp_group, real_local, rows, sum_grad_h):
         n, v_local = h.size(0), weight.size(0)
         start, end = vocab_range(v_local, tp_group)
         owned = (labels >= start) & (labels < end)
@@ -190,7 +190,7 @@ class _ChunkedTargetLogitAndLSE(torch.autograd.Function):
         _all_reduce(z_y, dist.ReduceOp.SUM, tp_group)
         lse = global_max + torch.log(sum_exp)
         ctx.save_for_backward(h, weight, owned, local, lse)
-        ctx.tp_group, ctx.real_local, ctx.rows = tp_group, real_local, rows
+        ctx.tp_group, ctx.real_local, ctx.rows, ctx.sum_grad_h = tp_group, real_local, rows, sum_grad_h
         return z_y, lse
 
     @staticmethod
@@ -207,25 +207,28 @@ class _ChunkedTargetLogitAndLSE(torch.autograd.Function):
             g = g.to(weight.dtype)  # the dtype the dense LM head's backward multiplies in
             grad_h[block] = g @ weight
             grad_w += (g.t() @ h[block]).float()
-        _all_reduce(grad_h, dist.ReduceOp.SUM, tp_group=ctx.tp_group)
-        return grad_h, grad_w.to(weight.dtype), None, None, None, None
+        if ctx.sum_grad_h:
+            _all_reduce(grad_h, dist.ReduceOp.SUM, tp_group=ctx.tp_group)
+        return grad_h, grad_w.to(weight.dtype), None, None, None, None, None
 
 
 def chunked_target_logit_and_lse(
     h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, tp_group: dist.ProcessGroup | None = None, *,
-    real_local: int | None = None, rows: int = 2048,
+    real_local: int | None = None, rows: int = 2048, sum_grad_h: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`target_logit_and_lse` of the logits h @ weight^T without forming them whole (loss.impl=chunked).
 
     h [..., D] hidden states, identical on every tp rank; weight [V/tp, D] this rank's LM-head
     shard; labels [...] global ids (-100: z_y = 0); real_local: the shard's columns before the
     vocabulary padding (default: all). Returns float32 [...] each. dL/dh comes back all-reduced
-    over tp, so the caller must not route h through another tp region.
+    over tp, so the caller must not route h through another tp region; sum_grad_h=False leaves
+    each rank's partial dL/dh for a sequence-parallel gather before h, whose backward
+    reduce-scatters it (the sum and the split in one collective).
     """
     if rows < 1:
         raise ValueError(f"rows={rows} must be >= 1")
     z_y, lse = _ChunkedTargetLogitAndLSE.apply(h.reshape(-1, h.size(-1)), weight, labels.reshape(-1), tp_group,
-                                               weight.size(0) if real_local is None else real_local, rows)
+                                               weight.size(0) if real_local is None else real_local, rows, sum_grad_h)
     return z_y.view(labels.shape), lse.view(labels.shape)
 
 

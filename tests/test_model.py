@@ -28,6 +28,11 @@ VARIANTS = {
 # loss.impl=chunked (blocks of 7 of the 48 rows) beside the dense variant it must equal
 CHUNKED_LOSS = {f"{name}+chunked-loss": name for name in ("copy-off-padded-untied", "joint-next", "sentinel-next-2heads")}
 VARIANTS.update({chunked: VARIANTS[dense] + ["loss.impl=chunked", "loss.chunk_rows=7"] for chunked, dense in CHUNKED_LOSS.items()})
+# Megatron sequence parallelism at tp = 2, 4 against the same variant at tp = 1: every mix, the
+# dense (gate-self) and chunked copy paths, copy off, both LM-side losses
+SEQUENCE_PARALLEL = {f"{name}+sp": name for name in (
+    "copy-off-padded-untied", "gate-next-2heads-rope", "gate-self", "joint-self-padded-untied", "sentinel-next-2heads",
+    "copy-off-padded-untied+chunked-loss", "joint-next+chunked-loss")}
 TPS = (1, 2, 4)
 
 
@@ -44,9 +49,13 @@ def _model_worker(tp):
 
     dims = init_distributed(tp)
     results = {}
-    for name, overrides in VARIANTS.items():
+    variants = dict(VARIANTS)
+    if tp > 1:
+        variants.update({sp: VARIANTS[name] + ["parallel.sequence_parallel=true"] for sp, name in SEQUENCE_PARALLEL.items()})
+    for name, overrides in variants.items():
         cfg = load_config("tiny", overrides + [f"parallel.tp={tp}"])
         model = build_model(cfg)
+        assert model.sequence_parallel == (name in SEQUENCE_PARALLEL), name
         ids = batch(cfg.model.vocab_size)
         out = model(ids)
         weights = torch.linspace(0.5, 1.5, ids.numel()).view_as(ids)  # distinct weight per token
@@ -57,19 +66,18 @@ def _model_worker(tp):
             rows = spec.full_rows or None
             grads[pname] = gather_full(p.grad, spec, dims.tp_group)[:rows]
             params[pname] = gather_full(p.data, spec, dims.tp_group)[:rows]
+        results[name] = {"nll": out.nll.detach(), "copy_share": out.copy_share, "grads": grads, "params": params}
+        if name in SEQUENCE_PARALLEL:
+            continue  # a sequence-parallel model trains only
         logprobs = model.next_token_logprobs(ids)
         at_labels = logprobs[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
-        results[name] = {
-            "nll": out.nll.detach(),
+        results[name].update({
             "lm_nll": out.lm_nll,
-            "copy_share": out.copy_share,
-            "grads": grads,
-            "params": params,
             "numel": sum(p.numel() for p in model.parameters()),
             "logprob_sum": logprobs.exp().sum(-1),
             "logprob_at_labels": at_labels,
             "vocab_cols": logprobs.shape[-1],
-        }
+        })
     return results
 
 
@@ -79,9 +87,11 @@ def runs():
 
 
 @pytest.mark.parametrize("tp", [2, 4])
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("variant", sorted(VARIANTS) + sorted(SEQUENCE_PARALLEL))
 def test_same_model_same_nll_and_gradients_at_every_tp(runs, tp, variant):
-    one = runs[1][0][variant]
+    """Also with sequence parallelism: per-token nll and every gathered gradient equal tp = 1's
+    (the norm and copy-head weights, which see T/tp positions a rank, summed over tp)."""
+    one = runs[1][0][SEQUENCE_PARALLEL.get(variant, variant)]
     for rank, res in enumerate(runs[tp]):
         got = res[variant]
         for name, full in one["params"].items():

@@ -263,7 +263,7 @@ def decode(cfg: Config, args) -> dict:
     off = copylib.deepcopy(cfg)
     off.copy.enabled = False
     cfg.copy.enabled = True
-    models = {name: build_model(c, device=device, dtype=dtype, compile_layers=False).eval() for name, c in (("copy_on", cfg), ("copy_off", off))}
+    models = {name: build_model(c, device=device, dtype=dtype, compile_layers=False, sequence_parallel=False).eval() for name, c in (("copy_on", cfg), ("copy_off", off))}
     points = [(b, t) for b in args.decode_batches for t in args.decode_prompts]
     rows = decode_overhead(models, cfg.model.vocab_size, points, args.new_tokens, args.rounds, device, seed=cfg.seed)
     print(markdown(rows), flush=True)

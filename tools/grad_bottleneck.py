@@ -82,7 +82,7 @@ def main(argv=None) -> int:
         for enabled in (True, False):
             cfg.copy.enabled = enabled
             torch.manual_seed(cfg.seed)
-            rows += rows_for(build_model(cfg), cfg, f"{cfg.model.name} at init", data)
+            rows += rows_for(build_model(cfg, sequence_parallel=False), cfg, f"{cfg.model.name} at init", data)
     else:
         root, tag = resolve_checkpoint(args.checkpoint)
         tags = complete_tags(root) if args.all else [tag]

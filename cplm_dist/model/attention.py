@@ -4,6 +4,11 @@ QKV is one ColumnParallelLinear whose rows are laid out per kv group, Megatron's
 [q_1 .. q_(nh/nkv), k, v] for each kv group, so an even split over tp hands every rank whole
 groups (num_kv_heads % tp == 0). The output projection is a RowParallelLinear whose all-reduce
 ends the tensor-parallel region.
+
+Under sequence parallelism (mp.sequence_parallel) the layer's input and output are this rank's
+positions in Megatron's sequence-first layout, (T/tp, B, D): the QKV linear all-gathers its input
+along the sequence and the output projection reduce-scatters along it (megatron-core's own
+sequence-parallel linears), so attention itself sees every position of its local heads.
 """
 
 import torch
@@ -23,6 +28,7 @@ class Attention(torch.nn.Module):
         self.heads = cfg.num_heads // tp_size  # local query heads
         self.kv_heads = cfg.num_kv_heads // tp_size  # local kv heads
         self.group = cfg.num_heads // cfg.num_kv_heads  # query heads per kv head
+        self.sequence_parallel = mp.sequence_parallel and tp_size > 1
         qkv_out = (cfg.num_heads + 2 * cfg.num_kv_heads) * self.head_dim
         self.qkv = tensor_parallel.ColumnParallelLinear(
             cfg.hidden_size, qkv_out, config=mp, init_method=deferred_init, bias=False, gather_output=False,
@@ -36,10 +42,13 @@ class Attention(torch.nn.Module):
         mark_split(self.proj.weight, dim=1)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: dict | None = None) -> torch.Tensor:
-        """x (B, T, D); cos/sin for x's positions; `cache` ({"k", "v"} of earlier positions, or
-        empty) is extended in place, for decoding one step at a time."""
-        B, T, _ = x.shape
-        qkv, _ = self.qkv(x)  # (B, T, kv_heads * (group + 2) * hd)
+        """x (B, T, D), or (T/tp, B, D) under sequence parallelism; cos/sin for all T positions;
+        `cache` ({"k", "v"} of earlier positions, or empty) is extended in place, for decoding one
+        step at a time."""
+        qkv, _ = self.qkv(x)  # (B, T, kv_heads * (group + 2) * hd); sequence parallel: (T, B, ..) gathered
+        if self.sequence_parallel:
+            qkv = qkv.transpose(0, 1)  # a view, (B, T, ..)
+        B, T, _ = qkv.shape
         qkv = qkv.view(B, T, self.kv_heads, self.group + 2, self.head_dim)
         q = qkv[:, :, :, : self.group].reshape(B, T, self.heads, self.head_dim).transpose(1, 2)  # (B, nh, T, hd)
         k = qkv[:, :, :, self.group].transpose(1, 2)  # (B, nkv, T, hd)
@@ -56,6 +65,9 @@ class Attention(torch.nn.Module):
             cache["k"], cache["v"] = k, v
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                            enable_gqa=self.group > 1)  # (B, nh, T, hd)
-        y = y.transpose(1, 2).reshape(B, T, self.heads * self.head_dim)
-        out, _ = self.proj(y)  # (B, T, D), all-reduced over tp
+        if self.sequence_parallel:  # (T, B, ..): the projection reduce-scatters along the sequence
+            y = y.permute(2, 0, 1, 3).reshape(T, B, self.heads * self.head_dim)
+        else:
+            y = y.transpose(1, 2).reshape(B, T, self.heads * self.head_dim)
+        out, _ = self.proj(y)  # (B, T, D) all-reduced over tp; sequence parallel: (T/tp, B, D) reduce-scattered
         return out

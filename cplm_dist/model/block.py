@@ -1,4 +1,7 @@
-"""One pre-norm transformer layer: x + attn(norm(x)), then x + mlp(norm(x))."""
+"""One pre-norm transformer layer: x + attn(norm(x)), then x + mlp(norm(x)).
+
+Under sequence parallelism x is this rank's (T/tp, B, D) positions: norms and residuals run on
+them, the attention and MLP linears gather and scatter the sequence (megatron-core)."""
 
 import torch
 
@@ -12,9 +15,10 @@ from cplm_dist.model.norm import RMSNorm
 class TransformerLayer(torch.nn.Module):
     def __init__(self, cfg: ModelConfig, mp: ModelParallelConfig, tp_group, tp_size: int, device=None):
         super().__init__()
-        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, device=device, dtype=mp.params_dtype)
+        grad_group = tp_group if mp.sequence_parallel else None  # norms see this rank's positions only
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, device=device, dtype=mp.params_dtype, grad_group=grad_group)
         self.attention = Attention(cfg, mp, tp_group, tp_size)
-        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, device=device, dtype=mp.params_dtype)
+        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, device=device, dtype=mp.params_dtype, grad_group=grad_group)
         self.mlp = SwiGLUMLP(cfg, mp, tp_group, tp_size)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: dict | None = None) -> torch.Tensor:

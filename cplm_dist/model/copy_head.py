@@ -19,31 +19,43 @@ Two paths in cplm_dist.model.copy_lse compute the per-head (A, M), chosen by `co
   - chunked (default): query rows in blocks of `copy.chunk_size`, scores recomputed in backward;
     memory linear in T for a fixed block. A sequence that fits in one block (T <= chunk_size)
     takes the dense path: the same peak memory, no recomputation.
+
+Under sequence parallelism (`sp_group`, the tp group) a rank holds the final states of its own
+T/tp positions. It projects its own queries and keys, all-gathers the keys (B x T x H_c x d_c
+floats; backward reduce-scatters their gradient), scores its own query rows against every key,
+and all-gathers the per-token results (A_t, M_t, gate: at most 3 floats a token; backward keeps
+its own rows, the loss being replicated over tp). The hidden states themselves never move. The
+head's weights then see this rank's positions only, so their gradients are summed over tp.
 """
 
 from __future__ import annotations
 
 import math
+
 import torch
 
 from cplm_dist.config import CopyConfig, ModelConfig
 from cplm_dist.model.copy_lse import candidate_mask, chunked_copy_lse, dense_copy_lse, masked_logsumexp
 from cplm_dist.model.rotary import apply_rope, rope_tables
+from cplm_dist.model.sequence_parallel import ReplicatedLinear, active, gather_sequence, sum_grad_over
 from cplm_dist.vocab_parallel import NEG_INF, CopyTerms
 
+
 class CopyHead(torch.nn.Module):
-    def __init__(self, model_cfg: ModelConfig, cfg: CopyConfig, *, device=None, dtype=None):
+    def __init__(self, model_cfg: ModelConfig, cfg: CopyConfig, *, device=None, dtype=None, sp_group=None):
+        """sp_group: the tp group under sequence parallelism (None: h holds every position)."""
         super().__init__()
         self.cfg = cfg
+        self.sp_group = sp_group if active(sp_group) else None
         self.heads, self.head_dim = cfg.num_heads, cfg.head_dim
         self.rope_theta = model_cfg.rope_theta
         self.shift = -1 if cfg.paste == "next" else 0  # C_t = {j <= t + shift}: next j < t, self j <= t
         self.average_heads = cfg.mix == "gate"  # each head its own copy distribution, averaged; else pooled
         width = cfg.num_heads * cfg.head_dim
-        self.q = torch.nn.Linear(model_cfg.hidden_size, width, bias=False, device=device, dtype=dtype)
-        self.k = torch.nn.Linear(model_cfg.hidden_size, width, bias=False, device=device, dtype=dtype)
+        self.q = ReplicatedLinear(model_cfg.hidden_size, width, bias=False, device=device, dtype=dtype, grad_group=self.sp_group)
+        self.k = ReplicatedLinear(model_cfg.hidden_size, width, bias=False, device=device, dtype=dtype, grad_group=self.sp_group)
         if cfg.mix == "gate":
-            self.gate = torch.nn.Linear(model_cfg.hidden_size, 1, bias=True, device=device, dtype=dtype)
+            self.gate = ReplicatedLinear(model_cfg.hidden_size, 1, bias=True, device=device, dtype=dtype, grad_group=self.sp_group)
         elif cfg.mix == "sentinel":
             self.sentinel = torch.nn.Parameter(torch.empty(cfg.num_heads, cfg.head_dim, device=device, dtype=dtype))
 
@@ -70,7 +82,8 @@ class CopyHead(torch.nn.Module):
         if self.cfg.mix == "gate":
             return self.gate(h).squeeze(-1).float()
         if self.cfg.mix == "sentinel":
-            sent = torch.einsum("bhtd,hd->bht", q, self.sentinel.float()) / math.sqrt(self.head_dim)  # (B, H, T)
+            sentinel = sum_grad_over(self.sentinel, self.sp_group).float()
+            sent = torch.einsum("bhtd,hd->bht", q, sentinel) / math.sqrt(self.head_dim)  # (B, H, T)
             return torch.logsumexp(sent, dim=1) - math.log(self.heads)
         return None
 
@@ -91,15 +104,32 @@ class CopyHead(torch.nn.Module):
     # --- training: per-token terms ----------------------------------------------------------------
 
     def forward(self, h: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tensor | None) -> CopyTerms:
-        """h (B, T, D) final-norm states, input_ids (B, T), labels (B, T) global ids or -100."""
-        q, k = self.project(h)
+        """h (B, T, D) final-norm states, input_ids (B, T), labels (B, T) global ids or -100.
+        Under sequence parallelism h is this rank's (T/tp, B, D) positions and the terms come back
+        for all T positions, sequence-first (T, B), as the loss takes them."""
+        offset = 0
+        if self.sp_group is not None:
+            h = h.transpose(0, 1)  # (B, T/tp, D), a view
+            offset = self.sp_group.rank() * h.shape[1]
+            labels = None if labels is None else labels[:, offset : offset + h.shape[1]]
+        q, k = self.project(h, offset)  # (B, H, T or T/tp, d)
+        if self.sp_group is not None:  # every key, from every rank: (B, H, T, d)
+            k = gather_sequence(k.permute(2, 0, 1, 3), self.sp_group, sum_grad=True).permute(1, 2, 0, 3)
         src = self.source_ids(input_ids)  # (B, T)
-        if self.cfg.impl == "chunked" and q.shape[2] > self.cfg.chunk_size:
-            a_heads, m_heads = chunked_copy_lse(q, k, src, labels, self.shift, self.cfg.chunk_size)  # (B, H, T) each
+        if self.cfg.impl == "chunked" and k.shape[2] > self.cfg.chunk_size:
+            a_heads, m_heads = chunked_copy_lse(q, k, src, labels, self.shift, self.cfg.chunk_size, offset)  # (B, H, Tq) each
         else:
-            a_heads, m_heads = dense_copy_lse(q, k, src, labels, self.shift)
+            a_heads, m_heads = dense_copy_lse(q, k, src, labels, self.shift, offset)
         copy_match = self._combine(m_heads, a_heads) if labels is not None else None
-        return CopyTerms(self._copy_all(a_heads), copy_match, self.gate_logit(h, q))
+        terms = CopyTerms(self._copy_all(a_heads), copy_match, self.gate_logit(h, q))
+        return terms if self.sp_group is None else self._gather_terms(terms)
+
+    def _gather_terms(self, terms: CopyTerms) -> CopyTerms:
+        """This rank's (B, T/tp) terms -> all positions' (T, B), in one all-gather of (T/tp, B, n<=3)."""
+        present = [t for t in terms if t is not None]
+        rows = gather_sequence(torch.stack(present, dim=-1).transpose(0, 1), self.sp_group, sum_grad=False)
+        parts = iter(rows.unbind(-1))
+        return CopyTerms(*(None if t is None else next(parts) for t in terms))
 
     # --- evaluation: the copy distribution over positions ------------------------------------------
 

@@ -16,6 +16,9 @@ flash attention does. The gradient of a log-sum-exp is its softmax, so for a row
 Rows with no candidate (A_t = -inf) or no matching candidate (M_t = -inf) pass no gradient, as in
 the dense path. A block only reads the keys its rows can see (j < r1 + shift), so the causal half
 of the score matrix is never computed. Peak extra memory: a few (B, H, chunk, T) tensors.
+
+Both take an `offset`: the queries are positions offset .. offset + Tq - 1 of a sequence whose
+keys are positions 0 .. Tk - 1 (a sequence-parallel rank's own rows against every key).
 """
 
 from __future__ import annotations
@@ -49,29 +52,29 @@ def candidate_mask(rows: int, keys: int, offset: int, shift: int, device) -> tor
 
 
 def dense_copy_lse(q: torch.Tensor, k: torch.Tensor, src: torch.Tensor, labels: torch.Tensor | None,
-                   shift: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-head (A, M), each (B, H, T), from the full (B, H, T, T) scores; the arguments as
+                   shift: int, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-head (A, M), each (B, H, Tq), from the full (B, H, Tq, Tk) scores; the arguments as
     `chunked_copy_lse`'s. Autograd keeps what backward needs."""
-    T = q.shape[2]
-    scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])  # (B, H, T, T)
-    cand = candidate_mask(T, T, 0, shift, q.device)  # (T, T)
-    a_heads = masked_logsumexp(scores, cand, dim=-1)  # (B, H, T)
+    Tq, Tk = q.shape[2], k.shape[2]
+    scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])  # (B, H, Tq, Tk)
+    cand = candidate_mask(Tq, Tk, offset, shift, q.device)  # (Tq, Tk)
+    a_heads = masked_logsumexp(scores, cand, dim=-1)  # (B, H, Tq)
     if labels is None:
         return a_heads, None
-    match = cand & (src.unsqueeze(1) == labels.unsqueeze(2))  # (B, T, T): j pastes y_t
+    match = cand & (src.unsqueeze(1) == labels.unsqueeze(2))  # (B, Tq, Tk): j pastes y_t
     return a_heads, masked_logsumexp(scores, match.unsqueeze(1), dim=-1)
 
 
-def _blocks(T: int, chunk: int, shift: int):
-    """(r0, r1, kend): query rows r0..r1-1 see keys 0..kend-1 at most."""
-    for r0 in range(0, T, chunk):
-        r1 = min(T, r0 + chunk)
-        yield r0, r1, max(0, min(T, r1 + shift))
+def _blocks(Tq: int, Tk: int, chunk: int, shift: int, offset: int):
+    """(r0, r1, kend): query rows r0..r1-1 (positions offset + r0 ..) see keys 0..kend-1 at most."""
+    for r0 in range(0, Tq, chunk):
+        r1 = min(Tq, r0 + chunk)
+        yield r0, r1, max(0, min(Tk, offset + r1 + shift))
 
 
-def _block_masks(r0: int, r1: int, kend: int, shift: int, src, labels):
+def _block_masks(r0: int, r1: int, kend: int, shift: int, src, labels, offset: int):
     """cand (rows, kend) and match (B, 1, rows, kend) or None, as the dense path's masks."""
-    cand = candidate_mask(r1 - r0, kend, r0, shift, src.device)
+    cand = candidate_mask(r1 - r0, kend, offset + r0, shift, src.device)
     match = None
     if labels is not None:
         match = (cand & (src[:, None, :kend] == labels[:, r0:r1, None])).unsqueeze(1)
@@ -93,20 +96,20 @@ def _row_grad(grad: torch.Tensor, lse: torch.Tensor, r0: int, r1: int) -> torch.
 
 class _ChunkedCopyLSE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, src, labels, shift: int, chunk: int):
+    def forward(ctx, q, k, src, labels, shift: int, chunk: int, offset: int):
         B, H, T, d = q.shape
         scale = 1.0 / math.sqrt(d)
         a = q.new_full((B, H, T), NEG_INF)
         m = q.new_full((B, H, T), NEG_INF) if labels is not None else None
-        for r0, r1, kend in _blocks(T, chunk, shift):
+        for r0, r1, kend in _blocks(T, k.shape[2], chunk, shift, offset):
             if kend == 0:
                 continue  # no row of this block has a candidate
             scores = (q[:, :, r0:r1] @ k[:, :, :kend].transpose(-1, -2)) * scale  # (B, H, rows, kend)
-            cand, match = _block_masks(r0, r1, kend, shift, src, labels)
+            cand, match = _block_masks(r0, r1, kend, shift, src, labels, offset)
             a[:, :, r0:r1] = masked_logsumexp(scores, cand, dim=-1)
             if m is not None:
                 m[:, :, r0:r1] = masked_logsumexp(scores, match, dim=-1)
-        ctx.shift, ctx.chunk = shift, chunk
+        ctx.shift, ctx.chunk, ctx.offset = shift, chunk, offset
         ctx.save_for_backward(q, k, src, labels, a, m)  # labels, m: None without labels
         if m is None:
             return a
@@ -118,28 +121,29 @@ class _ChunkedCopyLSE(torch.autograd.Function):
         B, H, T, d = q.shape
         scale = 1.0 / math.sqrt(d)
         dq, dk = torch.zeros_like(q), torch.zeros_like(k)
-        for r0, r1, kend in _blocks(T, ctx.chunk, ctx.shift):
+        for r0, r1, kend in _blocks(T, k.shape[2], ctx.chunk, ctx.shift, ctx.offset):
             if kend == 0:
                 continue
             qb, kb = q[:, :, r0:r1], k[:, :, :kend]
             scores = (qb @ kb.transpose(-1, -2)) * scale
-            cand, match = _block_masks(r0, r1, kend, ctx.shift, src, labels)
+            cand, match = _block_masks(r0, r1, kend, ctx.shift, src, labels, ctx.offset)
             ds = _row_grad(grad_a, a, r0, r1) * _softmax_weights(scores, cand, a[:, :, r0:r1])
             if labels is not None and grad_m is not None:
                 ds = ds + _row_grad(grad_m, m, r0, r1) * _softmax_weights(scores, match, m[:, :, r0:r1])
             ds = ds * scale
             dq[:, :, r0:r1] = ds @ kb
             dk[:, :, :kend] += ds.transpose(-1, -2) @ qb
-        return dq, dk, None, None, None, None
+        return dq, dk, None, None, None, None, None
 
 
 def chunked_copy_lse(q: torch.Tensor, k: torch.Tensor, src: torch.Tensor, labels: torch.Tensor | None,
-                     shift: int, chunk: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-head (A, M), each (B, H, T), from q, k (B, H, T, d) float32, src (B, T) pasted ids
-    (-1: none), labels (B, T) or None (then M is None); shift -1 (`next`) or 0 (`self`)."""
+                     shift: int, chunk: int, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-head (A, M), each (B, H, Tq), from q (B, H, Tq, d) of positions offset.. and k
+    (B, H, Tk, d) of positions 0.., float32, src (B, Tk) pasted ids (-1: none), labels (B, Tq) or
+    None (then M is None); shift -1 (`next`) or 0 (`self`)."""
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1, got {chunk}")
-    out = _ChunkedCopyLSE.apply(q, k, src, labels, shift, chunk)
+    out = _ChunkedCopyLSE.apply(q, k, src, labels, shift, chunk, offset)
     if labels is None:
         return out, None
     return out

@@ -10,6 +10,13 @@ Data flow of a forward, per tp rank:
     h -> LM head (ColumnParallelLinear) -> logits (B, T, V/tp), this rank's vocabulary shard
     h -> CopyHead (replicated) -> A_t, M_t, gate (B, T)
     vocab_parallel.mixed_nll: (logits shard, labels, copy terms or None) -> nll (B, T)
+Under sequence parallelism (docs/parallelism.md) the trunk runs in Megatron's sequence-first layout:
+    ids -> VocabParallelEmbedding (reduce-scatter) -> x (T/tp, B, D), this rank's positions
+    layers: norms and residuals on the T/tp positions; each linear pair all-gathers the sequence
+        in and reduce-scatters it out (megatron-core's sequence-parallel linears)
+    h (T/tp, B, D) -> LM head (all-gathers the sequence) -> logits (T, B, V/tp)
+    h (T/tp, B, D) -> CopyHead (keys and per-token terms all-gathered) -> A_t, M_t, gate (T, B)
+and the loss, replicated over tp as without it, comes back as (B, T).
 Copy on or off, the loss is the same function (copy off: no copy terms), so the matched baseline
 shares every line of loss code except the copy terms. The model never calls torch.distributed
 itself: collectives live in the megatron layers and in cplm_dist.vocab_parallel, on the tp group
@@ -34,6 +41,7 @@ from cplm_dist.model.copy_head import CopyHead
 from cplm_dist.model.initialization import deferred_init, init_parameters
 from cplm_dist.model.norm import RMSNorm
 from cplm_dist.model.rotary import rope_tables
+from cplm_dist.model.sequence_parallel import gather_sequence
 from cplm_dist.model.sharding import mark_split
 
 log = logging.getLogger(__name__)
@@ -53,13 +61,14 @@ class DecodeState:
         return 0 if self.ids is None else self.ids.shape[1]
 
 
-def megatron_config(tp_size: int, device: torch.device, dtype: torch.dtype) -> ModelParallelConfig:
+def megatron_config(tp_size: int, device: torch.device, dtype: torch.dtype,
+                    sequence_parallel: bool = False) -> ModelParallelConfig:
     return ModelParallelConfig(
         tensor_model_parallel_size=tp_size,
         use_cpu_initialization=device.type == "cpu",
         perform_initialization=False,  # cplm_dist.model.initialization fills weights, tp-independently
         params_dtype=dtype,
-        sequence_parallel=False,
+        sequence_parallel=sequence_parallel and tp_size > 1,
         gradient_accumulation_fusion=False,
     )
 
@@ -67,11 +76,14 @@ def megatron_config(tp_size: int, device: torch.device, dtype: torch.dtype) -> M
 class CPLM(torch.nn.Module):
     def __init__(self, model_cfg: ModelConfig, copy_cfg: CopyConfig, tp_group: dist.ProcessGroup | None, *,
                  seed: int, activation_checkpointing: bool = False, compile_layers: bool = False,
-                 loss_cfg: LossConfig | None = None, device=None, dtype=torch.float32):
+                 loss_cfg: LossConfig | None = None, sequence_parallel: bool = False, device=None,
+                 dtype=torch.float32):
         """copy_cfg.enabled=False builds the matched baseline (no copy head). activation_checkpointing:
         recompute each transformer layer in backward instead of keeping its activations;
         compile_layers: training runs torch.compile'd layers (cplm_dist.model.compiled); loss_cfg:
-        dense (default) or chunked LM-side loss (the same value)."""
+        dense (default) or chunked LM-side loss (the same value); sequence_parallel: Megatron's
+        sequence parallelism at tp > 1 (training only: the same parameters, so a checkpoint
+        evaluates without it)."""
         super().__init__()
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if device.type == "cuda" and device.index is None:
@@ -86,14 +98,17 @@ class CPLM(torch.nn.Module):
         start, _ = vocab_parallel.vocab_range(self.v_local, tp_group)
         self.real_local = max(0, min(self.v_local, m.vocab_size - start))  # shard columns before the padding
 
-        mp = megatron_config(self.tp_size, device, dtype)
+        mp = megatron_config(self.tp_size, device, dtype, sequence_parallel)
+        self.sequence_parallel = mp.sequence_parallel
+        sp_group = tp_group if self.sequence_parallel else None
         self.embedding = tensor_parallel.VocabParallelEmbedding(
-            self.padded_vocab_size, m.hidden_size, init_method=deferred_init, config=mp, tp_group=tp_group
+            self.padded_vocab_size, m.hidden_size, init_method=deferred_init, config=mp, tp_group=tp_group,
+            reduce_scatter_embeddings=self.sequence_parallel,
         )
         self.layers = torch.nn.ModuleList(
             TransformerLayer(m, mp, tp_group, self.tp_size, device=device) for _ in range(m.num_layers)
         )
-        self.final_norm = RMSNorm(m.hidden_size, m.norm_eps, device=device, dtype=dtype)
+        self.final_norm = RMSNorm(m.hidden_size, m.norm_eps, device=device, dtype=dtype, grad_group=sp_group)
         self.lm_head = tensor_parallel.ColumnParallelLinear(
             m.hidden_size, self.padded_vocab_size, config=mp, init_method=deferred_init, bias=False,
             gather_output=False, skip_weight_param_allocation=m.tie_embeddings, tp_group=tp_group,
@@ -102,7 +117,7 @@ class CPLM(torch.nn.Module):
             if p is not None:
                 mark_split(p, dim=0)
                 p.full_rows = m.vocab_size  # rows past it are padding (initialised to zero)
-        self.copy_head = CopyHead(m, copy_cfg, device=device, dtype=dtype) if copy_cfg.enabled else None
+        self.copy_head = CopyHead(m, copy_cfg, device=device, dtype=dtype, sp_group=sp_group) if copy_cfg.enabled else None
         self.activation_checkpointing = activation_checkpointing
         self.to(device)
         init_parameters(self, model_cfg, copy_cfg, seed, self.tp_rank, self.tp_size)
@@ -112,8 +127,14 @@ class CPLM(torch.nn.Module):
 
     def hidden_states(self, input_ids: torch.Tensor, state: DecodeState | None = None) -> torch.Tensor:
         """Final-norm hidden states h (B, T, D), identical on every tp rank; with a decode
-        `state`, of positions state.length.. (its caches are extended)."""
+        `state`, of positions state.length.. (its caches are extended). Sequence parallel: this
+        rank's positions, (T/tp, B, D)."""
         T, offset = input_ids.shape[1], (state.length if state is not None else 0)
+        if self.sequence_parallel and state is not None:
+            raise RuntimeError("a sequence-parallel model trains only: load its checkpoint with "
+                               "cplm_dist.checkpoint.load_model (built without it) to decode")
+        if self.sequence_parallel and T % self.tp_size:
+            raise ValueError(f"sequence length {T} is not divisible by tp={self.tp_size} (sequence parallelism)")
         if offset + T > self.model_cfg.max_seq_len:
             raise ValueError(f"sequence length {offset + T} exceeds model.max_seq_len={self.model_cfg.max_seq_len}")
         cos, sin = rope_tables(offset + T, self.model_cfg.head_dim, self.model_cfg.rope_theta, device=input_ids.device)
@@ -145,12 +166,18 @@ class CPLM(torch.nn.Module):
             labels = torch.cat([input_ids[:, 1:], torch.full_like(input_ids[:, :1], vocab_parallel.IGNORE_INDEX)], 1)
         h = self.hidden_states(input_ids)
         copy = self.copy_head(h, input_ids, labels) if self.copy_head is not None else None
+        sp = self.sequence_parallel
+        token_labels = labels.t().contiguous() if sp else labels  # the loss in the trunk's layout: (T, B) sequence parallel
         if self.loss_cfg.impl == "chunked":
             weight = self.embedding.weight if self.model_cfg.tie_embeddings else self.lm_head.weight
-            z_y, lse = vocab_parallel.chunked_target_logit_and_lse(h, weight, labels, self.tp_group, real_local=self.real_local,
-                                                                   rows=self.loss_cfg.chunk_rows)
-            return vocab_parallel.mixed_nll_from_lm(z_y, lse, labels, copy, self.copy_cfg.mix)
-        return vocab_parallel.mixed_nll(self.lm_logits(h), labels, copy, self.copy_cfg.mix, self.tp_group, inplace=True)
+            if sp:  # the whole sequence; backward reduce-scatters the partial dL/dh
+                h = gather_sequence(h, self.tp_group, sum_grad=True)
+            z_y, lse = vocab_parallel.chunked_target_logit_and_lse(h, weight, token_labels, self.tp_group, real_local=self.real_local,
+                                                                   rows=self.loss_cfg.chunk_rows, sum_grad_h=not sp)
+            out = vocab_parallel.mixed_nll_from_lm(z_y, lse, token_labels, copy, self.copy_cfg.mix)
+        else:
+            out = vocab_parallel.mixed_nll(self.lm_logits(h), token_labels, copy, self.copy_cfg.mix, self.tp_group, inplace=True)
+        return vocab_parallel.TokenLoss(*(t.t() for t in out)) if sp else out
 
     # --- evaluation ----------------------------------------------------------------------------
 
@@ -189,9 +216,11 @@ class CPLM(torch.nn.Module):
 
 
 def build_model(cfg: Config, *, tp_group: dist.ProcessGroup | None = None, device=None, dtype=torch.float32,
-                activation_checkpointing: bool | None = None, compile_layers: bool | None = None) -> CPLM:
+                activation_checkpointing: bool | None = None, compile_layers: bool | None = None,
+                sequence_parallel: bool | None = None) -> CPLM:
     """The model for this rank from cfg.model, cfg.copy and cfg.seed, its tp group taken from the
-    initialised parallel state; activation checkpointing and compilation as cfg.train says unless given."""
+    initialised parallel state; activation checkpointing, compilation and sequence parallelism as
+    cfg.train and cfg.parallel say unless given."""
     if tp_group is None:
         if not parallel_state.model_parallel_is_initialized():
             raise RuntimeError("build_model needs the parallel groups: call cplm_dist.parallel.init_distributed first")
@@ -207,5 +236,8 @@ def build_model(cfg: Config, *, tp_group: dist.ProcessGroup | None = None, devic
         activation_checkpointing = cfg.train.activation_checkpointing
     if compile_layers is None:
         compile_layers = cfg.train.compile
+    if sequence_parallel is None:
+        sequence_parallel = cfg.parallel.sequence_parallel
     return CPLM(m, cfg.copy, tp_group, seed=cfg.seed, activation_checkpointing=activation_checkpointing,
-                compile_layers=compile_layers, loss_cfg=cfg.loss, device=device, dtype=dtype)
+                compile_layers=compile_layers, loss_cfg=cfg.loss, sequence_parallel=sequence_parallel,
+                device=device, dtype=dtype)

@@ -1,15 +1,22 @@
-"""RMSNorm, replicated on every tp rank, computed in float32 whatever the activation dtype."""
+"""RMSNorm, replicated on every tp rank, computed in float32 whatever the activation dtype.
+
+Under sequence parallelism each tp rank normalises its own positions only: `grad_group` (the tp
+group) sums the weight's gradient (cplm_dist.model.sequence_parallel.sum_grad_over).
+"""
 
 import torch
 
+from cplm_dist.model.sequence_parallel import sum_grad_over
+
 
 class RMSNorm(torch.nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-5, *, device=None, dtype=None):
+    def __init__(self, dim: int, eps: float = 1e-5, *, device=None, dtype=None, grad_group=None):
         super().__init__()
         self.eps = eps
+        self.grad_group = grad_group
         self.weight = torch.nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x32 * self.weight.float()).to(x.dtype)
+        return (x32 * sum_grad_over(self.weight, self.grad_group).float()).to(x.dtype)
