@@ -103,10 +103,13 @@ def one_rank(small_data, tmp_path_factory):
     return losses(out)
 
 
-@pytest.mark.parametrize("zero", [1, 2])
-def test_tp2_dp2_zero_matches_one_rank(small_data, tmp_path, one_rank, zero):
+@pytest.mark.parametrize("zero,extra", [(1, ()), (2, ("parallel.sequence_parallel=true",)),
+                                        (3, ("parallel.sequence_parallel=true", "train.activation_checkpointing=true"))])
+def test_tp2_dp2_zero_matches_one_rank(small_data, tmp_path, one_rank, zero, extra):
+    """tp=2 x dp=2 through DeepSpeed; with sequence parallelism at ZeRO-2 and at ZeRO-3 (which must
+    gather the copy head's and norms' weights whose gradients are summed over tp), recomputed."""
     out = tmp_path / f"tp2dp2z{zero}"
-    assert train(4, _layout_args(small_data, out, zero, 2, "train.micro_batch_size=2")) == [0] * 4
+    assert train(4, _layout_args(small_data, out, zero, 2, "train.micro_batch_size=2", *extra)) == [0] * 4
     got = losses(out)
     assert sorted(got) == list(range(1, STEPS + 1))
     for step in got:

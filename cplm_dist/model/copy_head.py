@@ -67,20 +67,24 @@ class CopyHead(torch.nn.Module):
             return input_ids
         return torch.cat([input_ids[:, 1:], torch.full_like(input_ids[:, :1], -1)], dim=1)
 
-    def project(self, h: torch.Tensor, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """q, k of shape (B, H, T, d) in float32, for positions offset .. offset + T - 1."""
-        B, T, _ = h.shape
-        q = self.q(h).view(B, T, self.heads, self.head_dim).transpose(1, 2).float()  # (B, H, T, d)
-        k = self.k(h).view(B, T, self.heads, self.head_dim).transpose(1, 2).float()  # (B, H, T, d)
+    def project(self, h: torch.Tensor, offset: int = 0, seq_first: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """q, k of shape (B, H, T, d) in float32, for positions offset .. offset + T - 1 of
+        h (B, T, D), or (T, B, D) with seq_first (projected in that layout: no copy of h)."""
+        T = h.shape[0] if seq_first else h.shape[1]
+        order = (1, 2, 0, 3) if seq_first else (0, 2, 1, 3)
+        q = self.q(h).unflatten(-1, (self.heads, self.head_dim)).permute(order).float()  # (B, H, T, d)
+        k = self.k(h).unflatten(-1, (self.heads, self.head_dim)).permute(order).float()  # (B, H, T, d)
         if self.cfg.rope:
             cos, sin = rope_tables(offset + T, self.head_dim, self.rope_theta, device=h.device)
             q, k = apply_rope(q, cos[offset:], sin[offset:]), apply_rope(k, cos[offset:], sin[offset:])
         return q, k
 
-    def gate_logit(self, h: torch.Tensor, q: torch.Tensor) -> torch.Tensor | None:
-        """(B, T): the gate logit (gate mix), the sentinel score (sentinel mix), None (joint)."""
+    def gate_logit(self, h: torch.Tensor, q: torch.Tensor, seq_first: bool = False) -> torch.Tensor | None:
+        """(B, T): the gate logit (gate mix), the sentinel score (sentinel mix), None (joint);
+        h as `project` takes it."""
         if self.cfg.mix == "gate":
-            return self.gate(h).squeeze(-1).float()
+            gate = self.gate(h).squeeze(-1).float()
+            return gate.t() if seq_first else gate
         if self.cfg.mix == "sentinel":
             sentinel = sum_grad_over(self.sentinel, self.sp_group).float()
             sent = torch.einsum("bhtd,hd->bht", q, sentinel) / math.sqrt(self.head_dim)  # (B, H, T)
@@ -107,12 +111,11 @@ class CopyHead(torch.nn.Module):
         """h (B, T, D) final-norm states, input_ids (B, T), labels (B, T) global ids or -100.
         Under sequence parallelism h is this rank's (T/tp, B, D) positions and the terms come back
         for all T positions, sequence-first (T, B), as the loss takes them."""
-        offset = 0
-        if self.sp_group is not None:
-            h = h.transpose(0, 1)  # (B, T/tp, D), a view
-            offset = self.sp_group.rank() * h.shape[1]
-            labels = None if labels is None else labels[:, offset : offset + h.shape[1]]
-        q, k = self.project(h, offset)  # (B, H, T or T/tp, d)
+        sp, offset = self.sp_group is not None, 0
+        if sp:
+            offset = self.sp_group.rank() * h.shape[0]
+            labels = None if labels is None else labels[:, offset : offset + h.shape[0]]
+        q, k = self.project(h, offset, seq_first=sp)  # (B, H, T or T/tp, d)
         if self.sp_group is not None:  # every key, from every rank: (B, H, T, d)
             k = gather_sequence(k.permute(2, 0, 1, 3), self.sp_group, sum_grad=True).permute(1, 2, 0, 3)
         src = self.source_ids(input_ids)  # (B, T)
@@ -121,8 +124,8 @@ class CopyHead(torch.nn.Module):
         else:
             a_heads, m_heads = dense_copy_lse(q, k, src, labels, self.shift, offset)
         copy_match = self._combine(m_heads, a_heads) if labels is not None else None
-        terms = CopyTerms(self._copy_all(a_heads), copy_match, self.gate_logit(h, q))
-        return terms if self.sp_group is None else self._gather_terms(terms)
+        terms = CopyTerms(self._copy_all(a_heads), copy_match, self.gate_logit(h, q, seq_first=sp))
+        return self._gather_terms(terms) if sp else terms
 
     def _gather_terms(self, terms: CopyTerms) -> CopyTerms:
         """This rank's (B, T/tp) terms -> all positions' (T, B), in one all-gather of (T/tp, B, n<=3)."""

@@ -28,6 +28,12 @@ saved-tensor hooks and must agree exactly):
 per layer, not counted). With activation checkpointing a layer keeps only its input
 (b D per token) and one layer's activations exist at a time, during its recomputation.
 
+Sequence parallelism (parallel.sequence_parallel, tp > 1) keeps the norms' tensors for T/tp
+positions (the tp linears keep their input shard and gather it again in backward), so the norms
+line and a checkpointed layer's input are divided by tp; attention and MLP are unchanged (heads
+and MLP width were already split). Outside the layers the final norm is divided by tp, and the
+copy head keeps q, A_t, M_t for its own T/tp positions and k for all of them.
+
 Outside the layers, per token: the final norm (8 D + 4 + b D), the loss's [tokens, V/tp] fp32
 softmax (4 V/tp, plus the bf16 logits while they are cast; with loss.impl=chunked, one block of
 loss.chunk_rows rows, 8 V/tp each plus the bf16 logits), and the copy head's fp32 q and k
@@ -105,25 +111,32 @@ def state_bytes_per_parameter(precision: str, zero: int, dp: int) -> tuple[float
     )
 
 
+def sequence_shards(cfg: Config, tp: int) -> int:
+    """What the sequence-sharded activations are divided by: tp under sequence parallelism, else 1."""
+    return tp if cfg.parallel.sequence_parallel and tp > 1 else 1
+
+
 def layer_activation_bytes_per_token(cfg: Config, tp: int, act_bytes: int) -> float:
     m, b = cfg.model, act_bytes
     D, F, hd = m.hidden_size, m.ffn_hidden_size // tp, m.head_dim
     nh, nkv = m.num_heads // tp, m.num_kv_heads // tp
-    norms = 2 * (4 * D + 4 + 4 * D + b * D)
+    norms = 2 * (4 * D + 4 + 4 * D + b * D) / sequence_shards(cfg, tp)
     attention = b * (nh + 2 * nkv) * hd + b * (2 * nh + nkv) * hd + 4 * nh
     mlp = b * 4 * F
     return norms + attention + mlp
 
 
-def copy_head_bytes(cfg: Config, micro_batch: int, seq_len: int) -> float:
+def copy_head_bytes(cfg: Config, micro_batch: int, seq_len: int, tp: int = 1) -> float:
     """The copy head's activation bytes at the backward peak (module docstring), per device."""
     c = cfg.copy
+    shards = sequence_shards(cfg, tp)
     tokens = micro_batch * seq_len
-    qk = tokens * 2 * 4 * c.num_heads * c.head_dim
+    qk = tokens * 4 * c.num_heads * c.head_dim * (1 / shards + 1)  # q of this rank's positions, k of all
+    rows = seq_len // shards  # the query rows this rank scores
     if c.impl == "dense" or seq_len <= c.chunk_size:  # one block: CopyHead takes the dense path
-        return qk + micro_batch * COPY_SCORE_TENSORS * 4 * c.num_heads * seq_len**2
-    block = micro_batch * 4 * c.num_heads * c.chunk_size * seq_len
-    return 2 * qk + tokens * 2 * 4 * c.num_heads + COPY_BLOCK_TENSORS * block
+        return qk + micro_batch * COPY_SCORE_TENSORS * 4 * c.num_heads * rows * seq_len
+    block = micro_batch * 4 * c.num_heads * min(c.chunk_size, rows) * seq_len
+    return 2 * qk + tokens / shards * 2 * 4 * c.num_heads + COPY_BLOCK_TENSORS * block
 
 
 def estimate(cfg: Config, *, tp: int, dp: int, micro_batch: int, seq_len: int, zero: int | None = None,
@@ -138,13 +151,14 @@ def estimate(cfg: Config, *, tp: int, dp: int, micro_batch: int, seq_len: int, z
     n_local = parameters_per_device(cfg, tp)
     p_b, g_b, o_b = state_bytes_per_parameter(precision, zero, dp)
     per_layer = layer_activation_bytes_per_token(cfg, tp, b)
+    shards = sequence_shards(cfg, tp)
     if ckpt:
-        activations = tokens * (m.num_layers * b * m.hidden_size)
+        activations = tokens * (m.num_layers * b * m.hidden_size) / shards
         recompute = tokens * per_layer
     else:
         activations = tokens * m.num_layers * per_layer
         recompute = 0.0
-    activations += tokens * (8 * m.hidden_size + 4 + b * m.hidden_size) + 2 * 4 * seq_len * m.head_dim
+    activations += tokens * (8 * m.hidden_size + 4 + b * m.hidden_size) / shards + 2 * 4 * seq_len * m.head_dim
     v_local = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp) / tp
     if cfg.loss.impl == "chunked":  # one row block at a time: its fp32 logits and their exp / gradient, its bf16 logits
         logits = min(tokens, cfg.loss.chunk_rows) * v_local * (8 + (b if b != 4 else 0))
@@ -152,7 +166,7 @@ def estimate(cfg: Config, *, tp: int, dp: int, micro_batch: int, seq_len: int, z
         logits = tokens * v_local * (4 + (b if b != 4 else 0))
     copy_head = 0.0
     if c.enabled:
-        copy_head = copy_head_bytes(cfg, micro_batch, seq_len)
+        copy_head = copy_head_bytes(cfg, micro_batch, seq_len, tp)
     embedding_grad = v_local * m.hidden_size * (g_b if zero < 2 else b)
     return MemoryEstimate(
         parameters=n_local * p_b,
