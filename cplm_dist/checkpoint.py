@@ -57,7 +57,7 @@ RESUMABLE_CHANGES = (
     "train.wandb", "train.wandb_project", "train.collective_timeout_minutes", "train.compile", "train.overlap_comm",
     "train.contiguous_gradients", "train.reduce_bucket_size", "train.allgather_bucket_size",
     "train.stage3_prefetch_bucket_size", "optim.impl", "loss.impl", "loss.chunk_rows", "model.init_from",
-    "train.zero_stage", "parallel.tp", "optim.lr", "optim.min_lr", "optim.schedule", "optim.warmup_steps",
+    "train.zero_stage", "parallel.tp", "parallel.sequence_parallel", "optim.lr", "optim.min_lr", "optim.schedule", "optim.warmup_steps",
     "optim.decay_fraction", "optim.weight_decay", "optim.clip_grad", "data.num_workers", "data.cache_dir",
 )
 
