@@ -67,6 +67,16 @@ _allocate_on_cpu_without_cuda()
 # megatron-core calls torch's reduce_scatter_tensor, which torch 2.13 deprecates once per call site
 warnings.filterwarnings("ignore", message=".*reduce_scatter_tensor. is deprecated.*", category=FutureWarning)
 
+def collective_aliases() -> list[tuple[types.ModuleType, str]]:
+    """(module, name) of the torch.distributed collectives megatron-core bound to names of its own
+    at import (its sequence-parallel all-gathers and reduce-scatters): a profiler that patches
+    torch.distributed must patch these too."""
+    from megatron.core.tensor_parallel import layers, mappings
+
+    names = ("dist_all_gather_func", "dist_reduce_scatter_func")
+    return [(module, name) for module in (layers, mappings) for name in names if hasattr(module, name)]
+
+
 __all__ = [
     "BlendedMegatronDatasetBuilder",
     "GPTDataset",

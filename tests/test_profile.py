@@ -140,12 +140,14 @@ def test_layer_activation_formula_equals_what_autograd_keeps(precision, act_byte
 
 def _forward_saved_bytes_worker():
     """Bytes autograd keeps from one whole forward (loss included) per rank at tp = 2, without and
-    with sequence parallelism; parameters excluded."""
+    with sequence parallelism, parameters excluded; and the tp collectives the profiler's timer
+    counts in a forward and backward."""
     from cplm_dist.model import build_model
     from cplm_dist.parallel import init_distributed
+    from cplm_dist.profiling.measure import CommTimer
 
-    init_distributed(2)
-    saved = {}
+    dims = init_distributed(2)
+    saved, tp_calls = {}, {}
     for sp in (False, True):
         cfg = load_config("tiny", ["parallel.tp=2", f"parallel.sequence_parallel={str(sp).lower()}", "model.vocab_size=4096"])
         model = build_model(cfg)
@@ -161,7 +163,10 @@ def _forward_saved_bytes_worker():
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             model(ids)
         saved[sp] = sum(storages.values())
-    return saved
+        with CommTimer(dims, torch.device("cpu")) as timer:
+            model(ids[:1, :64]).nll.sum().backward()
+        tp_calls[sp] = timer.calls["tp"]
+    return saved, tp_calls
 
 
 def test_sequence_parallel_divides_the_sequence_sharded_activations_as_estimated():
@@ -169,7 +174,10 @@ def test_sequence_parallel_divides_the_sequence_sharded_activations_as_estimated
     backward falls by the norms' share (half of it moves to the other rank), and the estimator's
     activations + loss buffer + copy-head q, k, A, M land within 15% of the measured bytes, with
     and without sequence parallelism, and so does the saving."""
-    saved = run_ranks(_forward_saved_bytes_worker, 2)[0]
+    saved, tp_calls = run_ranks(_forward_saved_bytes_worker, 2)[0]
+    # each layer's two all-reduces become all-gather + reduce-scatter pairs (megatron-core calls them
+    # through its own names): the profiler's timer must see them
+    assert tp_calls[True] >= tp_calls[False] + 2 * load_config("tiny").model.num_layers, tp_calls
     predicted = {}
     for sp in (False, True):
         cfg = load_config("tiny", ["parallel.tp=2", f"parallel.sequence_parallel={str(sp).lower()}", "model.vocab_size=4096",

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from cplm_dist.config import Config
+from cplm_dist.megatron_compat import collective_aliases
 from cplm_dist.parallel import ParallelDims, synchronize
 from cplm_dist.profiling.throughput import device_peak_flops, flops_per_token
 
@@ -67,15 +68,17 @@ class CommTimer:
         return timed
 
     def __enter__(self):
-        for name in COLLECTIVES:
-            if hasattr(dist, name):
-                self._saved[name] = getattr(dist, name)
-                setattr(dist, name, self._wrap(name, self._saved[name]))
+        # megatron-core's sequence-parallel collectives go through its own names for torch's
+        targets = [(dist, name) for name in COLLECTIVES if hasattr(dist, name)] + collective_aliases()
+        for module, name in targets:
+            fn = getattr(module, name)
+            self._saved[(module, name)] = fn
+            setattr(module, name, self._wrap(name, fn))
         return self
 
     def __exit__(self, *exc):
-        for name, fn in self._saved.items():
-            setattr(dist, name, fn)
+        for (module, name), fn in self._saved.items():
+            setattr(module, name, fn)
         self._saved.clear()
 
 
