@@ -553,11 +553,17 @@ def use_safe_loading(engine) -> None:
 
 
 @contextlib.contextmanager
-def _weights_only_torch_load():
-    """DeepSpeed's zero_to_fp32 calls torch.load(weights_only=False) itself; while merging, that
-    name loads safely instead."""
+def weights_only_torch_load(fix=None):
+    """DeepSpeed's zero_to_fp32, universal-checkpoint converter and universal loader call
+    torch.load(weights_only=False) themselves; while they run, that name loads safely instead,
+    each loaded object passed through `fix` when given (cplm_dist.reshape cleans model states)."""
     real = torch.load
-    torch.load = lambda f, map_location=None, **_: safe_load(f, map_location)
+
+    def load(f, map_location=None, **_):
+        obj = safe_load(f, map_location)
+        return obj if fix is None else fix(obj)
+
+    torch.load = load
     try:
         yield
     finally:
@@ -620,7 +626,7 @@ def load_model(path: str | Path, device=None, dtype=torch.float32):
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         _check_intact(step_dir, info, None)
-        with _weights_only_torch_load():
+        with weights_only_torch_load():
             shards = [get_fp32_state_dict_from_zero_checkpoint(str(info["root"]), tag=info["tag"])]
     params = dict(model.named_parameters())
     unexpected = [k for k in shards[0] if k not in params and not k.endswith("_extra_state")]

@@ -142,29 +142,22 @@ def _readable_by_every_stage(out: Path, cfg: Config, saved_tp: int) -> None:
                 os.link(have, p)
 
 
-@contextlib.contextmanager
 def trusted_torch_load(info: dict | None = None):
-    """DeepSpeed's converter and universal loader call torch.load(weights_only=False) on the
-    files; they load through the checkpoint allow-list instead (nothing in them runs code).
-    megatron-core's layers save an `_extra_state` of None in the module states, which the
-    converter would copy as a weight (None.float()): those entries are left out of what it reads.
-    `info`: the layout for model states saved without one (by cplm_dist before reshaping existed)."""
-    from cplm_dist.checkpoint import safe_load
+    """While DeepSpeed's converter and universal loader run, their torch.load reads through the
+    checkpoint allow-list (cplm_dist.checkpoint.weights_only_torch_load). megatron-core's layers
+    save an `_extra_state` of None in the module states, which the converter would copy as a weight
+    (None.float()): those entries are left out of what it reads. `info`: the layout for model
+    states saved without one (by cplm_dist before reshaping existed)."""
+    from cplm_dist.checkpoint import weights_only_torch_load
 
-    def load(f, map_location=None, **_):
-        obj = safe_load(f, map_location)
+    def clean(obj):
         if isinstance(obj, dict) and isinstance(obj.get("module"), dict):
             obj["module"] = {k: v for k, v in obj["module"].items() if v is not None}
             if info is not None:
                 obj.setdefault(UNIVERSAL_INFO, info)
         return obj
 
-    real = torch.load
-    torch.load = load
-    try:
-        yield
-    finally:
-        torch.load = real
+    return weights_only_torch_load(clean)
 
 
 def _zero0_to_universal(step_dir: Path, out: Path, model: torch.nn.Module, cfg: Config, saved_tp: int) -> None:
