@@ -67,14 +67,22 @@ _allocate_on_cpu_without_cuda()
 # megatron-core calls torch's reduce_scatter_tensor, which torch 2.13 deprecates once per call site
 warnings.filterwarnings("ignore", message=".*reduce_scatter_tensor. is deprecated.*", category=FutureWarning)
 
-def collective_aliases() -> list[tuple[types.ModuleType, str]]:
-    """(module, name) of the torch.distributed collectives megatron-core bound to names of its own
-    at import (its sequence-parallel all-gathers and reduce-scatters): a profiler that patches
-    torch.distributed must patch these too."""
+def collective_holders() -> list:
+    """Objects that keep references of their own to torch.distributed's collectives, bound once:
+    megatron-core's tensor-parallel modules (`dist_all_gather_func`, `dist_reduce_scatter_func`,
+    its sequence-parallel collectives), torch's distributed_c10d (which DeepSpeed calls directly)
+    and DeepSpeed's communication backend once it exists (`all_gather_function`,
+    `reduce_scatter_function`: ZeRO's parameter gathers and gradient reduce-scatters). A profiler
+    that patches only torch.distributed misses every call made through these."""
+    import sys
+
     from megatron.core.tensor_parallel import layers, mappings
 
-    names = ("dist_all_gather_func", "dist_reduce_scatter_func")
-    return [(module, name) for module in (layers, mappings) for name in names if hasattr(module, name)]
+    holders = [torch.distributed.distributed_c10d, layers, mappings]
+    ds_comm = sys.modules.get("deepspeed.comm.comm")
+    if ds_comm is not None and getattr(ds_comm, "cdb", None) is not None:
+        holders.append(ds_comm.cdb)
+    return holders
 
 
 __all__ = [

@@ -19,6 +19,10 @@ VOCAB = 512
 # deepspeed). Its ninja (1.13) and the system's (1.11) keep incompatible build logs, so each switch
 # between them rebuilt the op from scratch (~45 s each, twice a suite).
 os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+# The op's build directory belongs to this venv: another checkout's venv (its own paths in the
+# build files) sharing ~/.cache/torch_extensions made each rebuild the other's op, and a rebuild
+# inside the test that limits file sizes failed in the compiler.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.executable).parent.parent / "torch_extensions"))
 
 
 @dataclass

@@ -279,8 +279,11 @@ def table(result: dict) -> str:
             return f"{v:,.4g}" if abs(v) < 1e4 else f"{v:,.0f}"
         return str(v)
 
-    width = max(len(k) for k in result)
-    return "\n".join(f"  {k:<{width}}  {fmt(v)}" for k, v in result.items())
+    flat = {}
+    for k, v in result.items():  # a nested record (comm_by_collective) one line per entry
+        flat.update({f"{k}.{sub}": x for sub, x in v.items()} if isinstance(v, dict) else {k: v})
+    width = max(len(k) for k in flat)
+    return "\n".join(f"  {k:<{width}}  {fmt(v)}" for k, v in flat.items())
 
 
 REPORT_COLUMNS = [
@@ -319,6 +322,7 @@ def append_csv(path: str, result: dict) -> None:
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     rows = list(csv.DictReader(open(p))) if p.exists() else []
+    result = {k: v for k, v in result.items() if not isinstance(v, dict)}  # nested records: the JSON only
     fields = list(dict.fromkeys([*(rows[0].keys() if rows else []), *result]))
     rows.append({k: result.get(k, "") for k in fields})
     tmp = p.with_name(f".{p.name}.tmp-{os.getpid()}")

@@ -23,22 +23,40 @@ import torch
 import torch.distributed as dist
 
 from cplm_dist.config import Config
-from cplm_dist.megatron_compat import collective_aliases
+from cplm_dist.megatron_compat import collective_holders
 from cplm_dist.parallel import ParallelDims, synchronize
 from cplm_dist.profiling.throughput import device_peak_flops, flops_per_token
 
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
-               "broadcast", "all_to_all_single", "reduce")
+               "broadcast", "all_to_all_single", "reduce", "_all_gather_base", "_reduce_scatter_base",
+               "all_reduce_coalesced", "_all_gather_base_coalesced")
+
+
+def collective_bytes(args: tuple, kwargs: dict) -> int:
+    """The size of a collective's whole buffer: its largest tensor argument, a list of tensors
+    counted as their sum. So an all-reduce counts its tensor, an all-gather its gathered output
+    and a reduce-scatter its unscattered input (the bytes NCCL's bus-bandwidth convention scales),
+    whichever way the call passes them."""
+    def size(a) -> int:
+        if isinstance(a, torch.Tensor):
+            return a.numel() * a.element_size()
+        if isinstance(a, (list, tuple)):
+            return sum(size(t) for t in a if isinstance(t, torch.Tensor))
+        return 0
+
+    return max([size(a) for a in (*args, *kwargs.values())] or [0])
 
 
 class CommTimer:
     """While active, every torch.distributed collective is timed to completion and filed under
-    the group it ran on ("tp", "dp", "world" or "other"): seconds, calls and bytes."""
+    the group it ran on ("tp", "dp", "world" or "other"): seconds, calls and bytes (the whole
+    buffer, `collective_bytes`), also by collective in `by_name[(group, name)] = [calls, bytes]`."""
 
     def __init__(self, dims: ParallelDims, device: torch.device):
         self.device = device
         self.groups = {id(dims.tp_group): "tp", id(dims.dp_group): "dp"}
         self.seconds, self.calls, self.bytes = defaultdict(float), defaultdict(int), defaultdict(int)
+        self.by_name = defaultdict(lambda: [0, 0])
         self._saved = {}
 
     def _kind(self, group) -> str:
@@ -51,7 +69,6 @@ class CommTimer:
 
         def timed(*args, **kwargs):
             bound = signature.bind_partial(*args, **kwargs).arguments
-            tensor = next((a for a in args if isinstance(a, torch.Tensor)), None)
             kind = self._kind(bound.get("group"))
             synchronize(self.device)
             start = time.perf_counter()
@@ -60,20 +77,26 @@ class CommTimer:
                 work.wait()
             synchronize(self.device)
             self.seconds[kind] += time.perf_counter() - start
+            size = collective_bytes(args, kwargs)
             self.calls[kind] += 1
-            if tensor is not None:
-                self.bytes[kind] += tensor.numel() * tensor.element_size()
+            self.bytes[kind] += size
+            self.by_name[(kind, name)][0] += 1
+            self.by_name[(kind, name)][1] += size
             return work
 
         return timed
 
     def __enter__(self):
-        # megatron-core's sequence-parallel collectives go through its own names for torch's
-        targets = [(dist, name) for name in COLLECTIVES if hasattr(dist, name)] + collective_aliases()
-        for module, name in targets:
-            fn = getattr(module, name)
-            self._saved[(module, name)] = fn
-            setattr(module, name, self._wrap(name, fn))
+        originals = {id(getattr(dist, name)): name for name in COLLECTIVES if hasattr(dist, name)}
+        targets = [(dist, name) for name in originals.values()]
+        # megatron-core, DeepSpeed and torch's own c10d module call collectives through references
+        # bound at their import: each such name is wrapped too, under the collective's name
+        for holder in collective_holders():
+            targets += [(holder, attr) for attr, value in list(vars(holder).items()) if id(value) in originals]
+        for holder, attr in targets:
+            fn = getattr(holder, attr)
+            self._saved[(holder, attr)] = fn
+            setattr(holder, attr, self._wrap(originals[id(fn)], fn))
         return self
 
     def __exit__(self, *exc):
@@ -151,6 +174,8 @@ def measure(step, cfg: Config, dims: ParallelDims, *, warmup: int, steps: int, b
         "comm_dp_calls": (comm.calls["dp"] + comm.calls["world"]) / n,
         "comm_tp_mb": comm.bytes["tp"] / n / 1e6,
         "comm_dp_mb": (comm.bytes["dp"] + comm.bytes["world"]) / n / 1e6,
+        "comm_by_collective": {f"{kind}/{name}": {"calls": calls / n, "mb": size / n / 1e6}
+                               for (kind, name), (calls, size) in sorted(comm.by_name.items())},
     }
 
 

@@ -1,0 +1,114 @@
+"""Bytes each rank's collectives move in one optimizer step, from the config and layout alone.
+
+Counted as the profiler's collective timer counts them (cplm_dist.profiling.measure,
+`collective_bytes`): each call's whole buffer, i.e. an all-reduce's tensor, an all-gather's
+gathered output, a reduce-scatter's unscattered input. The keys are the timer's,
+"<group>/<collective>". With n = micro-batch x sequence tokens, b the activation bytes and L
+layers, per micro-batch:
+
+tensor parallel, without sequence parallelism (megatron-core's linears; tp > 1):
+    all_reduce  n D b x (2L forward [attention out, MLP out] + 1 [embedding]
+                         + 2L backward [QKV and fc1 input gradients] + 1 [LM-head input gradient]
+                         + L with activation checkpointing [the recomputed forward: torch's
+                         non-reentrant checkpoint stops once backward's saved tensors are back,
+                         before the MLP's output collective, which nothing saved depends on])
+                + 3 x 4 n    the loss's max, target logit and sum-exp over the vocabulary shards
+with sequence parallelism (docs/parallelism.md):
+    all_gather  n D b x (2L forward + 4L backward [QKV, fc1 inputs again; attention-out and MLP-out
+                         gradients] + 2 [LM-head input, forward and again in backward] + 1 [embedding
+                         gradient] + 2L recomputed) + the copy head's keys 4 n H_c d_c and terms 4 n k
+    reduce_scatter n D b x (2L forward + 2L backward + 1 [embedding] + 1 [LM-head input gradient]
+                         + L recomputed) + the copy head's key gradient 4 n H_c d_c
+    all_reduce  the replicated weights' gradients (norms, copy head: their elements x b) + 3 x 4 n
+data parallel over the P parameter elements a rank holds (after tp), gradients and gathered
+parameters in the parameters' dtype, as DeepSpeed 0.19.8 does it (measured on gloo):
+    ZeRO-0      all_reduce P once a step (at the accumulation boundary)
+    ZeRO-1      all_reduce P once a step + all_gather P (the updated partitions, after the step)
+    ZeRO-2      all_reduce P every micro-batch + all_gather P after the step
+    ZeRO-3      reduce_scatter P every micro-batch; all_gather: tensors under the persistence
+                threshold (1e5 elements) once a step, the rest every micro-batch, twice when the
+                rank's gathered parameters exceed the reuse distance (1e9 elements) so that
+                forward's copies are released before backward
+Small bookkeeping collectives (gradient norm, overflow checks, loss averaging) are not counted.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from cplm_dist.config import Config
+from cplm_dist.model.counting import tensor_sizes_per_device
+
+ZERO3_PERSISTENCE_THRESHOLD = 100_000  # DeepSpeed's stage3_param_persistence_threshold default
+ZERO3_REUSE_DISTANCE = 1_000_000_000  # DeepSpeed's stage3_max_reuse_distance default
+
+
+def _copy_terms(cfg: Config) -> int:
+    """Per-token floats the copy head all-gathers under sequence parallelism: A_t, M_t, and the
+    gate logit or sentinel score."""
+    return 2 + (cfg.copy.mix in ("gate", "sentinel"))
+
+
+def tp_bytes_per_micro_batch(cfg: Config, *, tp: int, tokens: int, act_bytes: int, activation_checkpointing: bool,
+                             sequence_parallel: bool) -> dict[str, float]:
+    """{collective: bytes} of one micro-batch's forward and backward on the tp group."""
+    if tp == 1:
+        return {}
+    m, c = cfg.model, cfg.copy
+    L, h = m.num_layers, tokens * m.hidden_size * act_bytes
+    ckpt = 1 if activation_checkpointing else 0  # a recomputed layer repeats all but its MLP's output collective
+    loss = 3 * 4 * tokens
+    if not sequence_parallel:
+        return {"all_reduce": h * (2 * L + 1 + 2 * L + 1 + ckpt * L) + loss}
+    keys = 4 * tokens * c.num_heads * c.head_dim if c.enabled else 0
+    terms = 4 * tokens * _copy_terms(cfg) if c.enabled else 0
+    D = m.hidden_size
+    replicated = (2 * L + 1) * D + (2 * c.num_heads * c.head_dim * D + {"gate": D + 1, "sentinel": c.num_heads * c.head_dim,
+                                                                       "joint": 0}[c.mix] if c.enabled else 0)
+    return {
+        "all_gather_into_tensor": h * (2 * L + 4 * L + 2 + 1 + ckpt * 2 * L) + keys + terms,
+        "reduce_scatter_tensor": h * (2 * L + 2 * L + 1 + 1 + ckpt * L) + keys,
+        "all_reduce": replicated * act_bytes + loss,
+    }
+
+
+def dp_bytes_per_step(cfg: Config, *, tp: int, dp: int, zero: int, accumulation: int, param_bytes: int) -> dict[str, float]:
+    """{collective: bytes} of one optimizer step on the dp group."""
+    if dp == 1:
+        return {}
+    sizes = tensor_sizes_per_device(cfg, tp)
+    p = sum(sizes) * param_bytes
+    if zero == 0:
+        return {"all_reduce": p}
+    if zero == 1:
+        return {"all_reduce": p, "all_gather_into_tensor": p}
+    if zero == 2:
+        return {"all_reduce": p * accumulation, "all_gather_into_tensor": p}
+    persistent = sum(s for s in sizes if s < ZERO3_PERSISTENCE_THRESHOLD)
+    gathered = sum(sizes) - persistent
+    per_micro = 2 if gathered > ZERO3_REUSE_DISTANCE else 1
+    return {"reduce_scatter_tensor": p * accumulation,
+            "all_gather_into_tensor": (persistent + gathered * per_micro * accumulation) * param_bytes}
+
+
+def step_bytes(cfg: Config, *, tp: int, dp: int, zero: int, micro_batch: int, accumulation: int, seq_len: int,
+               precision: str, activation_checkpointing: bool, sequence_parallel: bool) -> dict[str, float]:
+    """{"<group>/<collective>": bytes} one rank moves in an optimizer step (the module docstring)."""
+    b = 2 if precision == "bf16" else 4
+    out: dict[str, float] = defaultdict(float)
+    per_micro = tp_bytes_per_micro_batch(cfg, tp=tp, tokens=micro_batch * seq_len, act_bytes=b,
+                                         activation_checkpointing=activation_checkpointing,
+                                         sequence_parallel=sequence_parallel and tp > 1)
+    for name, size in per_micro.items():
+        out[f"tp/{name}"] += size * accumulation
+    for name, size in dp_bytes_per_step(cfg, tp=tp, dp=dp, zero=zero, accumulation=accumulation, param_bytes=b).items():
+        out[f"dp/{name}"] += size
+    return dict(out)
+
+
+def ring_factor(collective: str, ranks: int) -> float:
+    """Bytes each rank sends per byte of the whole buffer, ring algorithms (NCCL's bus-bandwidth
+    convention): an all-reduce 2 (r - 1) / r, an all-gather or reduce-scatter (r - 1) / r."""
+    if ranks <= 1:
+        return 0.0
+    return (2.0 if collective == "all_reduce" else 1.0) * (ranks - 1) / ranks

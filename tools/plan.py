@@ -1,0 +1,154 @@
+"""Plan a training layout: which tp x dp x ZeRO x micro-batch x checkpointing x sequence
+parallelism fits a cluster, and which is fastest (cplm_dist/profiling/planner.py, docs/parallelism.md).
+
+    python tools/plan.py --config cplm-1.7b --gpus 8
+    python tools/plan.py --config cplm-70b --gpus 512 --seq-len 4096 --global-batch 1024 --top 5
+    python tools/plan.py --config configs/runs/cplm-7b.yaml --gpus 64 --write configs/runs/cplm-7b.yaml
+
+The sequence length and global batch default to the config's data.seq_length and
+train.global_batch_size; precision is train.precision. Predictions, not measurements: compute at
+--achievable x the GPU's dense peak, communication at the stated bandwidths. --write sets the
+chosen layout's fields in a run config (a file keeps its other sections; a shipped name becomes
+`base: <name>`).
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+from cplm_dist.cli import config_parser, exit_on_usage_error, load_from_args
+from cplm_dist.errors import UsageError
+from cplm_dist.model.counting import parameter_count
+from cplm_dist.profiling.planner import Cluster, Plan, plan
+
+PLAN_NOTE = "# layout from tools/plan.py"
+COLUMNS = [("tp", "tp"), ("dp", "dp"), ("zero", "ZeRO"), ("micro_batch", "micro"), ("accumulation", "accum"),
+           ("activation_checkpointing", "ckpt"), ("sequence_parallel", "sp"), ("memory_gib", "GiB"),
+           ("compute_s", "compute s"), ("tp_comm_s", "tp s"), ("exposed_dp_s", "dp s (exposed)"),
+           ("step_s", "step s"), ("mfu", "MFU"), ("tokens_per_s", "tokens/s")]
+
+
+def _cell(value) -> str:
+    return ("on" if value else "off") if isinstance(value, bool) else str(value)
+
+
+def table(plans: list[Plan]) -> str:
+    lines = ["| " + " | ".join(h for _, h in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    for p in plans:
+        row = p.as_dict()
+        cells = [(f"{row[k]:.1%}" if k == "mfu" else f"{row[k]:.2f}" if k == "memory_gib" else
+                  f"{row[k]:,.0f}" if k == "tokens_per_s" else f"{row[k]:.3g}" if k.endswith("_s") else _cell(row[k]))
+                 for k, _ in COLUMNS]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def set_fields(text: str, fields: dict[tuple[str, str], object]) -> str:
+    """`text` (a run config's YAML) with each (section, key) set to its value, as text: comments and
+    order kept; a missing key goes under its section, a missing section at the end."""
+    lines, section, done = text.splitlines(), None, set()
+    out = []
+    for line in lines:
+        top = re.match(r"^(\w+):\s*(#.*)?$", line)
+        if top:
+            if section is not None:
+                out += _missing(fields, section, done)
+            section = top.group(1)
+        kv = re.match(r"^(  )(\w+):(\s*)([^#]*?)(\s*#.*)?$", line)
+        if kv and section is not None and (section, kv.group(2)) in fields:
+            key = (section, kv.group(2))
+            line = f"  {kv.group(2)}: {_yaml(fields[key])}{kv.group(5) or ''}"
+            done.add(key)
+        out.append(line)
+    if section is not None:
+        out += _missing(fields, section, done)
+    for sec in dict.fromkeys(s for s, _ in fields):
+        rest = _missing(fields, sec, done)
+        if rest:
+            out += [f"{sec}:", *rest]
+    return "\n".join(out) + "\n"
+
+
+def _missing(fields: dict, section: str, done: set) -> list[str]:
+    keys = [k for (s, k) in fields if s == section and (s, k) not in done]
+    done.update((section, k) for k in keys)
+    return [f"  {k}: {_yaml(fields[(section, k)])}" for k in keys]
+
+
+def _yaml(value) -> str:
+    return ("true" if value else "false") if isinstance(value, bool) else str(value)
+
+
+def write_run_config(path: Path, source: str, best: Plan, seq_len: int, global_batch: int, note: str) -> None:
+    """Set the layout fields of a run config (from `source`: a YAML file, or a shipped name that
+    becomes its base) and write it to `path`, the plan's line under the first comment line."""
+    src = Path(source)
+    text = src.read_text() if src.is_file() else f"base: {source}\n"
+    text = set_fields(text, {
+        ("parallel", "tp"): best.tp, ("parallel", "sequence_parallel"): best.sequence_parallel,
+        ("data", "seq_length"): seq_len, ("train", "micro_batch_size"): best.micro_batch,
+        ("train", "global_batch_size"): global_batch, ("train", "zero_stage"): best.zero,
+        ("train", "activation_checkpointing"): best.activation_checkpointing})
+    lines = [line for line in text.splitlines() if not line.startswith(PLAN_NOTE)]
+    at = 1 if lines and lines[0].startswith("#") else 0
+    lines.insert(at, note)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("\n".join(lines) + "\n")
+    tmp.replace(path)
+
+
+@exit_on_usage_error
+def main(argv=None) -> int:
+    p = config_parser(__doc__.splitlines()[0])
+    p.add_argument("--gpus", type=int, required=True, help="GPUs in the job")
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--gpu-gb", type=float, default=80.0, help="memory per GPU (GiB)")
+    p.add_argument("--peak-tflops", type=float, default=989.0, help="dense peak per GPU at the training precision")
+    p.add_argument("--achievable", type=float, default=0.48,
+                   help="fraction of peak the compute reaches (default: the MFU measured for cplm-1.7b on one H200)")
+    p.add_argument("--intra-gbps", type=float, default=360.0, help="GB/s per GPU inside a node (ring bus bandwidth)")
+    p.add_argument("--inter-gbps", type=float, default=40.0, help="GB/s per GPU between nodes")
+    p.add_argument("--overlap", type=float, default=0.8, help="share of ZeRO communication under compute that it hides")
+    p.add_argument("--seq-len", type=int, help="default: data.seq_length")
+    p.add_argument("--global-batch", type=int, help="sequences per step (default: train.global_batch_size)")
+    p.add_argument("--top", type=int, default=8, help="layouts to print")
+    p.add_argument("--write", metavar="YAML", help="write the best layout into this run config")
+    args = p.parse_intermixed_args(argv)
+    cfg = load_from_args(args)
+    if args.gpus < 1 or args.gpus_per_node < 1:
+        raise UsageError(f"--gpus {args.gpus} and --gpus-per-node {args.gpus_per_node} must be positive")
+    if not 0 < args.achievable <= 1 or not 0 <= args.overlap <= 1:
+        raise UsageError(f"--achievable {args.achievable} must be in (0, 1] and --overlap {args.overlap} in [0, 1]")
+    seq = args.seq_len or cfg.data.seq_length
+    batch = args.global_batch or cfg.train.global_batch_size
+    cluster = Cluster(gpus=args.gpus, gpus_per_node=args.gpus_per_node, memory_gib=args.gpu_gb,
+                      peak_tflops=args.peak_tflops, achievable=args.achievable, intra_gbps=args.intra_gbps,
+                      inter_gbps=args.inter_gbps, overlap=args.overlap)
+    fits, considered = plan(cfg, cluster, seq_len=seq, global_batch=batch)
+    n = parameter_count(cfg)["total"]
+    head = (f"{cfg.model.name} ({n / 1e9:.2f}B parameters, {cfg.train.precision}) on {args.gpus} GPUs "
+            f"({args.gpus_per_node} a node, {args.gpu_gb:g} GiB), {batch} x {seq} tokens a step: "
+            f"{len(fits)} of {considered} layouts fit")
+    print(head)
+    if not fits:
+        print(f"no layout fits {cluster.headroom:.0%} of {args.gpu_gb:g} GiB: this size needs pipeline parallelism "
+              "(not built yet, docs/parallelism.md), more GPUs or a smaller micro-batch / global batch")
+        return 1
+    print(table(fits[: args.top]))
+    best = fits[0]
+    print(f"best: tp={best.tp} dp={best.dp} ZeRO-{best.zero} micro {best.micro_batch} x accumulation {best.accumulation}, "
+          f"checkpointing {'on' if best.activation_checkpointing else 'off'}, sequence parallel "
+          f"{'on' if best.sequence_parallel else 'off'}: predicted {best.step_s:.3g} s a step, MFU {best.mfu:.1%}, "
+          f"{best.memory_gib:.1f} GiB a GPU")
+    if args.write:
+        note = (f"{PLAN_NOTE} --gpus {args.gpus} (a prediction, docs/parallelism.md): predicted {best.step_s:.3g} s "
+                f"a step, MFU {best.mfu:.1%}, {best.memory_gib:.1f} GiB a GPU")
+        write_run_config(Path(args.write), args.config, best, seq, batch, note)
+        print(f"wrote {args.write}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
