@@ -53,8 +53,13 @@ def parameters_per_device(cfg: Config, tp: int) -> float:
     m = cfg.model
     vocab = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp)
     split = m.num_layers * _layer_matrices(cfg) + vocab * m.hidden_size * (1 if m.tie_embeddings else 2)
-    replicated = (2 * m.num_layers + 1) * m.hidden_size + sum(_copy_head(cfg))
-    return split / tp + replicated
+    return split / tp + replicated_parameters(cfg)
+
+
+def replicated_parameters(cfg: Config) -> int:
+    """Parameters every tp rank holds whole: the norms and the copy head (under sequence
+    parallelism, the ones whose gradients are summed over tp)."""
+    return (2 * cfg.model.num_layers + 1) * cfg.model.hidden_size + sum(_copy_head(cfg))
 
 
 def matmul_parameters(cfg: Config) -> int:

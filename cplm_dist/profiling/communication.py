@@ -37,7 +37,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from cplm_dist.config import Config
-from cplm_dist.model.counting import tensor_sizes_per_device
+from cplm_dist.model.counting import replicated_parameters, tensor_sizes_per_device
 
 ZERO3_PERSISTENCE_THRESHOLD = 100_000  # DeepSpeed's stage3_param_persistence_threshold default
 ZERO3_REUSE_DISTANCE = 1_000_000_000  # DeepSpeed's stage3_max_reuse_distance default
@@ -62,13 +62,10 @@ def tp_bytes_per_micro_batch(cfg: Config, *, tp: int, tokens: int, act_bytes: in
         return {"all_reduce": h * (2 * L + 1 + 2 * L + 1 + ckpt * L) + loss}
     keys = 4 * tokens * c.num_heads * c.head_dim if c.enabled else 0
     terms = 4 * tokens * _copy_terms(cfg) if c.enabled else 0
-    D = m.hidden_size
-    replicated = (2 * L + 1) * D + (2 * c.num_heads * c.head_dim * D + {"gate": D + 1, "sentinel": c.num_heads * c.head_dim,
-                                                                       "joint": 0}[c.mix] if c.enabled else 0)
     return {
         "all_gather_into_tensor": h * (2 * L + 4 * L + 2 + 1 + ckpt * 2 * L) + keys + terms,
         "reduce_scatter_tensor": h * (2 * L + 2 * L + 1 + 1 + ckpt * L) + keys,
-        "all_reduce": replicated * act_bytes + loss,
+        "all_reduce": replicated_parameters(cfg) * act_bytes + loss,
     }
 
 
