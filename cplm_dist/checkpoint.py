@@ -57,7 +57,7 @@ RESUMABLE_CHANGES = (
     "train.wandb", "train.wandb_project", "train.collective_timeout_minutes", "train.compile", "train.overlap_comm",
     "train.contiguous_gradients", "train.reduce_bucket_size", "train.allgather_bucket_size",
     "train.stage3_prefetch_bucket_size", "optim.impl", "loss.impl", "loss.chunk_rows", "model.init_from",
-    "train.zero_stage", "parallel.tp", "parallel.sequence_parallel", "optim.lr", "optim.min_lr", "optim.schedule", "optim.warmup_steps",
+    "train.zero_stage", "parallel.tp", "parallel.pp", "parallel.sequence_parallel", "optim.lr", "optim.min_lr", "optim.schedule", "optim.warmup_steps",
     "optim.decay_fraction", "optim.weight_decay", "optim.clip_grad", "data.num_workers", "data.cache_dir",
 )
 
@@ -209,7 +209,7 @@ def check_out_dir(cfg: Config) -> None:
 
 
 def layout(cfg: Config, tp: int, dp: int) -> dict:
-    return {"tp": tp, "dp": dp, "zero_stage": cfg.train.zero_stage}
+    return {"tp": tp, "pp": cfg.parallel.pp, "dp": dp, "zero_stage": cfg.train.zero_stage}
 
 
 def versions() -> dict:
@@ -263,8 +263,8 @@ def read_manifest(step_dir: Path) -> dict:
 def layout_change(root: Path, tag: str, cfg: Config, tp: int, dp: int) -> dict:
     """{field: (saved, now)} of the layout fields that differ in a way the saved files cannot be
     read in place (ZeRO shards by dp, so dp counts only under ZeRO > 0)."""
-    saved, here = read_manifest(root / tag)["layout"], layout(cfg, tp, dp)
-    must_match = ["tp", "zero_stage"] + (["dp"] if here["zero_stage"] > 0 or saved["zero_stage"] > 0 else [])
+    saved, here = {"pp": 1, **read_manifest(root / tag)["layout"]}, layout(cfg, tp, dp)
+    must_match = ["tp", "pp", "zero_stage"] + (["dp"] if here["zero_stage"] > 0 or saved["zero_stage"] > 0 else [])
     return {k: (saved[k], here[k]) for k in must_match if saved[k] != here[k]}
 
 

@@ -130,6 +130,9 @@ class ParallelConfig:
     # Megatron sequence parallelism (tp > 1): norms, residuals and the copy head's queries on
     # sequence shards between the tp regions (docs/parallelism.md); a no-op at tp = 1
     sequence_parallel: bool = False
+    # pipeline stages (DeepSpeed's 1F1B pipeline engine, docs/parallelism.md): the layers split by
+    # parameters over pp stages; dp = world_size / (tp x pp); needs train.zero_stage <= 1
+    pp: int = 1
 
 
 @dataclass
@@ -399,7 +402,7 @@ def validate(cfg: Config) -> None:
         "model.ffn_hidden_size": m.ffn_hidden_size, "model.vocab_size": m.vocab_size,
         "model.max_seq_len": m.max_seq_len, "model.make_vocab_size_divisible_by": m.make_vocab_size_divisible_by,
         "copy.num_heads": c.num_heads, "copy.head_dim": c.head_dim, "copy.chunk_size": c.chunk_size,
-        "parallel.tp": tp,
+        "parallel.tp": tp, "parallel.pp": cfg.parallel.pp,
     }
     for name, value in positive.items():
         if value < 1:
@@ -425,11 +428,35 @@ def validate(cfg: Config) -> None:
     validate_data(cfg)
     validate_train(cfg)
     check_tp_divides(m, tp)
+    validate_pipeline(cfg)
     if cfg.parallel.sequence_parallel and tp > 1 and cfg.data.seq_length % tp:
         raise ConfigError(
             f"data.seq_length={cfg.data.seq_length} is not divisible by parallel.tp={tp}, which "
             f"parallel.sequence_parallel=true needs (each tp rank holds seq_length/tp positions): "
             f"make seq_length a multiple of {tp} or set parallel.sequence_parallel=false")
+
+
+def validate_pipeline(cfg: Config) -> None:
+    """What DeepSpeed's pipeline engine needs at parallel.pp > 1."""
+    pp, t = cfg.parallel.pp, cfg.train
+    if pp == 1:
+        return
+    if cfg.model.num_layers < pp:
+        raise ConfigError(f"parallel.pp={pp} exceeds model.num_layers={cfg.model.num_layers}: every stage needs a "
+                          f"transformer layer; use parallel.pp <= {cfg.model.num_layers}")
+    if t.zero_stage > 1:
+        raise ConfigError(f"train.zero_stage={t.zero_stage} with parallel.pp={pp}: DeepSpeed's pipeline engine accumulates "
+                          "gradients across micro-batches itself, which ZeRO-2/3 would shard away; use train.zero_stage=1 "
+                          "(it shards the optimizer states over dp)")
+    if cfg.model.init_from:
+        raise ConfigError(f"model.init_from with parallel.pp={pp}: starting from a HF Llama is wired for pp=1 only; "
+                          "drop model.init_from or train at parallel.pp=1")
+    if t.precision == "bf16" and t.zero_stage == 0:
+        raise ConfigError(f"train.precision=bf16 with train.zero_stage=0 at parallel.pp={pp}: DeepSpeed's bf16 optimizer "
+                          "would clip with a norm that misses later stages' replicated parameters; use train.zero_stage=1")
+    if t.compile:
+        raise ConfigError(f"train.compile=true with parallel.pp={pp}: regional compilation is wired for pp=1 only; "
+                          "set train.compile=false or parallel.pp=1")
 
 
 def check_tp_divides(m: ModelConfig, tp: int) -> None:

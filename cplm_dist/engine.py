@@ -12,6 +12,12 @@ our parallel groups, and `deepspeed.initialize` with our optimizer and schedule.
 | train.contiguous_gradients, reduce_bucket_size, allgather_bucket_size, stage3_prefetch_bucket_size | zero_optimization.* (same names) |
 | train.precision | bf16.enabled |
 | `--reshape` to another layout, ZeRO > 0 | checkpoint.load_universal |
+| parallel.pp > 1, sequence_parallel | pipeline.pipe_partitioned, grad_partitioned (off under sp: activations already sharded) |
+
+At parallel.pp > 1 the model is a `PipelineModule` (cplm_dist.model.pipeline) and DeepSpeed builds
+its pipeline engine, whose process grid (axes pipe, data, model) is the same rank layout as ours.
+At ZeRO-0 there DeepSpeed's fp32 clipping would count each later stage's tp-replicated parameters
+out and the tied embedding twice, so the optimizer clips itself (`clip_before_step`).
 
 The optimizer (GuardedAdamW with weight-decay groups) and LR schedule are ours, handed to
 DeepSpeed, which steps them at accumulation boundaries and saves them in its checkpoints.
@@ -24,7 +30,7 @@ import torch
 from cplm_dist.checkpoint import use_safe_loading
 from cplm_dist.config import Config, batch_layout
 from cplm_dist.megatron_compat import import_deepspeed
-from cplm_dist.optim import build_optimizer, build_scheduler
+from cplm_dist.optim import build_optimizer, build_scheduler, grad_norm
 from cplm_dist.parallel import ParallelDims
 
 
@@ -67,11 +73,14 @@ class DeepSpeedMPU:
 def deepspeed_config(cfg: Config, dims: ParallelDims, load_universal: bool = False) -> dict:
     t = cfg.train
     accumulation = batch_layout(cfg, dims.dp_size)
+    clip_ourselves = dims.pp_size > 1 and t.zero_stage == 0
+    partitioned = dims.tp_size > 1 and not cfg.parallel.sequence_parallel
     return {
+        "pipeline": {"pipe_partitioned": partitioned, "grad_partitioned": partitioned},
         "train_batch_size": t.global_batch_size,
         "train_micro_batch_size_per_gpu": t.micro_batch_size,
         "gradient_accumulation_steps": accumulation,
-        "gradient_clipping": cfg.optim.clip_grad,
+        "gradient_clipping": 0.0 if clip_ourselves else cfg.optim.clip_grad,
         "zero_optimization": {
             "stage": t.zero_stage,
             "overlap_comm": torch.cuda.is_available() if t.overlap_comm is None else t.overlap_comm,
@@ -99,9 +108,26 @@ def build_engine(model: torch.nn.Module, cfg: Config, dims: ParallelDims, load_u
         deepspeed.zero.register_external_parameter(model.lm_head, model.embedding.weight)
     optimizer = build_optimizer(model, cfg)
     scheduler = build_scheduler(optimizer, cfg)
+    pipeline = dims.pp_size > 1
+    if pipeline and cfg.train.zero_stage == 0:
+        clip_before_step(optimizer, model, dims, cfg.optim.clip_grad)
     engine, _, _, _ = deepspeed.initialize(
         model=model, optimizer=optimizer, lr_scheduler=scheduler, config=deepspeed_config(cfg, dims, load_universal),
-        mpu=DeepSpeedMPU(dims), dist_init_required=False,
+        mpu=None if pipeline else DeepSpeedMPU(dims), dist_init_required=False,  # a pipeline brings its own grid
     )
     use_safe_loading(engine)  # a resume never unpickles code from a received checkpoint
     return engine, optimizer, scheduler
+
+
+def clip_before_step(optimizer, model: torch.nn.Module, dims: ParallelDims, max_norm: float) -> None:
+    """Before each optimizer step: the global gradient norm over tp and pipeline stages (each
+    parameter once), kept as `optimizer.grad_norm`, and the gradients clipped to `max_norm`."""
+
+    def hook(opt, _args, _kwargs):
+        norm = grad_norm(model, dims.tp_group, dims.pp_group)
+        opt.grad_norm = norm
+        if max_norm > 0 and norm > max_norm:
+            grads = [p.grad for p in model.parameters() if p.grad is not None]
+            torch._foreach_mul_(grads, max_norm / (norm + 1e-6))
+
+    optimizer.register_step_pre_hook(hook)

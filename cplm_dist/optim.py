@@ -109,15 +109,19 @@ def build_optimizer(model: torch.nn.Module, cfg: Config) -> GuardedAdamW:
 
 
 @torch.no_grad()
-def grad_norm(model: torch.nn.Module, tp_group: dist.ProcessGroup | None) -> float:
+def grad_norm(model: torch.nn.Module, tp_group: dist.ProcessGroup | None,
+              pp_group: dist.ProcessGroup | None = None) -> float:
     """Global L2 norm of the gradients held in `model` (ZeRO stage 0, where DeepSpeed reports
-    none): split parameters count on every tp rank, replicated ones once."""
+    none): split parameters count on every tp rank, replicated ones once; with pipeline stages
+    (`pp_group`) every stage's part, the tied embedding's second copy not counted."""
     tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
     squares = [p.grad.float().pow(2).sum() for p in model.parameters()
-               if p.grad is not None and (getattr(p, "tensor_model_parallel", False) or tp_rank == 0)]
+               if p.grad is not None and not getattr(p, "ds_pipe_replicated", False)
+               and (getattr(p, "tensor_model_parallel", False) or tp_rank == 0)]
     total = torch.stack(squares).sum() if squares else torch.zeros(())
-    if tp_group is not None and dist.get_world_size(tp_group) > 1:
-        dist.all_reduce(total, group=tp_group)
+    for group in (tp_group, pp_group):
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(total, group=group)
     return float(total.sqrt())
 
 

@@ -1,11 +1,13 @@
-"""Process groups: joins the job the launcher started and builds the TP x DP groups.
+"""Process groups: joins the job the launcher started and builds the TP x DP x PP groups.
 
-    dims = init_distributed(tp_size=2)      # torchrun, slurm, mpirun, DeepSpeed's launcher, or one process
-    dims.tp_group, dims.dp_group             # passed explicitly to everything below
+    dims = init_distributed(tp_size=2, pp_size=2)   # torchrun, slurm, mpirun, DeepSpeed's launcher, or one process
+    dims.tp_group, dims.dp_group, dims.pp_group      # passed explicitly to everything below
 
 Where this process sits comes from cplm_dist.launch_env, the one reader of launcher variables.
-Groups come from `megatron.core.parallel_state` (PP = 1 today); the backend is gloo on CPU and
-nccl on GPU. Ranks are laid out Megatron's way: the tp ranks of one group are consecutive.
+Groups come from `megatron.core.parallel_state`; the backend is gloo on CPU and nccl on GPU.
+Ranks are laid out Megatron's way, which is also DeepSpeed's pipeline topology (axes pipe, data,
+model): the tp ranks of one group are consecutive, then dp, and the pipeline stage varies slowest,
+rank = (pp_rank x dp + dp_rank) x tp + tp_rank.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from cplm_dist.megatron_compat import parallel_state
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """This rank's coordinates in the TP x DP grid and the groups to talk over."""
+    """This rank's coordinates in the TP x DP x PP grid and the groups to talk over."""
 
     rank: int
     world_size: int
@@ -35,10 +37,18 @@ class ParallelDims:
     dp_rank: int
     dp_size: int
     dp_group: dist.ProcessGroup
+    pp_rank: int = 0
+    pp_size: int = 1
+    pp_group: dist.ProcessGroup | None = None
 
     @property
     def is_first(self) -> bool:
         return self.rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        """This rank holds the LM head and the loss (always at pp = 1)."""
+        return self.pp_rank == self.pp_size - 1
 
 
 def free_port() -> int:
@@ -65,22 +75,24 @@ def evaluation_tp() -> int:
     return dist.get_world_size() if dist.is_initialized() else LaunchEnv.from_environ().world_size
 
 
-def check_world(tp_size: int, world_size: int) -> None:
-    if world_size % tp_size:
+def check_world(tp_size: int, world_size: int, pp_size: int = 1) -> None:
+    if world_size % (tp_size * pp_size):
         valid = [d for d in range(1, world_size + 1) if world_size % d == 0]
-        raise ConfigError(
-            f"parallel.tp={tp_size} does not divide WORLD_SIZE={world_size} "
-            f"(dp = world / tp must be whole; valid tp here: {valid})"
-        )
+        if pp_size == 1:
+            raise ConfigError(f"parallel.tp={tp_size} does not divide WORLD_SIZE={world_size} "
+                              f"(dp = world / tp must be whole; valid tp here: {valid})")
+        raise ConfigError(f"parallel.tp={tp_size} x parallel.pp={pp_size} = {tp_size * pp_size} does not divide "
+                          f"WORLD_SIZE={world_size} (dp = world / (tp x pp) must be whole; tp x pp must be one of {valid})")
 
 
-def init_distributed(tp_size: int = 1, *, backend: str | None = None, timeout_minutes: int = 10) -> ParallelDims:
-    """Join the job (once per process) and build the TP and DP groups through parallel_state."""
+def init_distributed(tp_size: int = 1, *, pp_size: int = 1, backend: str | None = None,
+                     timeout_minutes: int = 10) -> ParallelDims:
+    """Join the job (once per process) and build the TP, DP and PP groups through parallel_state."""
     # Megatron's tp linears overlap their all-reduce with compute; on GPU that needs one hardware
     # queue per device to keep the order (Megatron's own launchers set this). Harmless on CPU.
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     env = LaunchEnv.from_environ()
-    check_world(tp_size, env.world_size)
+    check_world(tp_size, env.world_size, pp_size)
     if not dist.is_initialized():
         if backend is None:
             backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -100,13 +112,14 @@ def init_distributed(tp_size: int = 1, *, backend: str | None = None, timeout_mi
         os.environ.update(RANK=str(env.rank), WORLD_SIZE=str(env.world_size), LOCAL_RANK=str(env.local_rank),
                           MASTER_ADDR=host, MASTER_PORT=port)
     else:
-        check_world(tp_size, dist.get_world_size())
+        check_world(tp_size, dist.get_world_size(), pp_size)
     if parallel_state.model_parallel_is_initialized():
-        if parallel_state.get_tensor_model_parallel_world_size() != tp_size:
-            raise RuntimeError("parallel groups already built with another tp size; call destroy_distributed first")
+        if (parallel_state.get_tensor_model_parallel_world_size(),
+                parallel_state.get_pipeline_model_parallel_world_size()) != (tp_size, pp_size):
+            raise RuntimeError("parallel groups already built with another tp or pp size; call destroy_distributed first")
     else:
         parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=tp_size, create_gloo_process_groups=False,
+            tensor_model_parallel_size=tp_size, pipeline_model_parallel_size=pp_size, create_gloo_process_groups=False,
             distributed_timeout_minutes=timeout_minutes,
         )
     return parallel_dims()
@@ -123,6 +136,9 @@ def parallel_dims() -> ParallelDims:
         dp_rank=parallel_state.get_data_parallel_rank(),
         dp_size=parallel_state.get_data_parallel_world_size(),
         dp_group=parallel_state.get_data_parallel_group(),
+        pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
+        pp_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        pp_group=parallel_state.get_pipeline_model_parallel_group(),
     )
 
 

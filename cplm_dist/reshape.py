@@ -78,6 +78,10 @@ def universal_info(model: torch.nn.Module) -> dict:
 
 def check_reshape(saved: dict, cfg: Config, tp: int, dp: int, path) -> None:
     """One line when the saved run cannot continue at this layout (before any process starts)."""
+    if saved.get("pp", 1) != 1 or cfg.parallel.pp != 1:
+        raise ReshapeError(f"{path} was saved at tp={saved['tp']} pp={saved.get('pp', 1)} dp={saved['dp']} ZeRO-"
+                           f"{saved['zero_stage']}: reshaping to or from pipeline stages (parallel.pp > 1) is not "
+                           "supported; resume with the saved layout")
     try:
         check_tp_divides(cfg.model, tp)
     except ConfigError as e:

@@ -1,11 +1,12 @@
-"""Pretrain a Copy-Paste LM: megatron-core tensor parallelism x DeepSpeed ZeRO data parallelism.
+"""Pretrain a Copy-Paste LM: megatron-core tensor parallelism x DeepSpeed ZeRO data parallelism x pipeline stages.
 
     # CPU, one process: the quickstart (data from tools/build_quickstart_data.py)
     python -m cplm_dist.train --config configs/quickstart.yaml
     # the matched baseline: the same run without the copy head
     python -m cplm_dist.train --config configs/quickstart.yaml copy.enabled=false train.out_dir=runs/quickstart-nocopy
-    # 2 CPU processes, tp=2 (gloo)
+    # 2 CPU processes, tp=2 (gloo); or two pipeline stages
     OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 -m cplm_dist.train --config configs/quickstart.yaml parallel.tp=2
+    OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 -m cplm_dist.train --config configs/quickstart.yaml parallel.pp=2
     # one node of 8 GPUs, tp=2 x dp=4, ZeRO-1 (nccl)
     torchrun --nproc-per-node 8 -m cplm_dist.train --config configs/runs/cplm-1.7b.yaml parallel.tp=2
     # slurm / mpirun / DeepSpeed's launcher: see launch/README.md
@@ -42,6 +43,7 @@ from cplm_dist.heartbeat import Heartbeat
 from cplm_dist.hf_llama import check_hf_dir, initialise_from_hf
 from cplm_dist.launch_env import LaunchEnv
 from cplm_dist.model import build_model
+from cplm_dist.model.pipeline import build_pipeline_model
 from cplm_dist.model.counting import parameter_count
 from cplm_dist.optim import parameters_finite
 from cplm_dist.parallel import ParallelDims, check_world, default_device, destroy_distributed, init_distributed, synchronize
@@ -110,8 +112,10 @@ def lost_rank_message(e: Exception, stop: StopRequest, timeout_minutes: float) -
 @torch.no_grad()
 def evaluate(engine, dataset, cfg: Config, dims: ParallelDims, device) -> float:
     """Mean per-token loss over the first eval_batches micro-batches of the validation split."""
-    engine.eval()
     loader = ResumableLoader(dataset, cfg.train.micro_batch_size, dims.dp_rank, dims.dp_size)
+    if dims.pp_size > 1:
+        return evaluate_pipeline(engine, loader, cfg, dims, device)
+    engine.eval()
     total = torch.zeros(2, dtype=torch.float64, device=device)
     for _, batch in zip(range(cfg.train.eval_batches), loader):
         out = engine(batch["input_ids"].to(device), batch["labels"].to(device))
@@ -119,6 +123,20 @@ def evaluate(engine, dataset, cfg: Config, dims: ParallelDims, device) -> float:
     dist.all_reduce(total, group=dims.dp_group)
     engine.train()
     return float(total[0] / total[1])
+
+
+@torch.no_grad()
+def evaluate_pipeline(engine, loader: ResumableLoader, cfg: Config, dims: ParallelDims, device) -> float:
+    """`evaluate` through the pipeline: the last stage sums nll and tokens over its micro-batches
+    (cplm_dist.model.pipeline), the sums are added over dp, and the ratio goes to every stage."""
+    batches = (((b["input_ids"], b["labels"]), b["labels"]) for b in loader)
+    engine.module.eval_sums.zero_()
+    engine.eval_batch(batches if dims.pp_rank == 0 or dims.is_last_stage else None,
+                      num_micro_batches=cfg.train.eval_batches, bcast_loss=False)
+    sums = engine.module.eval_sums
+    dist.all_reduce(sums, group=dims.dp_group)
+    dist.broadcast(sums, src=dist.get_global_rank(dims.pp_group, dims.pp_size - 1), group=dims.pp_group)
+    return float(sums[0] / sums[1])
 
 
 @exit_on_usage_error
@@ -144,8 +162,8 @@ def run(argv, stop: StopRequest) -> int:
     # 2. everything the user can get wrong, checked before the first byte or connection ---------
     stop.enter("checking the launch, checkpoint and data")
     world = LaunchEnv.from_environ(mpi_rendezvous=False).world_size
-    check_world(cfg.parallel.tp, world)
-    dp = world // cfg.parallel.tp
+    check_world(cfg.parallel.tp, world, cfg.parallel.pp)
+    dp = world // (cfg.parallel.tp * cfg.parallel.pp)
     accumulation = batch_layout(cfg, dp)
     resume = find_resume(cfg, args.resume, cfg.parallel.tp, dp, args.reshape)
     if cfg.model.init_from and resume[1] is None:
@@ -156,7 +174,7 @@ def run(argv, stop: StopRequest) -> int:
 
     # 3. distributed: process group, TP x DP groups; from here on one teardown -------------------
     stop.enter("joining the process group")
-    dims = init_distributed(cfg.parallel.tp, timeout_minutes=t.collective_timeout_minutes)
+    dims = init_distributed(cfg.parallel.tp, pp_size=cfg.parallel.pp, timeout_minutes=t.collective_timeout_minutes)
     stop.heartbeat = Heartbeat.start(phase=stop.phase)
     try:
         return train(cfg, dims, accumulation, resume, samples, tokenizer, stop, args.reshape)
@@ -180,7 +198,7 @@ def train(cfg: Config, dims: ParallelDims, accumulation: int, resume: tuple, sam
 
     # 4. model, 5. DeepSpeed engine (ZeRO over dp, our AdamW and schedule), the step -------------
     stop.enter("building the model and the DeepSpeed engine")
-    model = build_model(cfg, device=device)
+    model = build_pipeline_model(cfg, dims, device=device) if dims.pp_size > 1 else build_model(cfg, device=device)
     if cfg.model.init_from and resume[1] is None:  # a fresh run from a HF Llama; a resume reads its checkpoint
         stop.enter(f"loading {cfg.model.init_from}")
         initialise_from_hf(model, cfg.model.init_from, dims.tp_rank, dims.tp_size)
@@ -272,7 +290,7 @@ def banner(cfg: Config, dims: ParallelDims, accumulation: int, resume_tag: str |
     t = cfg.train
     return (f"cplm_dist: {cfg.model.name} {parameter_count(cfg)['total'] / 1e6:.1f}M parameters, "
             f"copy {cfg.copy.mix + '/' + cfg.copy.paste if cfg.copy.enabled else 'off'}, tp={dims.tp_size} "
-            f"dp={dims.dp_size} ZeRO-{t.zero_stage} {t.precision}, global batch {t.global_batch_size} = "
+            + (f"pp={dims.pp_size} " if dims.pp_size > 1 else "") + f"dp={dims.dp_size} ZeRO-{t.zero_stage} {t.precision}, global batch {t.global_batch_size} = "
             f"{t.micro_batch_size} x {accumulation} x {dims.dp_size}, "
             f"{t.global_batch_size * cfg.data.seq_length:,} tokens/step" + (f", resuming {resume_tag}" if resume_tag else ""))
 

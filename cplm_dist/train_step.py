@@ -10,6 +10,12 @@ The figures returned (loss, the LM head's own loss, the copy share) are averaged
 the dp group, so every rank gets the same numbers. `phases` (a dict) adds forward, backward and
 optimizer seconds to it, synchronising the device between them (the profiler's breakdown steps;
 a clean step passes none and is not synchronised inside).
+
+At parallel.pp > 1 DeepSpeed's pipeline engine runs the step's micro-batches through the 1F1B
+schedule itself (`train_batch`): the first and last stage read the micro-batches (ids and labels
+enter at the first, labels are counted at the last), the middle stages only count them, and
+the loss, LM-only loss and copy share come back averaged the same way on every stage. Its phases
+are one ("pipeline"): forward and backward interleave.
 """
 
 from __future__ import annotations
@@ -64,6 +70,8 @@ class TrainStep:
         self.device = engine.device
 
     def __call__(self, batches: Iterator[dict], *, inject_nonfinite: bool = False, phases: dict | None = None) -> StepResult:
+        if self.dims.pp_size > 1:
+            return self._pipeline_step(batches, inject_nonfinite, phases)
         engine, device = self.engine, self.device
         sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss, LM-only loss, copy share
         skipped_before = engine.skipped_steps
@@ -97,3 +105,29 @@ class TrainStep:
             norm = engine.get_global_grad_norm()
         skipped = self.optimizer.skipped_last or engine.skipped_steps > skipped_before
         return StepResult(loss_v, lm_v, share_v, float(norm) if norm is not None else float("nan"), lr, skipped, data_wait)
+
+    def _pipeline_step(self, batches, inject_nonfinite: bool, phases: dict | None) -> StepResult:
+        engine, dims = self.engine, self.dims
+        lr = self.scheduler.get_last_lr()[0]
+        skipped_before = engine.skipped_steps
+        self.optimizer.skipped_last = False
+        engine.module.inject_nonfinite = inject_nonfinite
+        wait = [0.0]
+
+        def micro_batches():
+            while True:
+                waited = time.perf_counter()
+                batch = next(batches)
+                wait[0] += time.perf_counter() - waited
+                yield (batch["input_ids"], batch["labels"]), batch["labels"]
+
+        reads = dims.pp_rank == 0 or dims.is_last_stage
+        with _phase(phases, "pipeline", self.device):
+            loss = engine.train_batch(data_iter=micro_batches() if reads else None)
+        if not reads:  # the samples the other stages read this step: the position a checkpoint stores
+            batches.skip(self.accumulation)
+        extra = engine.agg_additional_losses
+        norm = getattr(self.optimizer, "grad_norm", None) if self.zero_stage == 0 else engine.get_global_grad_norm()
+        skipped = self.optimizer.skipped_last or engine.skipped_steps > skipped_before
+        return StepResult(float(loss), float(extra["lm_loss"]), float(extra["copy_share"]),
+                          float(norm) if norm is not None else float("nan"), lr, skipped, wait[0])

@@ -74,6 +74,13 @@ class ResumableLoader:
         self.consumed_samples += self.samples_per_step
         return batch
 
+    def skip(self, micro_batches: int) -> None:
+        """Count `micro_batches` as consumed without reading them (a middle pipeline stage, which
+        takes no data, keeps the position the first stage has)."""
+        if self._iter is not None:
+            raise RuntimeError("skip() is for a loader that is never read")
+        self.consumed_samples += micro_batches * self.samples_per_step
+
     def state_dict(self) -> dict:
         return {"consumed_samples": self.consumed_samples}
 

@@ -33,7 +33,7 @@ def measure(model, input_ids: torch.Tensor, labels: torch.Tensor, lm_only: bool 
     with torch.no_grad():
         h = model.hidden_states(input_ids)
     h_lm, h_copy = h.clone().requires_grad_(True), h.clone().requires_grad_(True)
-    logits = model.lm_logits(h_lm)  # (B, T, V/tp)
+    logits = model.lm_logits(h_lm, model.tied)  # (B, T, V/tp)
     logits.retain_grad()
     copy = None if model.copy_head is None or lm_only else model.copy_head(h_copy, input_ids, labels)
     # the training loss itself (the model's forward, with h split into its two paths)

@@ -73,7 +73,49 @@ def megatron_config(tp_size: int, device: torch.device, dtype: torch.dtype,
     )
 
 
-class CPLM(torch.nn.Module):
+class LossHead:
+    """The model's last part over the final-norm states h: the LM head's vocabulary shard, the copy
+    head and the mixed per-token loss. Shared by CPLM and the pipeline's last stage
+    (cplm_dist.model.pipeline), which hold the same attributes: model_cfg, copy_cfg, loss_cfg,
+    tp_group, tp_size, lm_head, copy_head, real_local, v_local, sequence_parallel. `tied`: the
+    embedding's weight when the LM head shares it, else None (the LM head's own weight)."""
+
+    def lm_logits(self, h: torch.Tensor, tied: torch.Tensor | None = None) -> torch.Tensor:
+        """This rank's vocabulary shard of the LM logits (B, T, V/tp); padded ids at -inf."""
+        logits, _ = self.lm_head(h, weight=tied)  # (B, T, V/tp)
+        if self.real_local < self.v_local:
+            logits[..., self.real_local :] = float("-inf")
+        return logits
+
+    def token_loss(self, h: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tensor,
+                   tied: torch.Tensor | None = None) -> vocab_parallel.TokenLoss:
+        """Per-token loss terms (B, T) of final-norm states h (sequence parallel: this rank's
+        (T/tp, B, D) positions), input_ids and labels (B, T)."""
+        copy = self.copy_head(h, input_ids, labels) if self.copy_head is not None else None
+        sp = self.sequence_parallel
+        token_labels = labels.t().contiguous() if sp else labels  # the loss in the trunk's layout: (T, B) sequence parallel
+        if self.loss_cfg.impl == "chunked":
+            weight = tied if tied is not None else self.lm_head.weight
+            if sp:  # the whole sequence; backward reduce-scatters the partial dL/dh
+                h = gather_sequence(h, self.tp_group, sum_grad=True)
+            z_y, lse = vocab_parallel.chunked_target_logit_and_lse(h, weight, token_labels, self.tp_group, real_local=self.real_local,
+                                                                   rows=self.loss_cfg.chunk_rows, sum_grad_h=not sp)
+            out = vocab_parallel.mixed_nll_from_lm(z_y, lse, token_labels, copy, self.copy_cfg.mix)
+        else:
+            out = vocab_parallel.mixed_nll(self.lm_logits(h, tied), token_labels, copy, self.copy_cfg.mix, self.tp_group, inplace=True)
+        return vocab_parallel.TokenLoss(*(t.t() for t in out)) if sp else out
+
+
+def vocabulary_shard(model_cfg: ModelConfig, tp_group) -> tuple[int, int, int]:
+    """(padded vocabulary, this rank's shard width, its columns before Megatron's padding)."""
+    tp_rank, tp_size = vocab_parallel.tp_rank_size(tp_group)
+    padded = vocab_parallel.padded_vocab_size(model_cfg.vocab_size, model_cfg.make_vocab_size_divisible_by, tp_size)
+    v_local = padded // tp_size
+    start, _ = vocab_parallel.vocab_range(v_local, tp_group)
+    return padded, v_local, max(0, min(v_local, model_cfg.vocab_size - start))
+
+
+class CPLM(LossHead, torch.nn.Module):
     def __init__(self, model_cfg: ModelConfig, copy_cfg: CopyConfig, tp_group: dist.ProcessGroup | None, *,
                  seed: int, activation_checkpointing: bool = False, compile_layers: bool = False,
                  loss_cfg: LossConfig | None = None, sequence_parallel: bool = False, device=None,
@@ -93,10 +135,7 @@ class CPLM(torch.nn.Module):
         self.tp_rank, self.tp_size = vocab_parallel.tp_rank_size(tp_group)
         m = model_cfg
         self.vocab_size = m.vocab_size
-        self.padded_vocab_size = vocab_parallel.padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, self.tp_size)
-        self.v_local = self.padded_vocab_size // self.tp_size
-        start, _ = vocab_parallel.vocab_range(self.v_local, tp_group)
-        self.real_local = max(0, min(self.v_local, m.vocab_size - start))  # shard columns before the padding
+        self.padded_vocab_size, self.v_local, self.real_local = vocabulary_shard(m, tp_group)
 
         mp = megatron_config(self.tp_size, device, dtype, sequence_parallel)
         self.sequence_parallel = mp.sequence_parallel
@@ -150,13 +189,10 @@ class CPLM(torch.nn.Module):
                 x = layer(x, cos, sin)
         return self.final_norm(x)
 
-    def lm_logits(self, h: torch.Tensor) -> torch.Tensor:
-        """This rank's vocabulary shard of the LM logits (B, T, V/tp); padded ids at -inf."""
-        weight = self.embedding.weight if self.model_cfg.tie_embeddings else None
-        logits, _ = self.lm_head(h, weight=weight)  # (B, T, V/tp)
-        if self.real_local < self.v_local:
-            logits[..., self.real_local :] = float("-inf")
-        return logits
+    @property
+    def tied(self) -> torch.Tensor | None:
+        """The weight the LM head shares with the embedding (None: its own)."""
+        return self.embedding.weight if self.model_cfg.tie_embeddings else None
 
     # --- training ------------------------------------------------------------------------------
 
@@ -164,20 +200,7 @@ class CPLM(torch.nn.Module):
         """input_ids (B, T); labels (B, T) global ids, -100 to ignore; default: the next input id."""
         if labels is None:
             labels = torch.cat([input_ids[:, 1:], torch.full_like(input_ids[:, :1], vocab_parallel.IGNORE_INDEX)], 1)
-        h = self.hidden_states(input_ids)
-        copy = self.copy_head(h, input_ids, labels) if self.copy_head is not None else None
-        sp = self.sequence_parallel
-        token_labels = labels.t().contiguous() if sp else labels  # the loss in the trunk's layout: (T, B) sequence parallel
-        if self.loss_cfg.impl == "chunked":
-            weight = self.embedding.weight if self.model_cfg.tie_embeddings else self.lm_head.weight
-            if sp:  # the whole sequence; backward reduce-scatters the partial dL/dh
-                h = gather_sequence(h, self.tp_group, sum_grad=True)
-            z_y, lse = vocab_parallel.chunked_target_logit_and_lse(h, weight, token_labels, self.tp_group, real_local=self.real_local,
-                                                                   rows=self.loss_cfg.chunk_rows, sum_grad_h=not sp)
-            out = vocab_parallel.mixed_nll_from_lm(z_y, lse, token_labels, copy, self.copy_cfg.mix)
-        else:
-            out = vocab_parallel.mixed_nll(self.lm_logits(h), token_labels, copy, self.copy_cfg.mix, self.tp_group, inplace=True)
-        return vocab_parallel.TokenLoss(*(t.t() for t in out)) if sp else out
+        return self.token_loss(self.hidden_states(input_ids), input_ids, labels, self.tied)
 
     # --- evaluation ----------------------------------------------------------------------------
 
@@ -206,7 +229,7 @@ class CPLM(torch.nn.Module):
         if last_only:
             offset, h = offset + h.shape[1] - 1, h[:, -1:]
             q = q[:, :, -1:] if self.copy_head is not None else None
-        logits = self.lm_logits(h)
+        logits = self.lm_logits(h, self.tied)
         if self.copy_head is not None:
             weights, src, terms = self.copy_head.weights_for(q, state.copy_k, state.ids, offset, h)
             copy_lp = vocab_parallel.scatter_copy_log_probs(weights, src, self.v_local, self.tp_group)

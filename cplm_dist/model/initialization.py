@@ -52,10 +52,12 @@ def _generator(seed: int, name: str, device: torch.device) -> torch.Generator:
 
 
 @torch.no_grad()
-def init_parameters(model: torch.nn.Module, model_cfg: ModelConfig, copy_cfg: CopyConfig, seed: int,
+def init_parameters(model: torch.nn.Module | list, model_cfg: ModelConfig, copy_cfg: CopyConfig, seed: int,
                     tp_rank: int, tp_size: int) -> None:
-    """Fill every parameter of `model` (already sharded for tp_size) from `seed`."""
-    for name, param in model.named_parameters():
+    """Fill every parameter of `model` (already sharded for tp_size) from `seed`; or of a list of
+    (name in CPLM, parameter), a pipeline stage's (cplm_dist.model.pipeline)."""
+    named = model.named_parameters() if isinstance(model, torch.nn.Module) else model
+    for name, param in named:
         kind, value = _rule(name, model_cfg, copy_cfg)
         if kind == "const":
             param.fill_(value)

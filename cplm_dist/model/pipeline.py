@@ -1,0 +1,258 @@
+"""Pipeline parallelism (parallel.pp > 1): the CPLM as DeepSpeed `PipelineModule` stages, run by
+DeepSpeed's 1F1B pipeline engine, with megatron-core tensor parallelism inside every stage.
+
+    model = build_pipeline_model(cfg, dims)     # this rank's stage only; dims from init_distributed(tp, pp_size=pp)
+
+The layers, in order (DeepSpeed builds only this stage's share):
+
+    0       EmbeddingStage    (ids, labels) -> (x, ids, labels)       first stage
+    1..L    LayerStage i      (x, ids, labels) -> (x', ids, labels)
+    L+1     the tied embedding again (tie_embeddings): hands its weight to the head
+    L+1/2   HeadStage         final norm, copy head, LM head, mixed loss -> (3, B, T) per-token
+                              nll, LM-only nll, copy share                      last stage
+
+The copy head scores every earlier position's id, so the input ids travel with the hidden states
+from stage to stage (with the labels: 16 bytes a token against 2 x hidden_size bytes of bf16
+activations). Tied embeddings are DeepSpeed's tied layer: the first and last stage each hold the
+vocabulary shard, the last stage's copy is synchronised from the first at start and on load, and
+their gradients are summed across the two stages before the optimizer step. The stage split is
+ours (`partition`): contiguous layers balanced by parameters, the embedding counted on the first
+stage and the LM head (tied or not, V x D either way, the heaviest part of the step) on the last.
+
+Every parameter carries the name it has in `CPLM` (`canonical_names`), so the seeded
+initialisation draws the same weights as at pp = 1 and evaluation loads a pipeline checkpoint
+into a plain CPLM (cplm_dist.checkpoint.load_model).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+
+import torch
+import torch.distributed as dist
+import torch.utils.checkpoint
+
+from cplm_dist.config import Config
+from cplm_dist.megatron_compat import import_deepspeed, tensor_parallel
+from cplm_dist.model.block import TransformerLayer
+from cplm_dist.model.copy_head import CopyHead
+from cplm_dist.model.counting import _copy_head, _layer_matrices
+from cplm_dist.model.cplm import LossHead, megatron_config, vocabulary_shard
+from cplm_dist.model.initialization import deferred_init, init_parameters
+from cplm_dist.model.norm import RMSNorm
+from cplm_dist.model.rotary import rope_tables
+from cplm_dist.model.sharding import mark_split
+from cplm_dist.parallel import ParallelDims
+from cplm_dist.vocab_parallel import IGNORE_INDEX, padded_vocab_size
+
+log = logging.getLogger(__name__)
+
+
+class EmbeddingStage(torch.nn.Module):
+    canonical_prefix = ""
+
+    def __init__(self, cfg: Config, tp_group, device, dtype):
+        super().__init__()
+        mp = megatron_config(cfg.parallel.tp, device, dtype, cfg.parallel.sequence_parallel)
+        padded, _, _ = vocabulary_shard(cfg.model, tp_group)
+        self.embedding = tensor_parallel.VocabParallelEmbedding(
+            padded, cfg.model.hidden_size, init_method=deferred_init, config=mp, tp_group=tp_group,
+            reduce_scatter_embeddings=mp.sequence_parallel)
+        mark_split(self.embedding.weight, dim=0)
+        self.embedding.weight.full_rows = cfg.model.vocab_size
+
+    def forward(self, inputs):
+        ids, labels = inputs
+        return self.embedding(ids), ids, labels
+
+
+def hand_weight_to_head(stage: EmbeddingStage, inputs):
+    """The tied embedding's forward on the last stage: the head multiplies by its weight."""
+    return (*inputs, stage.embedding.weight)
+
+
+class LayerStage(TransformerLayer):
+    def __init__(self, cfg: Config, index: int, tp_group, device, dtype, checkpointing: bool):
+        mp = megatron_config(cfg.parallel.tp, device, dtype, cfg.parallel.sequence_parallel)
+        super().__init__(cfg.model, mp, tp_group, cfg.parallel.tp, device=device)
+        self.canonical_prefix = f"layers.{index}."
+        self.checkpointing = checkpointing
+        self.head_dim, self.rope_theta = cfg.model.head_dim, cfg.model.rope_theta
+
+    def forward(self, inputs):
+        x, ids, labels = inputs
+        cos, sin = rope_tables(ids.shape[1], self.head_dim, self.rope_theta, device=x.device)
+        if self.checkpointing and self.training and torch.is_grad_enabled():
+            x = torch.utils.checkpoint.checkpoint(super().forward, x, cos, sin, use_reentrant=False)
+        else:
+            x = super().forward(x, cos, sin)
+        return x, ids, labels
+
+
+class HeadStage(LossHead, torch.nn.Module):
+    canonical_prefix = ""
+
+    def __init__(self, cfg: Config, tp_group, device, dtype):
+        super().__init__()
+        m = self.model_cfg = cfg.model
+        self.copy_cfg, self.loss_cfg, self.tp_group = cfg.copy, cfg.loss, tp_group
+        mp = megatron_config(cfg.parallel.tp, device, dtype, cfg.parallel.sequence_parallel)
+        self.sequence_parallel = mp.sequence_parallel
+        sp_group = tp_group if self.sequence_parallel else None
+        padded, self.v_local, self.real_local = vocabulary_shard(m, tp_group)
+        self.final_norm = RMSNorm(m.hidden_size, m.norm_eps, device=device, dtype=dtype, grad_group=sp_group)
+        self.lm_head = tensor_parallel.ColumnParallelLinear(
+            m.hidden_size, padded, config=mp, init_method=deferred_init, bias=False, gather_output=False,
+            skip_weight_param_allocation=m.tie_embeddings, tp_group=tp_group)
+        if self.lm_head.weight is not None:
+            mark_split(self.lm_head.weight, dim=0)
+            self.lm_head.weight.full_rows = m.vocab_size
+        self.copy_head = CopyHead(m, cfg.copy, device=device, dtype=dtype, sp_group=sp_group) if cfg.copy.enabled else None
+
+    def forward(self, inputs):
+        x, ids, labels, *tied = inputs
+        out = self.token_loss(self.final_norm(x), ids, labels, tied[0] if tied else None)
+        return torch.stack(list(out))  # (3, B, T): nll, lm_nll, copy_share
+
+
+def layer_parameters(cfg: Config) -> list[int]:
+    """Parameters of each pipeline layer (over all tp ranks), the LM head's V x D counted on the
+    head whether tied or not: the weights `partition` balances."""
+    m, D = cfg.model, cfg.model.hidden_size
+    vocab = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, cfg.parallel.tp)
+    layers = [_layer_matrices(cfg) + 2 * D] * m.num_layers
+    return [vocab * D] + layers + [vocab * D + D + sum(_copy_head(cfg))]
+
+
+def partition(weights: list[int], stages: int) -> list[int]:
+    """Stage boundaries (stages + 1 indices into the layers; stage s runs [b[s], b[s+1])): each
+    stage at least one transformer layer, the first layer (embedding) on stage 0 and the last
+    (head) on the last stage, minimising the largest stage's weight (ties: earlier stages lighter)."""
+    n = len(weights)
+    prefix = [0]
+    for w in weights:
+        prefix.append(prefix[-1] + w)
+
+    def fits(limit: int) -> list[int] | None:
+        bounds, start = [0], 0
+        for s in range(stages - 1):
+            # the furthest end for this stage under `limit`, leaving one layer for each later stage
+            # and never cutting the head (index n-1) off the layers before it
+            end = start + 1 + (s == 0)
+            while end + 1 <= n - (stages - 1 - s) - 1 and prefix[end + 1] - prefix[start] <= limit:
+                end += 1
+            if prefix[end] - prefix[start] > limit:
+                return None
+            bounds.append(end)
+            start = end
+        return bounds + [n] if prefix[n] - prefix[start] <= limit else None
+
+    lo, hi = max(weights), prefix[n]
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if fits(mid) is None:
+            lo = mid + 1
+        else:
+            hi = mid
+    return fits(lo)
+
+
+def _pipeline_module_class():
+    deepspeed = import_deepspeed()
+    deepspeed.init_distributed(dist_init_required=False)  # DeepSpeed's comm layer over our process group
+    from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
+    class CPLMPipe(PipelineModule):
+        """This rank's pipeline stage; `loss_fn` turns the head's per-token terms into the
+        micro-batch loss (in evaluation also adding its summed nll and token count to `eval_sums`)."""
+
+        def __init__(self, cfg: Config, dims: ParallelDims, device, dtype):
+            self.cfg, self.dims = cfg, dims
+            self._weights = layer_parameters(cfg)
+            self.inject_nonfinite = False
+            self.eval_sums = torch.zeros(2, dtype=torch.float64, device=device)
+            specs, tied = [], cfg.model.tie_embeddings
+            Spec = TiedLayerSpec if tied else LayerSpec
+            embed_args = (EmbeddingStage, cfg, dims.tp_group, device, dtype)
+            tie = {"tied_weight_attr": ["embedding.weight"]}
+            specs.append(Spec("embedding", *embed_args, **tie) if tied else Spec(*embed_args))
+            for i in range(cfg.model.num_layers):
+                specs.append(LayerSpec(LayerStage, cfg, i, dims.tp_group, device, dtype,
+                                                      cfg.train.activation_checkpointing))
+            if tied:
+                specs.append(TiedLayerSpec("embedding", *embed_args, forward_fn=hand_weight_to_head, **tie))
+                self._weights = self._weights[:-1] + [0, self._weights[-1]]
+            specs.append(LayerSpec(HeadStage, cfg, dims.tp_group, device, dtype))
+            topology = PipeModelDataParallelTopology(num_pp=dims.pp_size, num_mp=dims.tp_size,
+                                                                     num_dp=dims.dp_size)
+            self._extra = OrderedDict(lm_loss=torch.zeros((), device=device), copy_share=torch.zeros((), device=device))
+            super().__init__(specs, topology=topology, loss_fn=self.micro_batch_loss, partition_method="parameters")
+            init_parameters(canonical_names(self), cfg.model, cfg.copy, cfg.seed, dims.tp_rank, dims.tp_size)
+
+        def _partition_layers(self, method="parameters"):
+            weights = self._weights
+            if self.cfg.model.tie_embeddings:  # the tied copy travels with the head: one unit
+                merged = partition(weights[:-2] + [weights[-1]], self.num_stages)
+                self.parts = merged[:-1] + [merged[-1] + 1]
+            else:
+                self.parts = partition(weights, self.num_stages)
+            stage = self._topo.get_coord(self.global_rank).pipe
+            self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
+
+        def stage_summary(self) -> str:
+            """One line: each stage's layers and parameters (over tp), as `partition` balanced them."""
+            out = []
+            for s in range(self.num_stages):
+                a, b = self.parts[s], self.parts[s + 1]
+                out.append(f"stage {s}: layers [{a}, {b}) {sum(self._weights[a:b]) / 1e6:.1f}M")
+            return "; ".join(out)
+
+        def micro_batch_loss(self, out: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            nll, lm_nll, share = out
+            tokens = (labels != IGNORE_INDEX).sum()
+            if not self.training:  # summed: the validation loss is per token over all micro-batches
+                self.eval_sums += torch.stack([nll.sum().double(), tokens.double()])
+            self._extra = OrderedDict(lm_loss=(lm_nll.sum() / tokens).detach(), copy_share=(share.sum() / tokens).detach())
+            loss = nll.sum() / tokens
+            return loss * float("nan") if self.inject_nonfinite else loss
+
+        def get_additional_losses(self):
+            """The LM head's own loss and the copy share of the micro-batch: DeepSpeed averages
+            them over micro-batches and dp like the loss and sends them to every stage."""
+            return self._extra
+
+    return CPLMPipe
+
+
+def canonical_names(pipe) -> list[tuple[str, torch.nn.Parameter]]:
+    """(name in CPLM, parameter) for every parameter this stage holds."""
+    modules = [f for f in pipe.forward_funcs if isinstance(f, torch.nn.Module)] + list(pipe.tied_modules.values())
+    seen, out = set(), []
+    for module in modules:
+        for name, p in module.named_parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                out.append((module.canonical_prefix + name, p))
+    return out
+
+
+def build_pipeline_model(cfg: Config, dims: ParallelDims, device=None, dtype=torch.float32):
+    """This rank's stage of the model (a DeepSpeed PipelineModule)."""
+    if dims.pp_size != cfg.parallel.pp:
+        raise ValueError(f"parallel.pp={cfg.parallel.pp} but the pipeline group has {dims.pp_size} ranks")
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    pipe = _pipeline_module_class()(cfg, dims, device, dtype)
+    if dist.get_rank() == 0:
+        log.info(f"pipeline: {pipe.stage_summary()}")
+    return pipe
+
+
+def checkpoint_layer_names(cfg: Config) -> dict[int, str]:
+    """{pipeline layer index: its CPLM name prefix} of the layers DeepSpeed saves as
+    layer_XX-model_YY-model_states.pt (the tied embedding's second copy is not saved)."""
+    L = cfg.model.num_layers
+    names = {0: "", **{1 + i: f"layers.{i}." for i in range(L)}}
+    names[L + 1 + cfg.model.tie_embeddings] = ""
+    return names
