@@ -2,6 +2,7 @@
 
     python tools/cplm_profile.py --config tiny                                    # CPU, one process
     OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 tools/cplm_profile.py --config tiny parallel.tp=2
+    OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 tools/cplm_profile.py --config tiny parallel.pp=2 --accumulation 4
     torchrun --nproc-per-node 8 tools/cplm_profile.py --config cplm-1.7b train.precision=bf16 train.zero_stage=2 --seq-len 2048
     python tools/cplm_profile.py --config tiny --sweep zero=0,1,2 micro=1,2,4 --nproc 2     # each point a fresh launch
     python tools/cplm_profile.py --config cplm-135m --copy-overhead                 # copy on / off, alternating
@@ -36,6 +37,7 @@ from cplm_dist.profiling.memory import estimate
 
 SWEEPABLE = {  # --sweep name -> config override (a value list follows the '=')
     "tp": "parallel.tp",
+    "pp": "parallel.pp",
     "zero": "train.zero_stage",
     "micro": "train.micro_batch_size",
     "ckpt": "train.activation_checkpointing",
@@ -59,7 +61,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--csv", default="runs/profile/profile.csv", help="append one row per run here ('' to skip)")
     p.add_argument("--label", default="", help="a name for this run in the CSV")
     p.add_argument("--sweep", nargs="+", metavar="NAME=V1,V2", help=f"grid over {sorted(SWEEPABLE)}; each point a fresh launch")
-    p.add_argument("--nproc", type=int, help="--sweep: processes per point (default: the point's tp)")
+    p.add_argument("--nproc", type=int, help="--sweep: processes per point (default: the point's tp x pp)")
     p.add_argument("--out-dir", default="runs/profile", help="--sweep: CSV and plots go here")
     p.add_argument("--copy-overhead", action="store_true", help="copy head on and off, alternating, same shapes")
     p.add_argument("--peer", action="store_true", help="also transformers' LlamaForCausalLM, same shapes, tp=1")
@@ -79,7 +81,7 @@ def setup(cfg: Config, args):
     from cplm_dist.parallel import default_device, init_distributed
     from cplm_dist.profiling.measure import release_freed_memory_on_cpu
 
-    dims = init_distributed(cfg.parallel.tp)
+    dims = init_distributed(cfg.parallel.tp, pp_size=cfg.parallel.pp)
     device = default_device()
     if device.type == "cpu":
         release_freed_memory_on_cpu()
@@ -95,10 +97,13 @@ def build(cfg: Config, dims, device, model=None):
     """Training's own step (cplm_dist.train_step) for `model` (default: the config's CPLM)."""
     from cplm_dist.engine import build_engine
     from cplm_dist.model import build_model
+    from cplm_dist.model.pipeline import build_pipeline_model
     from cplm_dist.train_step import TrainStep
 
     torch.manual_seed(cfg.seed)
-    engine, optimizer, scheduler = build_engine(model or build_model(cfg, device=device), cfg, dims)
+    if model is None:
+        model = build_pipeline_model(cfg, dims, device=device) if dims.pp_size > 1 else build_model(cfg, device=device)
+    engine, optimizer, scheduler = build_engine(model, cfg, dims)
     return TrainStep(engine, optimizer, scheduler, dims, cfg)
 
 
@@ -110,7 +115,7 @@ def describe(cfg: Config, dims, seq: int, accumulation: int) -> dict:
         "date": datetime.date.today().isoformat(), "device": device, "config": cfg.model.name,
         "parameters": parameter_count(cfg)["total"], "copy": f"{cfg.copy.mix}/{cfg.copy.paste}" if cfg.copy.enabled else "off",
         "copy_impl": f"{cfg.copy.impl}/{cfg.copy.chunk_size}" if cfg.copy.impl == "chunked" else cfg.copy.impl,
-        "tp": dims.tp_size, "dp": dims.dp_size, "world": dims.world_size, "zero": cfg.train.zero_stage,
+        "tp": dims.tp_size, "pp": dims.pp_size, "dp": dims.dp_size, "world": dims.world_size, "zero": cfg.train.zero_stage,
         "precision": cfg.train.precision, "micro_batch": cfg.train.micro_batch_size, "accumulation": accumulation,
         "global_batch": cfg.train.global_batch_size, "seq_len": seq, "activation_checkpointing": cfg.train.activation_checkpointing,
     }
@@ -287,7 +292,7 @@ def table(result: dict) -> str:
 
 
 REPORT_COLUMNS = [
-    ("label", "run"), ("device", "device"), ("config", "model"), ("copy", "copy"), ("tp", "tp"), ("dp", "dp"),
+    ("label", "run"), ("device", "device"), ("config", "model"), ("copy", "copy"), ("tp", "tp"), ("pp", "pp"), ("dp", "dp"),
     ("zero", "ZeRO"), ("precision", "precision"), ("micro_batch", "micro"), ("seq_len", "seq"),
     ("tokens_per_s_per_device", "tokens/s/device"), ("tflops_per_device", "TFLOP/s/device"), ("mfu", "MFU"),
     ("step_memory_gb", "memory GB"), ("estimated_memory_gb", "estimate GB"), ("estimate_error", "estimate error"),
@@ -358,7 +363,7 @@ def sweep(args) -> int:
         if "seq" in point:
             overrides.append(f"model.max_seq_len={max(int(point['seq']), 1)}")
         cfg = load_config(args.config, args.overrides + overrides)  # a bad point fails here, before any launch
-        nproc = args.nproc or cfg.parallel.tp
+        nproc = args.nproc or cfg.parallel.tp * cfg.parallel.pp
         with tempfile.TemporaryDirectory() as tmp:
             result_file = Path(tmp) / "point.json"
             cmd = [sys.executable, str(Path(__file__).resolve()), "--config", args.config, *args.overrides, *overrides,

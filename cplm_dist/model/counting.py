@@ -70,18 +70,27 @@ def matmul_parameters(cfg: Config) -> int:
     return m.num_layers * _layer_matrices(cfg) + m.vocab_size * m.hidden_size + _copy_head(cfg)[0]
 
 
-def tensor_sizes_per_device(cfg: Config, tp: int) -> list[int]:
+def tensor_sizes_per_device(cfg: Config, tp: int, pp: int = 1, stage: int = 0) -> list[int]:
     """Elements of each parameter tensor one tp rank holds, in module order (they sum to
-    `parameters_per_device`): what ZeRO-3's persistence threshold is applied to, tensor by tensor."""
+    `parameters_per_device` at pp = 1): what ZeRO-3's persistence threshold is applied to, tensor
+    by tensor. With pipeline stages, those of `stage` (cplm_dist.model.pipeline): the embedding on
+    the first, the final norm, LM head and copy head on the last, which under tied embeddings
+    holds the embedding's shard too."""
+    from cplm_dist.model.pipeline import stage_transformer_layers
+
     m, c = cfg.model, cfg.copy
     D, hd = m.hidden_size, m.head_dim
     vocab_rows = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp) // tp
     layer = [D, D * (m.num_heads + 2 * m.num_kv_heads) * hd // tp, m.num_heads * hd * D // tp,
              D, 2 * D * m.ffn_hidden_size // tp, m.ffn_hidden_size * D // tp]
-    sizes = [vocab_rows * D] + layer * m.num_layers + [D]
-    if not m.tie_embeddings:
-        sizes.append(vocab_rows * D)
-    if c.enabled:
-        width = c.num_heads * c.head_dim
-        sizes += [width * D, width * D] + {"gate": [D, 1], "sentinel": [width], "joint": []}[c.mix]
+    first, last = stage == 0, stage == pp - 1
+    layers = m.num_layers if pp == 1 else stage_transformer_layers(cfg, pp)[stage]
+    sizes = [vocab_rows * D] if first else []
+    sizes += layer * layers
+    if last:
+        sizes += [vocab_rows * D] if m.tie_embeddings and not first else []
+        sizes += [D] + ([] if m.tie_embeddings else [vocab_rows * D])
+        if c.enabled:
+            width = c.num_heads * c.head_dim
+            sizes += [width * D, width * D] + {"gate": [D, 1], "sentinel": [width], "joint": []}[c.mix]
     return sizes

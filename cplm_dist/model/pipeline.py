@@ -158,6 +158,22 @@ def partition(weights: list[int], stages: int) -> list[int]:
     return fits(lo)
 
 
+def stage_bounds(cfg: Config, pp: int) -> list[int]:
+    """The pipeline's stage boundaries over its layers (`partition` of `layer_parameters`; with
+    tied embeddings the layer list holds the tied copy before the head, on the head's stage)."""
+    weights = layer_parameters(cfg)
+    if not cfg.model.tie_embeddings:
+        return partition(weights, pp)
+    merged = partition(weights, pp)
+    return merged[:-1] + [merged[-1] + 1]
+
+
+def stage_transformer_layers(cfg: Config, pp: int) -> list[int]:
+    """How many transformer layers each stage runs."""
+    bounds, L = stage_bounds(cfg, pp), cfg.model.num_layers
+    return [len(set(range(bounds[s], bounds[s + 1])) & set(range(1, L + 1))) for s in range(pp)]
+
+
 def _pipeline_module_class():
     deepspeed = import_deepspeed()
     deepspeed.init_distributed(dist_init_required=False)  # DeepSpeed's comm layer over our process group
@@ -183,7 +199,7 @@ def _pipeline_module_class():
                                                       cfg.train.activation_checkpointing))
             if tied:
                 specs.append(TiedLayerSpec("embedding", *embed_args, forward_fn=hand_weight_to_head, **tie))
-                self._weights = self._weights[:-1] + [0, self._weights[-1]]
+                self._weights = self._weights[:-1] + [0, self._weights[-1]]  # the tied copy, counted with the head
             specs.append(LayerSpec(HeadStage, cfg, dims.tp_group, device, dtype))
             topology = PipeModelDataParallelTopology(num_pp=dims.pp_size, num_mp=dims.tp_size,
                                                                      num_dp=dims.dp_size)
@@ -192,12 +208,7 @@ def _pipeline_module_class():
             init_parameters(canonical_names(self), cfg.model, cfg.copy, cfg.seed, dims.tp_rank, dims.tp_size)
 
         def _partition_layers(self, method="parameters"):
-            weights = self._weights
-            if self.cfg.model.tie_embeddings:  # the tied copy travels with the head: one unit
-                merged = partition(weights[:-2] + [weights[-1]], self.num_stages)
-                self.parts = merged[:-1] + [merged[-1] + 1]
-            else:
-                self.parts = partition(weights, self.num_stages)
+            self.parts = stage_bounds(self.cfg, self.num_stages)
             stage = self._topo.get_coord(self.global_rank).pipe
             self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
 

@@ -29,7 +29,22 @@ parameters in the parameters' dtype, as DeepSpeed 0.19.8 does it (measured on gl
                 threshold (1e5 elements) once a step, the rest every micro-batch, twice when the
                 rank's gathered parameters exceed the reuse distance (1e9 elements) so that
                 forward's copies are released before backward
-Small bookkeeping collectives (gradient norm, overflow checks, loss averaging) are not counted.
+Pipeline stages (pp > 1, DeepSpeed's pipeline engine; counted for one rank of `stage`, whose
+L_s layers replace L above; the embedding's terms belong to the first stage, the LM head's, the
+loss's and the copy head's to the last), per micro-batch with a = n D b the activation bytes:
+    pp/send, pp/recv   a stage sends its output activation and the ids and labels (16 n) forward
+                       to the next stage and the input gradient (a) backward to the previous one;
+                       with tp > 1 DeepSpeed partitions both over the tp ranks (a / tp each, plus a
+                       few bytes of metadata, not counted) unless sequence parallelism already
+                       shards them (a / tp each, no gather)
+    tp/all_gather      the partitioned tensors made whole again: a for the received activation
+                       (not the first stage), 2a for the sent one kept for backward and the
+                       received gradient (not the last stage)
+    tied/all_reduce    the tied embedding's gradient between first and last stage, once a step
+                       (V/tp x D x b)
+    dp                 as above over the stage's own parameters
+Small bookkeeping collectives (gradient norm, overflow checks, loss averaging) are not counted,
+nor collectives over a single rank (they move nothing; the profiler skips them too).
 """
 
 from __future__ import annotations
@@ -37,7 +52,8 @@ from __future__ import annotations
 from collections import defaultdict
 
 from cplm_dist.config import Config
-from cplm_dist.model.counting import replicated_parameters, tensor_sizes_per_device
+from cplm_dist.model.counting import _copy_head, replicated_parameters, tensor_sizes_per_device
+from cplm_dist.vocab_parallel import padded_vocab_size
 
 ZERO3_PERSISTENCE_THRESHOLD = 100_000  # DeepSpeed's stage3_param_persistence_threshold default
 ZERO3_REUSE_DISTANCE = 1_000_000_000  # DeepSpeed's stage3_max_reuse_distance default
@@ -50,30 +66,52 @@ def _copy_terms(cfg: Config) -> int:
 
 
 def tp_bytes_per_micro_batch(cfg: Config, *, tp: int, tokens: int, act_bytes: int, activation_checkpointing: bool,
-                             sequence_parallel: bool) -> dict[str, float]:
-    """{collective: bytes} of one micro-batch's forward and backward on the tp group."""
+                             sequence_parallel: bool, layers: int | None = None, first: bool = True,
+                             last: bool = True) -> dict[str, float]:
+    """{collective: bytes} of one micro-batch's forward and backward on the tp group: of `layers`
+    transformer layers (default all), with the embedding (`first`) and the head (`last`)."""
     if tp == 1:
         return {}
     m, c = cfg.model, cfg.copy
-    L, h = m.num_layers, tokens * m.hidden_size * act_bytes
+    L, h = m.num_layers if layers is None else layers, tokens * m.hidden_size * act_bytes
+    emb, head = int(first), int(last)
     ckpt = 1 if activation_checkpointing else 0  # a recomputed layer repeats all but its MLP's output collective
-    loss = 3 * 4 * tokens
+    loss = 3 * 4 * tokens * head
     if not sequence_parallel:
-        return {"all_reduce": h * (2 * L + 1 + 2 * L + 1 + ckpt * L) + loss}
-    keys = 4 * tokens * c.num_heads * c.head_dim if c.enabled else 0
-    terms = 4 * tokens * _copy_terms(cfg) if c.enabled else 0
+        return {"all_reduce": h * (2 * L + emb + 2 * L + head + ckpt * L) + loss}
+    keys = 4 * tokens * c.num_heads * c.head_dim * head if c.enabled else 0
+    terms = 4 * tokens * _copy_terms(cfg) * head if c.enabled else 0
+    norms = 2 * L * m.hidden_size + head * (m.hidden_size + sum(_copy_head(cfg)))  # the replicated weights
+    if layers is None:
+        assert norms == replicated_parameters(cfg)
     return {
-        "all_gather_into_tensor": h * (2 * L + 4 * L + 2 + 1 + ckpt * 2 * L) + keys + terms,
-        "reduce_scatter_tensor": h * (2 * L + 2 * L + 1 + 1 + ckpt * L) + keys,
-        "all_reduce": replicated_parameters(cfg) * act_bytes + loss,
+        "all_gather_into_tensor": h * (2 * L + 4 * L + 2 * head + emb + ckpt * 2 * L) + keys + terms,
+        "reduce_scatter_tensor": h * (2 * L + 2 * L + emb + head + ckpt * L) + keys,
+        "all_reduce": norms * act_bytes + loss,
     }
 
 
-def dp_bytes_per_step(cfg: Config, *, tp: int, dp: int, zero: int, accumulation: int, param_bytes: int) -> dict[str, float]:
-    """{collective: bytes} of one optimizer step on the dp group."""
+def pp_bytes_per_micro_batch(cfg: Config, *, tp: int, pp: int, stage: int, tokens: int, act_bytes: int,
+                             sequence_parallel: bool) -> dict[str, float]:
+    """{"<group>/<collective>": bytes} of one micro-batch between pipeline stages (module docstring)."""
+    a = tokens * cfg.model.hidden_size * act_bytes
+    first, last = stage == 0, stage == pp - 1
+    partitioned = tp > 1 and not sequence_parallel
+    part = a / tp if tp > 1 else a
+    forward, backward = part + 16 * tokens, part
+    out = {"pp/send": (0 if last else forward) + (0 if first else backward),
+           "pp/recv": (0 if first else forward) + (0 if last else backward)}
+    if partitioned:
+        out["tp/all_gather_into_tensor"] = a * ((0 if first else 1) + (0 if last else 2))
+    return out
+
+
+def dp_bytes_per_step(cfg: Config, *, tp: int, dp: int, zero: int, accumulation: int, param_bytes: int,
+                      pp: int = 1, stage: int = 0) -> dict[str, float]:
+    """{collective: bytes} of one optimizer step on the dp group (of pipeline `stage`'s parameters)."""
     if dp == 1:
         return {}
-    sizes = tensor_sizes_per_device(cfg, tp)
+    sizes = tensor_sizes_per_device(cfg, tp, pp, stage)
     p = sum(sizes) * param_bytes
     if zero == 0:
         return {"all_reduce": p}
@@ -89,16 +127,31 @@ def dp_bytes_per_step(cfg: Config, *, tp: int, dp: int, zero: int, accumulation:
 
 
 def step_bytes(cfg: Config, *, tp: int, dp: int, zero: int, micro_batch: int, accumulation: int, seq_len: int,
-               precision: str, activation_checkpointing: bool, sequence_parallel: bool) -> dict[str, float]:
-    """{"<group>/<collective>": bytes} one rank moves in an optimizer step (the module docstring)."""
+               precision: str, activation_checkpointing: bool, sequence_parallel: bool, pp: int = 1,
+               stage: int = 0) -> dict[str, float]:
+    """{"<group>/<collective>": bytes} one rank moves in an optimizer step (the module docstring);
+    with pipeline stages (pp > 1), a rank of `stage`."""
+    from cplm_dist.model.pipeline import stage_transformer_layers
+
     b = 2 if precision == "bf16" else 4
+    sp = sequence_parallel and tp > 1
+    tokens = micro_batch * seq_len
     out: dict[str, float] = defaultdict(float)
-    per_micro = tp_bytes_per_micro_batch(cfg, tp=tp, tokens=micro_batch * seq_len, act_bytes=b,
-                                         activation_checkpointing=activation_checkpointing,
-                                         sequence_parallel=sequence_parallel and tp > 1)
+    first, last = stage == 0, stage == pp - 1
+    layers = None if pp == 1 else stage_transformer_layers(cfg, pp)[stage]
+    per_micro = tp_bytes_per_micro_batch(cfg, tp=tp, tokens=tokens, act_bytes=b, activation_checkpointing=activation_checkpointing,
+                                         sequence_parallel=sp, layers=layers, first=first, last=last)
     for name, size in per_micro.items():
         out[f"tp/{name}"] += size * accumulation
-    for name, size in dp_bytes_per_step(cfg, tp=tp, dp=dp, zero=zero, accumulation=accumulation, param_bytes=b).items():
+    if pp > 1:
+        for key, size in pp_bytes_per_micro_batch(cfg, tp=tp, pp=pp, stage=stage, tokens=tokens, act_bytes=b,
+                                                  sequence_parallel=sp).items():
+            out[key] += size * accumulation
+        m = cfg.model
+        if m.tie_embeddings and (first or last):
+            out["tied/all_reduce"] += padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp) // tp * m.hidden_size * b
+    for name, size in dp_bytes_per_step(cfg, tp=tp, dp=dp, zero=zero, accumulation=accumulation, param_bytes=b,
+                                        pp=pp, stage=stage).items():
         out[f"dp/{name}"] += size
     return dict(out)
 

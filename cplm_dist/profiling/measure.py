@@ -30,6 +30,7 @@ from cplm_dist.profiling.throughput import device_peak_flops, flops_per_token
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
                "broadcast", "all_to_all_single", "reduce", "_all_gather_base", "_reduce_scatter_base",
                "all_reduce_coalesced", "_all_gather_base_coalesced")
+P2P = ("send", "recv", "isend", "irecv")  # pipeline stages' activations and their gradients
 
 
 def collective_bytes(args: tuple, kwargs: dict) -> int:
@@ -48,16 +49,24 @@ def collective_bytes(args: tuple, kwargs: dict) -> int:
 
 
 class CommTimer:
-    """While active, every torch.distributed collective is timed to completion and filed under
-    the group it ran on ("tp", "dp", "world" or "other"): seconds, calls and bytes (the whole
-    buffer, `collective_bytes`), also by collective in `by_name[(group, name)] = [calls, bytes]`."""
+    """While active, every torch.distributed collective and point-to-point transfer is timed to
+    completion and filed under the group it ran on ("tp", "dp", "pp", "tied", "world" or "other";
+    sends and receives between pipeline stages: "pp"): seconds, calls and bytes (the whole
+    buffer, `collective_bytes`), also by collective in `by_name[(group, name)] = [calls, bytes]`.
+    `engine`: a DeepSpeed pipeline engine, whose grid has process groups of its own."""
 
-    def __init__(self, dims: ParallelDims, device: torch.device):
+    def __init__(self, dims: ParallelDims, device: torch.device, engine=None):
         self.device = device
-        self.groups = {id(dims.tp_group): "tp", id(dims.dp_group): "dp"}
+        self.groups = {id(dims.tp_group): "tp", id(dims.dp_group): "dp", id(dims.pp_group): "pp"}
+        grid = getattr(engine, "grid", None)
+        if grid is not None:
+            self.groups.update({id(grid.get_slice_parallel_group()): "tp", id(grid.get_data_parallel_group()): "dp",
+                                id(grid.get_pipe_parallel_group()): "pp"})
+            self.groups.update({id(comm["group"]): "tied" for comm in engine.module.tied_comms.values()})
         self.seconds, self.calls, self.bytes = defaultdict(float), defaultdict(int), defaultdict(int)
         self.by_name = defaultdict(lambda: [0, 0])
         self._saved = {}
+        self._depth = threading.local()  # torch's send is an isend and a wait: count the outer call only
 
     def _kind(self, group) -> str:
         if group is None or group is dist.group.WORLD:
@@ -68,8 +77,20 @@ class CommTimer:
         signature = inspect.signature(fn)
 
         def timed(*args, **kwargs):
+            if getattr(self._depth, "n", 0):
+                return fn(*args, **kwargs)
+            self._depth.n = 1
+            try:
+                return counted(*args, **kwargs)
+            finally:
+                self._depth.n = 0
+
+        def counted(*args, **kwargs):
             bound = signature.bind_partial(*args, **kwargs).arguments
-            kind = self._kind(bound.get("group"))
+            group = bound.get("group")
+            if name not in P2P and group is not None and group is not dist.group.WORLD and dist.get_world_size(group) == 1:
+                return fn(*args, **kwargs)  # one rank: nothing moves
+            kind = "pp" if name in P2P else self._kind(group)
             synchronize(self.device)
             start = time.perf_counter()
             work = fn(*args, **kwargs)
@@ -87,7 +108,7 @@ class CommTimer:
         return timed
 
     def __enter__(self):
-        originals = {id(getattr(dist, name)): name for name in COLLECTIVES if hasattr(dist, name)}
+        originals = {id(getattr(dist, name)): name for name in COLLECTIVES + P2P if hasattr(dist, name)}
         targets = [(dist, name) for name in originals.values()]
         # megatron-core, DeepSpeed and torch's own c10d module call collectives through references
         # bound at their import: each such name is wrapped too, under the collective's name
@@ -137,7 +158,7 @@ def measure(step, cfg: Config, dims: ParallelDims, *, warmup: int, steps: int, b
     times = step_times.tolist()
 
     phases = defaultdict(float)
-    comm = CommTimer(dims, device)
+    comm = CommTimer(dims, device, step.engine if dims.pp_size > 1 else None)
     with comm:
         for _ in range(breakdown_steps):
             step(batches, phases=phases)
@@ -168,6 +189,9 @@ def measure(step, cfg: Config, dims: ParallelDims, *, warmup: int, steps: int, b
         "forward_s": phases["forward"] / n,
         "backward_s": phases["backward"] / n,
         "optimizer_s": phases["optimizer"] / n,
+        "pipeline_s": phases["pipeline"] / n,  # pp > 1: forward, backward and the step interleave in one schedule
+        "comm_pp_s": comm.seconds["pp"] / n,
+        "comm_pp_mb": comm.bytes["pp"] / n / 1e6,
         "comm_tp_s": comm.seconds["tp"] / n,
         "comm_dp_s": (comm.seconds["dp"] + comm.seconds["world"]) / n,
         "comm_tp_calls": comm.calls["tp"] / n,
