@@ -594,11 +594,31 @@ def _load_states(file: Path) -> dict:
     return state
 
 
+def _pipeline_shards(step_dir: Path, manifest: dict, cfg: Config, saved_tp: int) -> list[dict]:
+    """Each saved tp rank's weights under their CPLM names, from a pipeline checkpoint's layer
+    files (`layer_XX-model_YY-model_states.pt`, one per pipeline layer and tp rank)."""
+    from cplm_dist.model.pipeline import checkpoint_layer_names
+
+    names = checkpoint_layer_names(cfg)
+    files = {(i, r): step_dir / f"layer_{i:02d}-model_{r:02d}-model_states.pt" for i in names for r in range(saved_tp)}
+    _check_intact(step_dir, manifest, [f.name for f in files.values()])
+    shards = [{} for _ in range(saved_tp)]
+    for (i, r), file in files.items():
+        try:
+            state = safe_load(file, map_location="cpu")
+        except FileNotFoundError:
+            raise CheckpointError(f"{file} is missing although its checkpoint is marked complete: use an earlier step") from None
+        shards[r].update({names[i] + k: v for k, v in state.items()})
+    return shards
+
+
 def load_model(path: str | Path, device=None, dtype=torch.float32):
     """(model in eval mode, config, manifest) on this rank, at this launch's tp whatever tp the
     checkpoint was saved at: every saved tp rank's weights are joined into the tp-independent
     tensors (cplm_dist.model.sharding) and this rank's shard is taken. ZeRO-3 checkpoints keep the
-    weights only in the optimizer shards, which DeepSpeed's zero_to_fp32 merges (saved at tp = 1)."""
+    weights only in the optimizer shards, which DeepSpeed's zero_to_fp32 merges (saved at tp = 1).
+    A pipeline checkpoint's per-layer files are read under the names a CPLM gives them, so it
+    loads as a whole model too (evaluation and generation run without pipeline stages)."""
     from cplm_dist.megatron_compat import parallel_state
     from cplm_dist.model import build_model
     from cplm_dist.model.sharding import full_state_dict, load_full_state_dict
@@ -615,9 +635,12 @@ def load_model(path: str | Path, device=None, dtype=torch.float32):
     model = build_model(cfg, device=device, dtype=dtype, activation_checkpointing=False, compile_layers=False,
                         sequence_parallel=False)
     step_dir = info["root"] / info["tag"]
-    files = [model_states_file(step_dir, r) for r in range(saved_tp)]
-    _check_intact(step_dir, info, [f.name for f in files])
-    shards = [_load_states(f)["module"] for f in files]
+    if info["layout"].get("pp", 1) > 1:
+        shards = _pipeline_shards(step_dir, info, cfg, saved_tp)
+    else:
+        files = [model_states_file(step_dir, r) for r in range(saved_tp)]
+        _check_intact(step_dir, info, [f.name for f in files])
+        shards = [_load_states(f)["module"] for f in files]
     if any(getattr(v, "numel", lambda: 1)() == 0 for v in shards[0].values()):  # ZeRO-3: weights live in the optimizer shards
         if saved_tp != 1:
             raise CheckpointError(f"{path}: ZeRO-3 checkpoints saved at tp>1 cannot be merged for evaluation yet "

@@ -26,8 +26,11 @@ from cplm_dist.config import Config
 
 
 def parameter_groups(model: torch.nn.Module, cfg: Config) -> list[dict]:
+    """Weight decay for matrices, not for norms, biases and (unless optim.decay_embeddings) the
+    vocabulary tensors; by the parameters' CPLM names (a pipeline stage maps its own to them)."""
     decay, no_decay = [], []
-    for name, param in model.named_parameters():
+    named = model.canonical_named_parameters() if hasattr(model, "canonical_named_parameters") else model.named_parameters()
+    for name, param in named:
         if not param.requires_grad:
             continue
         is_embedding = name.startswith(("embedding.", "lm_head."))

@@ -1,5 +1,5 @@
-"""Training end to end on gloo ranks: the loss falls; tp x dp with ZeRO-1/2 and ZeRO stages 0-3
-follow one rank's trajectory; resume is exact; a save killed midway leaves a valid `latest`;
+"""Training end to end on gloo ranks: the loss falls; tp x dp with ZeRO-1/2 and ZeRO stages 0-3,
+and pipeline stages (pp = 2, pp = 2 x tp = 2), follow one rank's trajectory; resume is exact; a save killed midway leaves a valid `latest`;
 non-finite steps are skipped and a run of them stops with the last good state; bad input gives
 one line and exit code 2 with nothing written."""
 
@@ -144,6 +144,106 @@ def test_activation_checkpointing_changes_nothing(small_data, tmp_path, one_rank
     got = losses(out)
     for step in got:
         assert abs(got[step] - one_rank[step]) < 1e-6
+
+
+# --- pipeline parallelism -------------------------------------------------------------------------
+
+PP_STEPS = 10
+
+
+def _pp_args(small_data, out, micro, *extra):
+    # global batch 4; evaluated at the end over the same 8 validation sequences whatever the micro-batch
+    return argv(small_data, out, f"train.train_steps={PP_STEPS}", "train.global_batch_size=4", "optim.clip_grad=1.0",
+                f"train.micro_batch_size={micro}", f"train.eval_interval={PP_STEPS}", f"train.eval_batches={8 // micro}",
+                *extra)
+
+
+@pytest.fixture(scope="module")
+def pp_reference(small_data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("pipeline") / "one"
+    assert train(1, _pp_args(small_data, out, 4, "train.zero_stage=0")) == [0]
+    return out
+
+
+@pytest.fixture(scope="module")
+def pp2_run(small_data, tmp_path_factory):
+    """pp = 2 at ZeRO-1, micro-batch 1: four micro-batches through the 1F1B schedule each step."""
+    out = tmp_path_factory.mktemp("pipeline") / "pp2"
+    assert train(2, _pp_args(small_data, out, 1, "parallel.pp=2", "train.zero_stage=1")) == [0, 0]
+    return out
+
+
+def _assert_follows(got_dir, want_dir, tolerance):
+    got, want = losses(got_dir), losses(want_dir)
+    assert sorted(got) == list(range(1, PP_STEPS + 1))
+    for step in got:
+        assert abs(got[step] - want[step]) < tolerance, (step, got[step], want[step])
+    valid = [read_metrics(d / "logs" / "metrics.jsonl", "valid")[PP_STEPS]["loss"] for d in (got_dir, want_dir)]
+    assert abs(valid[0] - valid[1]) < tolerance, valid
+
+
+def test_pipeline_follows_one_rank(pp_reference, pp2_run):
+    """Tied embeddings on both stages, the copy head on the last with the ids carried to it;
+    losses, LM-only losses, copy shares and gradient norms (clipping at 1.0) all follow."""
+    _assert_follows(pp2_run, pp_reference, 1e-4)
+    got, want = (read_metrics(d / "logs" / "metrics.jsonl") for d in (pp2_run, pp_reference))
+    for step in (1, PP_STEPS):
+        for key in ("lm_loss", "copy_share", "grad_norm"):
+            assert got[step][key] == pytest.approx(want[step][key], rel=1e-3, abs=1e-4), (step, key)
+    assert max(r["grad_norm"] for r in want.values()) > 1.0, "clipping must be exercised"
+    state = torch.load(pp2_run / "checkpoints" / "step-00000010" / "mp_rank_01_model_states.pt", weights_only=False)
+    assert state["loader"] == {"consumed_samples": PP_STEPS * 4}
+
+
+def test_pipeline_with_tensor_parallel_stages_follows_one_rank(small_data, tmp_path, pp_reference):
+    """pp = 2 x tp = 2 at ZeRO-0 (the optimizer clips with the norm over both stages) with
+    sequence parallelism and recomputation inside the stages."""
+    out = tmp_path / "pp2tp2"
+    assert train(4, _pp_args(small_data, out, 2, "parallel.pp=2", "parallel.tp=2", "train.zero_stage=0",
+                             "parallel.sequence_parallel=true",
+                             "train.activation_checkpointing=true")) == [0] * 4
+    _assert_follows(out, pp_reference, 1e-4)
+
+
+def test_pipeline_resume_is_exact(small_data, tmp_path, pp2_run):
+    out = tmp_path / "resumed"
+    args = _pp_args(small_data, out, 1, "parallel.pp=2", "train.zero_stage=1")
+    assert train(2, args + ["train.exit_at_step=5"]) == [0, 0]
+    assert max(losses(out)) == 5
+    assert train(2, args + ["--resume", "auto"]) == [0, 0]
+    a, b = losses(pp2_run), losses(out)
+    assert sorted(a) == sorted(b) == list(range(1, PP_STEPS + 1))
+    for step in a:
+        assert abs(a[step] - b[step]) <= 1e-6, (step, a[step], b[step])
+    # another layout cannot take a pipeline checkpoint in place, nor be reshaped into it
+    proc = run_cli(_pp_args(small_data, out, 1, "train.zero_stage=1", f"train.train_steps={PP_STEPS + 1}")
+                   + ["--resume", "auto", "--reshape"])
+    assert proc.returncode == 2
+    assert "reshaping to or from pipeline stages (parallel.pp > 1) is not supported" in proc.stderr.strip().splitlines()[-1]
+
+
+def _valid_loss_of_checkpoint(path, args):
+    from cplm_dist.checkpoint import load_model
+    from cplm_dist.cli import config_parser, load_from_args
+    from cplm_dist.data.gpt_data import build_datasets
+    from cplm_dist.parallel import default_device, init_distributed
+    from cplm_dist.train import evaluate
+
+    dims = init_distributed(1)
+    cfg = load_from_args(config_parser("").parse_intermixed_args(args))
+    model, _, info = load_model(path)
+    t = cfg.train
+    data = build_datasets(cfg, (t.train_steps * t.global_batch_size, t.eval_batches * t.micro_batch_size, 0))
+    return info["layout"], evaluate(model, data.valid, cfg, dims, default_device())
+
+
+def test_a_pipeline_checkpoint_loads_as_a_whole_model(small_data, pp2_run):
+    """Evaluation reads the per-stage layer files into a plain CPLM: its validation loss is the
+    one the pipeline computed at the same step."""
+    args = _pp_args(small_data, pp2_run, 1)
+    layout, loss = run_ranks(_valid_loss_of_checkpoint, 1, args=(pp2_run, args))[0]
+    assert layout["pp"] == 2
+    assert loss == pytest.approx(read_metrics(pp2_run / "logs" / "metrics.jsonl", "valid")[PP_STEPS]["loss"], abs=1e-5)
 
 
 # --- the profiler measures training's own step ------------------------------------------------------

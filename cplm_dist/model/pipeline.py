@@ -19,7 +19,7 @@ their gradients are summed across the two stages before the optimizer step. The 
 ours (`partition`): contiguous layers balanced by parameters, the embedding counted on the first
 stage and the LM head (tied or not, V x D either way, the heaviest part of the step) on the last.
 
-Every parameter carries the name it has in `CPLM` (`canonical_names`), so the seeded
+Every parameter carries the name it has in `CPLM` (`canonical_named_parameters`), so the seeded
 initialisation draws the same weights as at pp = 1 and evaluation loads a pipeline checkpoint
 into a plain CPLM (cplm_dist.checkpoint.load_model).
 """
@@ -205,12 +205,30 @@ def _pipeline_module_class():
                                                                      num_dp=dims.dp_size)
             self._extra = OrderedDict(lm_loss=torch.zeros((), device=device), copy_share=torch.zeros((), device=device))
             super().__init__(specs, topology=topology, loss_fn=self.micro_batch_loss, partition_method="parameters")
-            init_parameters(canonical_names(self), cfg.model, cfg.copy, cfg.seed, dims.tp_rank, dims.tp_size)
+            init_parameters(self.canonical_named_parameters(), cfg.model, cfg.copy, cfg.seed, dims.tp_rank, dims.tp_size)
+
+        def canonical_named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
+            """(name in CPLM, parameter) for every parameter this stage holds: the seeded
+            initialisation and the weight-decay groups go by these names."""
+            modules = [f for f in self.forward_funcs if isinstance(f, torch.nn.Module)] + list(self.tied_modules.values())
+            seen, out = set(), []
+            for module in modules:
+                for name, p in module.named_parameters():
+                    if id(p) not in seen:
+                        seen.add(id(p))
+                        out.append((module.canonical_prefix + name, p))
+            return out
 
         def _partition_layers(self, method="parameters"):
             self.parts = stage_bounds(self.cfg, self.num_stages)
             stage = self._topo.get_coord(self.global_rank).pipe
             self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
+
+        def _synchronize_tied_weights(self):
+            # DeepSpeed broadcasts the tied weight in place with autograd on, which leaves a
+            # node torch warns about (and may one day refuse) in every backward through it
+            with torch.no_grad():
+                super()._synchronize_tied_weights()
 
         def stage_summary(self) -> str:
             """One line: each stage's layers and parameters (over tp), as `partition` balanced them."""
@@ -235,18 +253,6 @@ def _pipeline_module_class():
             return self._extra
 
     return CPLMPipe
-
-
-def canonical_names(pipe) -> list[tuple[str, torch.nn.Parameter]]:
-    """(name in CPLM, parameter) for every parameter this stage holds."""
-    modules = [f for f in pipe.forward_funcs if isinstance(f, torch.nn.Module)] + list(pipe.tied_modules.values())
-    seen, out = set(), []
-    for module in modules:
-        for name, p in module.named_parameters():
-            if id(p) not in seen:
-                seen.add(id(p))
-                out.append((module.canonical_prefix + name, p))
-    return out
 
 
 def build_pipeline_model(cfg: Config, dims: ParallelDims, device=None, dtype=torch.float32):

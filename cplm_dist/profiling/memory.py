@@ -55,14 +55,40 @@ The peak is whichever moment is larger, on top of parameters and optimizer state
 
 On CPU the measured figure is the process's peak resident set above its size before the model
 was built, with glibc told to return freed blocks at once (cplm_dist.profiling.measure).
+
+Pipeline parallelism (parallel.pp = p > 1; DeepSpeed's 1F1B schedule, cplm_dist.model.pipeline):
+the layers are split by `partition(layer_parameters(cfg), p)` (pipeline layer 0 the embedding,
+1..L the transformer layers, L+1 the head), and the figure is the heaviest stage's, each stage
+counted as above for its own part, with m = accumulation micro-batches a step:
+
+    parameters  its transformer layers' (matrices / tp + the two norms), the first stage the
+                embedding (V/tp x D), the last the LM head (V/tp x D: under tie_embeddings the
+                tied copy, so both ends hold one), the final norm and the copy head; gradients,
+                optimizer states and the optimizer's temporaries of those only (ZeRO 0-1)
+    activations stage s holds min(p - s, m) micro-batches in flight (1F1B: the first stage the
+                most, the last one) of its own layers' activations (checkpointed: their inputs),
+                plus per in-flight micro-batch the pipe buffers DeepSpeed keeps for backward: the
+                received hidden states (stages after the first; b D per token, / tp under
+                sequence parallelism; not again under checkpointing, where they are the first
+                layer's saved input), the hidden states sent on (stages before the last, the
+                same size) and the ids and labels (16 bytes a token)
+    last stage  the final norm, the loss's logits buffer and the copy head, for one micro-batch
+    transient   one layer's activation gradients (+ its recomputation) on every stage; the
+                vocabulary gradient only on the stages holding a vocabulary tensor (first, last)
+
+A 1F1B step lasts m + p - 1 micro-batch slots for m micro-batches of work: the bubble, the share
+of the step a stage waits, is (p - 1) / (m + p - 1) (cplm_dist.profiling.planner, `bubble`). At
+p = 1 every figure is the single-stage one above.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
+from functools import lru_cache
 
 from cplm_dist.config import Config
-from cplm_dist.model.counting import parameters_per_device
+from cplm_dist.model.counting import _copy_head, _layer_matrices, parameters_per_device
+from cplm_dist.model.pipeline import layer_parameters, partition
 from cplm_dist.vocab_parallel import padded_vocab_size
 
 GIB = 1024**3
@@ -96,6 +122,60 @@ class MemoryEstimate:
     def as_dict(self) -> dict:
         return {**asdict(self), "early_backward": self.early_backward, "optimizer_step": self.optimizer_step,
                 "total": self.total}
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One pipeline stage's share of the model (pp = 1: the whole model, one stage)."""
+    index: int
+    stages: int
+    layers: int  # transformer layers
+    first: bool  # holds the embedding; its input is the ids
+    last: bool  # holds the final norm, the LM head (or the tied embedding copy) and the copy head
+
+
+@lru_cache(maxsize=256)
+def _partition(weights: tuple[int, ...], pp: int) -> tuple[int, ...]:
+    return tuple(partition(list(weights), pp))
+
+
+def pipeline_stages(cfg: Config, pp: int, tp: int | None = None) -> list[Stage]:
+    """The stages of `cplm_dist.model.pipeline.partition(layer_parameters(cfg), pp)` (the split
+    CPLMPipe builds, the tied copy merged into the head), with the vocabulary padded for `tp`."""
+    L = cfg.model.num_layers
+    if pp == 1:
+        return [Stage(0, 1, L, True, True)]
+    if pp > L:
+        raise ValueError(f"pp={pp} exceeds model.num_layers={L}: every stage needs a transformer layer")
+    if tp is not None and tp != cfg.parallel.tp:
+        cfg = replace(cfg, parallel=replace(cfg.parallel, tp=tp))
+    bounds = _partition(tuple(layer_parameters(cfg)), pp)  # layer 0 the embedding, 1..L, L + 1 the head
+    return [Stage(s, pp, min(b, L + 1) - max(a, 1), s == 0, s == pp - 1) for s, (a, b) in enumerate(zip(bounds, bounds[1:]))]
+
+
+def stage_parameters(cfg: Config, stage: Stage, tp: int) -> float:
+    """Parameters one rank of `stage` holds (before ZeRO-3 sharding), padded vocabulary included."""
+    if stage.stages == 1:
+        return parameters_per_device(cfg, tp)
+    m = cfg.model
+    D = m.hidden_size
+    vocab = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp)
+    n = stage.layers * (_layer_matrices(cfg) / tp + 2 * D)
+    if stage.first:
+        n += vocab * D / tp
+    if stage.last:  # the LM head, or under tie_embeddings the tied copy of the embedding
+        n += vocab * D / tp + D + sum(_copy_head(cfg))
+    return n
+
+
+def in_flight(stage: Stage, accumulation: int) -> int:
+    """Micro-batches whose activations stage s holds at once under 1F1B: min(p - s, m)."""
+    return min(stage.stages - stage.index, accumulation)
+
+
+def bubble(pp: int, accumulation: int) -> float:
+    """The share of a 1F1B step a stage idles: (p - 1) / (m + p - 1)."""
+    return (pp - 1) / (accumulation + pp - 1)
 
 
 def state_bytes_per_parameter(precision: str, zero: int, dp: int) -> tuple[float, float, float]:
@@ -140,34 +220,67 @@ def copy_head_bytes(cfg: Config, micro_batch: int, seq_len: int, tp: int = 1) ->
 
 
 def estimate(cfg: Config, *, tp: int, dp: int, micro_batch: int, seq_len: int, zero: int | None = None,
-             precision: str | None = None, activation_checkpointing: bool | None = None) -> MemoryEstimate:
-    """Bytes per device for one training step of `micro_batch` sequences of `seq_len` tokens."""
+             precision: str | None = None, activation_checkpointing: bool | None = None, pp: int | None = None,
+             accumulation: int | None = None) -> MemoryEstimate:
+    """Bytes per device for one training step of `micro_batch` sequences of `seq_len` tokens: at
+    pp > 1 the heaviest pipeline stage's (the module docstring). pp defaults to parallel.pp,
+    accumulation (the micro-batches a step, which bound those in flight) to
+    train.global_batch_size / (micro_batch x dp)."""
+    return max(stage_estimates(cfg, tp=tp, dp=dp, micro_batch=micro_batch, seq_len=seq_len, zero=zero,
+                               precision=precision, activation_checkpointing=activation_checkpointing, pp=pp,
+                               accumulation=accumulation), key=lambda e: e.total)
+
+
+def stage_estimates(cfg: Config, *, tp: int, dp: int, micro_batch: int, seq_len: int, zero: int | None = None,
+                    precision: str | None = None, activation_checkpointing: bool | None = None, pp: int | None = None,
+                    accumulation: int | None = None) -> list[MemoryEstimate]:
+    """`estimate` of every pipeline stage, in stage order (one at pp = 1)."""
+    pp = cfg.parallel.pp if pp is None else pp
+    if accumulation is None:
+        accumulation = max(1, cfg.train.global_batch_size // (micro_batch * dp))
+    return [_stage_estimate(cfg, stage, tp=tp, dp=dp, micro_batch=micro_batch, seq_len=seq_len, zero=zero,
+                            precision=precision, activation_checkpointing=activation_checkpointing,
+                            accumulation=accumulation) for stage in pipeline_stages(cfg, pp, tp)]
+
+
+def _stage_estimate(cfg: Config, stage: Stage, *, tp: int, dp: int, micro_batch: int, seq_len: int, zero: int | None,
+                    precision: str | None, activation_checkpointing: bool | None, accumulation: int) -> MemoryEstimate:
     t, m, c = cfg.train, cfg.model, cfg.copy
     zero = t.zero_stage if zero is None else zero
     precision = t.precision if precision is None else precision
     ckpt = t.activation_checkpointing if activation_checkpointing is None else activation_checkpointing
     b = 2 if precision == "bf16" else 4
     tokens = micro_batch * seq_len
-    n_local = parameters_per_device(cfg, tp)
+    n_local = stage_parameters(cfg, stage, tp)
     p_b, g_b, o_b = state_bytes_per_parameter(precision, zero, dp)
     per_layer = layer_activation_bytes_per_token(cfg, tp, b)
     shards = sequence_shards(cfg, tp)
+    if stage.stages == 1:  # the whole model, one micro-batch at a time
+        layers, held, buffers = m.num_layers, 1, 0.0
+    else:
+        layers, held = stage.layers, in_flight(stage, accumulation)
+        hidden = b * m.hidden_size / shards  # the hidden states a stage receives or sends, per token
+        buffers = held * tokens * (16 + hidden * ((not stage.first and not ckpt) + (not stage.last)))
     if ckpt:
-        activations = tokens * (m.num_layers * b * m.hidden_size) / shards
+        activations = held * tokens * (layers * b * m.hidden_size) / shards
         recompute = tokens * per_layer
     else:
-        activations = tokens * m.num_layers * per_layer
+        activations = held * tokens * layers * per_layer
         recompute = 0.0
-    activations += tokens * (8 * m.hidden_size + 4 + b * m.hidden_size) / shards + 2 * 4 * seq_len * m.head_dim
+    outside = 2 * 4 * seq_len * m.head_dim  # the rotary tables
+    if stage.last:  # the final norm
+        outside = tokens * (8 * m.hidden_size + 4 + b * m.hidden_size) / shards + outside
+    activations += buffers + outside
     v_local = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp) / tp
-    if cfg.loss.impl == "chunked":  # one row block at a time: its fp32 logits and their exp / gradient, its bf16 logits
-        logits = min(tokens, cfg.loss.chunk_rows) * v_local * (8 + (b if b != 4 else 0))
-    else:
-        logits = tokens * v_local * (4 + (b if b != 4 else 0))
-    copy_head = 0.0
-    if c.enabled:
-        copy_head = copy_head_bytes(cfg, micro_batch, seq_len, tp)
-    embedding_grad = v_local * m.hidden_size * (g_b if zero < 2 else b)
+    logits = copy_head = 0.0
+    if stage.last:
+        if cfg.loss.impl == "chunked":  # one row block at a time: its fp32 logits and their exp / gradient, its bf16 logits
+            logits = min(tokens, cfg.loss.chunk_rows) * v_local * (8 + (b if b != 4 else 0))
+        else:
+            logits = tokens * v_local * (4 + (b if b != 4 else 0))
+        if c.enabled:
+            copy_head = copy_head_bytes(cfg, micro_batch, seq_len, tp)
+    embedding_grad = v_local * m.hidden_size * (g_b if zero < 2 else b) if stage.first or stage.last else 0.0
     return MemoryEstimate(
         parameters=n_local * p_b,
         gradients=n_local * g_b,

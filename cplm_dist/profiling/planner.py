@@ -1,9 +1,12 @@
 """Which layout to train a config with on a cluster: enumerate, keep what fits, predict the step.
 
-For every tp (dividing the heads and the MLP, within a node) x dp x ZeRO 0-3 x micro-batch
-(with whole accumulation) x activation checkpointing x sequence parallelism (tp > 1):
+For every tp (dividing the heads and the MLP, within a node) x pp (dividing gpus / tp, at most
+num_layers) x dp = gpus / (tp x pp) x ZeRO (0-3; 0-1 at pp > 1, 1 only in bf16: what
+config.validate_pipeline accepts) x micro-batch (with whole accumulation m = global / (micro x dp))
+x activation checkpointing x sequence parallelism (tp > 1):
 
-    memory   cplm_dist.profiling.memory.estimate (must fit `headroom` of the GPU's memory)
+    memory   cplm_dist.profiling.memory.estimate (must fit `headroom` of the GPU's memory); at
+             pp > 1 its heaviest pipeline stage
     compute  training FLOPs per device (cplm_dist.profiling.throughput.flops_per_token, plus the
              recomputed forward of the layers with checkpointing) at `achievable` x the GPU's
              dense peak: the stated fraction a well-shaped matmul reaches, not a measurement
@@ -18,20 +21,45 @@ For every tp (dividing the heads and the MLP, within a node) x dp x ZeRO 0-3 x m
              step (ZeRO 1-2) and ZeRO-0's all-reduce are exposed
     step     compute + tp + exposed dp;  MFU = model FLOPs per device / step / peak
 
-Pipeline parallelism is not built (docs/parallelism.md): a size for which no layout fits
-needs it, and `plan` says so instead of proposing one.
+Pipeline parallelism (pp = p > 1, DeepSpeed's 1F1B engine; ranks (pp_rank x dp + dp_rank) x tp +
+tp_rank, so consecutive stages are tp x dp ranks apart and a multi-node job has a stage boundary
+on the network). Each stage (cplm_dist.profiling.memory.pipeline_stages: the model's own split)
+does, per micro-batch and per device:
+
+    compute  its layers' FLOPs (and the LM head's and copy head's on the last stage) x micro x seq
+             / tp, at `achievable` x `eager` x peak: train.compile is wired for pp = 1 only, and
+             eager layers reached 34.0% against compiled 48.2% MFU (cplm-1.7b, one H200)
+    tp       its own layers' collectives (the embedding's on the first stage, the LM head's, the
+             loss's and the copy head's on the last), exposed
+    p2p      the hidden states forward, micro x seq x D x b (/ tp under sequence parallelism) plus
+             16 bytes a token of ids and labels, and their gradient backward, each sent by one
+             stage and received by the next: blocking in DeepSpeed's schedule, so exposed, at
+             the slowest link between consecutive stages
+
+The slowest stage sets the pace: a step is m + p - 1 slots of its (compute + tp + p2p), i.e.
+(compute + tp + p2p) x (m + p - 1) / m, the bubble (p - 1) / (m + p - 1) of the step idle. After
+the last backward (DeepSpeed's ReduceTiedGrads, ReduceGrads, then the optimizer), exposed: the
+tied embedding's gradient all-reduce between the first and last stage (V/tp x D x b, 2 ranks,
+under tie_embeddings) and the largest stage's dp volume (its own parameters; the pipeline
+engine reduces after the schedule, nothing overlaps), so
+
+    step     (compute + tp + p2p) / (1 - bubble) + tied + dp
+
+The later stages' reductions could partly hide under the pipeline's drain; that is not counted.
 """
 
 from __future__ import annotations
 
 import copy
+from collections import defaultdict
 from dataclasses import asdict, dataclass
 
 from cplm_dist.config import Config, ConfigError, check_tp_divides
-from cplm_dist.model.counting import _layer_matrices
-from cplm_dist.profiling.communication import ring_factor, step_bytes
-from cplm_dist.profiling.memory import GIB, estimate
+from cplm_dist.model.counting import _copy_head, _layer_matrices
+from cplm_dist.profiling.communication import _copy_terms, ring_factor, step_bytes
+from cplm_dist.profiling.memory import GIB, Stage, bubble, estimate, pipeline_stages, stage_parameters
 from cplm_dist.profiling.throughput import flops_per_token
+from cplm_dist.vocab_parallel import padded_vocab_size
 
 
 # Layouts whose predicted steps differ by less than this fraction rank as equal; among them the
@@ -51,11 +79,14 @@ class Cluster:
     inter_gbps: float = 40.0  # GB/s per GPU over the network (a 400 Gb/s NIC per GPU, ~80%)
     headroom: float = 0.9  # the share of memory a layout may fill
     overlap: float = 0.8  # the share of ZeRO communication issued under compute that it actually hides
+    # eager layers' speed relative to compiled ones (pp > 1 runs eager): 34.0% / 48.2% MFU, cplm-1.7b on one H200
+    eager: float = 0.340 / 0.482
 
 
 @dataclass
 class Plan:
     tp: int
+    pp: int
     dp: int
     zero: int
     micro_batch: int
@@ -67,6 +98,8 @@ class Plan:
     tp_comm_s: float
     dp_comm_s: float
     exposed_dp_s: float
+    pp_comm_s: float  # the slowest stage's p2p a step + the tied embedding's gradient all-reduce (0 at pp = 1)
+    bubble: float  # the share of the step the pipeline idles: (pp - 1) / (m + pp - 1)
     step_s: float
     mfu: float
     tokens_per_s: float
@@ -82,37 +115,120 @@ def layer_flop_share(cfg: Config, seq_len: int) -> float:
     return 3 * layers / flops_per_token(cfg, seq_len)
 
 
+def stage_flops_per_token(cfg: Config, stage: Stage, seq_len: int) -> tuple[float, float]:
+    """(training FLOPs, recomputed forward FLOPs under checkpointing) per token of one pipeline
+    stage, over its tp ranks: flops_per_token's terms for its own layers, the LM head's and copy
+    head's on the last stage (the stages' FLOPs sum to flops_per_token)."""
+    m, c = cfg.model, cfg.copy
+    layers = stage.layers * (2 * _layer_matrices(cfg) + 4 * seq_len * m.num_heads * m.head_dim)
+    forward = layers
+    if stage.last:
+        forward += 2 * (m.vocab_size * m.hidden_size + _copy_head(cfg)[0])
+        if c.enabled:
+            forward += 2 * seq_len * c.num_heads * c.head_dim
+    return 3.0 * forward, float(layers)
+
+
+def stage_step_bytes(cfg: Config, stage: Stage, *, tp: int, dp: int, zero: int, micro_batch: int, accumulation: int,
+                     seq_len: int, precision: str, activation_checkpointing: bool,
+                     sequence_parallel: bool) -> dict[str, float]:
+    """{"<group>/<collective>": bytes} one rank of `stage` moves in a step at pp > 1, in
+    communication.step_bytes's terms restricted to the stage (its layers' tp collectives, the
+    embedding's on the first stage, the LM head's, loss's and copy head's on the last; dp over its
+    own parameters, ZeRO 0-1), plus "pp/send" and "pp/recv" (its p2p) and "tied/all_reduce" (the
+    tied embedding's gradient, first and last stage). Local to the planner until
+    communication.step_bytes takes the pipeline degree itself."""
+    m, c = cfg.model, cfg.copy
+    if zero > 1:
+        raise ValueError(f"ZeRO-{zero} with pipeline parallelism: the pipeline engine takes ZeRO 0-1 only")
+    b = 2 if precision == "bf16" else 4
+    tokens = micro_batch * seq_len
+    n, first, last = stage.layers, int(stage.first), int(stage.last)
+    ckpt = 1 if activation_checkpointing else 0
+    sp = sequence_parallel and tp > 1
+    out: dict[str, float] = defaultdict(float)
+    if tp > 1:  # communication.tp_bytes_per_micro_batch, term by term, for this stage's part
+        h, loss = tokens * m.hidden_size * b, 3 * 4 * tokens * last
+        if not sp:
+            out["tp/all_reduce"] += (h * (2 * n + first + 2 * n + last + ckpt * n) + loss) * accumulation
+        else:
+            keys = 4 * tokens * c.num_heads * c.head_dim * last if c.enabled else 0
+            terms = 4 * tokens * _copy_terms(cfg) * last if c.enabled else 0
+            replicated = 2 * n * m.hidden_size + (m.hidden_size + sum(_copy_head(cfg))) * last
+            out["tp/all_gather_into_tensor"] += (h * (6 * n + 2 * last + first + ckpt * 2 * n) + keys + terms) * accumulation
+            out["tp/reduce_scatter_tensor"] += (h * (4 * n + first + last + ckpt * n) + keys) * accumulation
+            out["tp/all_reduce"] += (replicated * b + loss) * accumulation
+    if dp > 1:
+        params = stage_parameters(cfg, stage, tp) * b
+        out["dp/all_reduce"] += params
+        if zero == 1:
+            out["dp/all_gather_into_tensor"] += params
+    if stage.stages > 1:
+        hidden = tokens * m.hidden_size * b / (tp if sp else 1)
+        forward, backward = hidden + 16 * tokens, hidden  # + the ids and labels (int64) forward
+        out["pp/send"] += accumulation * (forward * (not stage.last) + backward * (not stage.first))
+        out["pp/recv"] += accumulation * (forward * (not stage.first) + backward * (not stage.last))
+        if m.tie_embeddings and (stage.first or stage.last):
+            vocab = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp)
+            out["tied/all_reduce"] += vocab // tp * m.hidden_size * b
+    return {k: v for k, v in out.items() if v}
+
+
+def _within_nodes(groups, gpus_per_node: int) -> bool:
+    """Every group of ranks (each given by its lowest and highest rank) on one node."""
+    return all(lo // gpus_per_node == hi // gpus_per_node for lo, hi in groups)
+
+
+def pipeline_links(cluster: Cluster, *, tp: int, pp: int, dp: int) -> tuple[float, float, float]:
+    """GB/s of (the dp groups, the slowest consecutive-stage pair, the first-to-last-stage pair)
+    on rank = (pp_rank x dp + dp_rank) x tp + tp_rank: intra-node when every such group lies on
+    one node, else the network."""
+    block, gpn = tp * dp, cluster.gpus_per_node
+
+    def bw(within: bool) -> float:
+        return cluster.intra_gbps if within else cluster.inter_gbps
+
+    dp_groups = ((s * block + t, s * block + (dp - 1) * tp + t) for s in range(pp) for t in range(tp))
+    p2p_pairs = ((r, r + block) for r in range((pp - 1) * block))
+    tied_pairs = ((r, r + (pp - 1) * block) for r in range(block))
+    return bw(_within_nodes(dp_groups, gpn)), bw(_within_nodes(p2p_pairs, gpn)), bw(_within_nodes(tied_pairs, gpn))
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def predict(cfg: Config, cluster: Cluster, *, tp: int, zero: int, micro_batch: int, seq_len: int, global_batch: int,
-            activation_checkpointing: bool, sequence_parallel: bool) -> Plan:
+            activation_checkpointing: bool, sequence_parallel: bool, pp: int = 1) -> Plan:
     """Memory and step time of one layout (the module docstring)."""
-    dp = cluster.gpus // tp
+    dp = cluster.gpus // (tp * pp)
     accumulation = global_batch // (micro_batch * dp)
     precision = cfg.train.precision
     cfg = copy.deepcopy(cfg)
-    cfg.parallel.tp, cfg.parallel.sequence_parallel = tp, sequence_parallel
+    cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.sequence_parallel = tp, pp, sequence_parallel
     memory = estimate(cfg, tp=tp, dp=dp, micro_batch=micro_batch, seq_len=seq_len, zero=zero, precision=precision,
-                      activation_checkpointing=activation_checkpointing).total
+                      activation_checkpointing=activation_checkpointing, pp=pp, accumulation=accumulation).total
     tokens = global_batch * seq_len
     model_flops = flops_per_token(cfg, seq_len) * tokens / cluster.gpus
-    recompute = 1 + layer_flop_share(cfg, seq_len) / 3 if activation_checkpointing else 1.0
     peak = cluster.peak_tflops * 1e12
-    compute = model_flops * recompute / (peak * cluster.achievable)
-    volumes = step_bytes(cfg, tp=tp, dp=dp, zero=zero, micro_batch=micro_batch, accumulation=accumulation,
-                         seq_len=seq_len, precision=precision, activation_checkpointing=activation_checkpointing,
-                         sequence_parallel=sequence_parallel)
     tp_bw = (cluster.intra_gbps if tp <= cluster.gpus_per_node else cluster.inter_gbps) * 1e9
-    dp_bw = (cluster.intra_gbps if tp * dp <= cluster.gpus_per_node else cluster.inter_gbps) * 1e9
+    layout = dict(tp=tp, dp=dp, zero=zero, micro_batch=micro_batch, accumulation=accumulation, seq_len=seq_len,
+                  precision=precision, activation_checkpointing=activation_checkpointing,
+                  sequence_parallel=sequence_parallel)
 
-    def seconds(group: str, ranks: int, bw: float, names: tuple[str, ...] | None = None) -> float:
+    def seconds(volumes: dict, group: str, ranks: int, bw: float, names: tuple[str, ...] | None = None) -> float:
         return sum(size * ring_factor(key.split("/")[1], ranks) / bw for key, size in volumes.items()
                    if key.startswith(group + "/") and (names is None or key.split("/")[1] in names))
 
-    tp_comm = seconds("tp", tp, tp_bw)
-    dp_comm = seconds("dp", dp, dp_bw)
+    if pp > 1:
+        return _predict_pipeline(cfg, cluster, layout, pp=pp, memory=memory, model_flops=model_flops, tokens=tokens,
+                                 peak=peak, tp_bw=tp_bw, seconds=seconds)
+    recompute = 1 + layer_flop_share(cfg, seq_len) / 3 if activation_checkpointing else 1.0
+    compute = model_flops * recompute / (peak * cluster.achievable)
+    volumes = step_bytes(cfg, **layout)
+    dp_bw = (cluster.intra_gbps if tp * dp <= cluster.gpus_per_node else cluster.inter_gbps) * 1e9
+    tp_comm = seconds(volumes, "tp", tp, tp_bw)
+    dp_comm = seconds(volumes, "dp", dp, dp_bw)
     backward_per_micro = compute * 2 / 3 / accumulation
     def unhidden(comm: float, window: float) -> float:
         return comm - cluster.overlap * min(comm, window)
@@ -120,20 +236,52 @@ def predict(cfg: Config, cluster: Cluster, *, tp: int, zero: int, micro_batch: i
     if zero == 0:
         exposed = dp_comm
     elif zero in (1, 2):
-        gather = seconds("dp", dp, dp_bw, ("all_gather_into_tensor",))
+        gather = seconds(volumes, "dp", dp, dp_bw, ("all_gather_into_tensor",))
         reduce_calls = 1 if zero == 1 else accumulation  # ZeRO-1 reduces in the last backward only
         exposed = gather + reduce_calls * unhidden((dp_comm - gather) / reduce_calls, backward_per_micro)
     else:
         exposed = accumulation * unhidden(dp_comm / accumulation, compute / accumulation)
     step = compute + tp_comm + exposed
-    return Plan(tp=tp, dp=dp, zero=zero, micro_batch=micro_batch, accumulation=accumulation,
+    return Plan(tp=tp, pp=1, dp=dp, zero=zero, micro_batch=micro_batch, accumulation=accumulation,
                 activation_checkpointing=activation_checkpointing, sequence_parallel=sequence_parallel,
                 memory_gib=memory / GIB, compute_s=compute, tp_comm_s=tp_comm, dp_comm_s=dp_comm, exposed_dp_s=exposed,
+                pp_comm_s=0.0, bubble=0.0, step_s=step, mfu=model_flops / step / peak, tokens_per_s=tokens / step)
+
+
+def _predict_pipeline(cfg: Config, cluster: Cluster, layout: dict, *, pp: int, memory: float, model_flops: float,
+                      tokens: int, peak: float, tp_bw: float, seconds) -> Plan:
+    """predict at pp > 1: the slowest stage's slots, the bubble, then the tied and dp reductions."""
+    tp, dp, m = layout["tp"], layout["dp"], layout["accumulation"]
+    dp_gbps, p2p_gbps, tied_gbps = pipeline_links(cluster, tp=tp, pp=pp, dp=dp)
+    speed = peak * cluster.achievable * cluster.eager
+    micro_tokens = layout["micro_batch"] * layout["seq_len"]
+    slowest, dp_comm, tied = None, 0.0, 0.0
+    for stage in pipeline_stages(cfg, pp, tp):
+        volumes = stage_step_bytes(cfg, stage, **layout)
+        flops, recomputed = stage_flops_per_token(cfg, stage, layout["seq_len"])
+        if layout["activation_checkpointing"]:
+            flops += recomputed
+        compute = flops * micro_tokens * m / tp / speed
+        tp_comm = seconds(volumes, "tp", tp, tp_bw)
+        p2p = (volumes.get("pp/send", 0.0) + volumes.get("pp/recv", 0.0)) / (p2p_gbps * 1e9)
+        busy = compute + tp_comm + p2p
+        if slowest is None or busy > slowest[0]:
+            slowest = (busy, compute, tp_comm, p2p)
+        dp_comm = max(dp_comm, seconds(volumes, "dp", dp, dp_gbps * 1e9))
+        tied = max(tied, seconds(volumes, "tied", 2, tied_gbps * 1e9))
+    busy, compute, tp_comm, p2p = slowest
+    idle = bubble(pp, m)
+    step = busy / (1 - idle) + tied + dp_comm
+    return Plan(tp=tp, pp=pp, dp=dp, zero=layout["zero"], micro_batch=layout["micro_batch"], accumulation=m,
+                activation_checkpointing=layout["activation_checkpointing"],
+                sequence_parallel=layout["sequence_parallel"], memory_gib=memory / GIB, compute_s=compute,
+                tp_comm_s=tp_comm, dp_comm_s=dp_comm, exposed_dp_s=dp_comm, pp_comm_s=p2p + tied, bubble=idle,
                 step_s=step, mfu=model_flops / step / peak, tokens_per_s=tokens / step)
 
 
 def layouts(cfg: Config, cluster: Cluster, *, seq_len: int, global_batch: int, max_micro_batch: int = 64):
-    """Every layout the stack can run for this global batch: (tp, zero, micro, ckpt, sp)."""
+    """Every layout the stack can run for this global batch: (tp, pp, zero, micro, ckpt, sp)."""
+    t, L = cfg.train, cfg.model.num_layers
     for tp in _divisors(cluster.gpus):
         if tp > cluster.gpus_per_node:
             continue  # tp across nodes: every layer's collectives on the network
@@ -141,29 +289,38 @@ def layouts(cfg: Config, cluster: Cluster, *, seq_len: int, global_batch: int, m
             check_tp_divides(cfg.model, tp)
         except ConfigError:
             continue
-        dp = cluster.gpus // tp
-        micro = 1
-        while micro <= max_micro_batch:
-            if global_batch % (micro * dp) == 0:
-                for zero in (0, 1, 2, 3):
-                    for ckpt in (False, True):
-                        for sp in ((False, True) if tp > 1 and seq_len % tp == 0 else (False,)):
-                            yield tp, zero, micro, ckpt, sp
-            micro *= 2
+        for pp in _divisors(cluster.gpus // tp):
+            if pp > L or (pp > 1 and cfg.model.init_from):
+                continue  # config.validate_pipeline: a transformer layer a stage; init_from is pp = 1 only
+            dp = cluster.gpus // (tp * pp)
+            zeros = (0, 1, 2, 3) if pp == 1 else (1,) if t.precision == "bf16" else (0, 1)
+            micro = 1
+            while micro <= max_micro_batch:
+                if global_batch % (micro * dp) == 0:
+                    for zero in zeros:
+                        if zero == 3 and cfg.loss.impl == "chunked":
+                            continue  # config.validate_train rejects it
+                        if zero == 0 and t.precision == "bf16" and tp > 1 and cfg.optim.clip_grad > 0:
+                            continue  # the same
+                        for ckpt in (False, True):
+                            for sp in ((False, True) if tp > 1 and seq_len % tp == 0 else (False,)):
+                                yield tp, pp, zero, micro, ckpt, sp
+                micro *= 2
 
 
-def plan(cfg: Config, cluster: Cluster, *, seq_len: int, global_batch: int) -> tuple[list[Plan], int]:
-    """(layouts that fit, fastest first; how many were considered)."""
+def plan(cfg: Config, cluster: Cluster, *, seq_len: int, global_batch: int, max_pp: int | None = None) -> tuple[list[Plan], int]:
+    """(layouts that fit, fastest first; how many were considered), pp up to `max_pp` (default: any)."""
     fits, considered = [], 0
-    for tp, zero, micro, ckpt, sp in layouts(cfg, cluster, seq_len=seq_len, global_batch=global_batch):
+    for tp, pp, zero, micro, ckpt, sp in layouts(cfg, cluster, seq_len=seq_len, global_batch=global_batch):
+        if max_pp is not None and pp > max_pp:
+            continue
         considered += 1
-        p = predict(cfg, cluster, tp=tp, zero=zero, micro_batch=micro, seq_len=seq_len, global_batch=global_batch,
+        p = predict(cfg, cluster, tp=tp, pp=pp, zero=zero, micro_batch=micro, seq_len=seq_len, global_batch=global_batch,
                     activation_checkpointing=ckpt, sequence_parallel=sp)
         if p.memory_gib <= cluster.headroom * cluster.memory_gib:
             fits.append(p)
     if fits:
         fastest = min(p.step_s for p in fits)
-        fits.sort(key=lambda p: (round(p.step_s / fastest / TIE), p.zero, -p.micro_batch, p.activation_checkpointing,
+        fits.sort(key=lambda p: (round(p.step_s / fastest / TIE), p.pp, p.zero, -p.micro_batch, p.activation_checkpointing,
                                  p.tp, p.step_s))
     return fits, considered
-
