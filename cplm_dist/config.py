@@ -454,9 +454,6 @@ def validate_pipeline(cfg: Config) -> None:
     if t.precision == "bf16" and t.zero_stage == 0:
         raise ConfigError(f"train.precision=bf16 with train.zero_stage=0 at parallel.pp={pp}: DeepSpeed's bf16 optimizer "
                           "would clip with a norm that misses later stages' replicated parameters; use train.zero_stage=1")
-    if t.compile:
-        raise ConfigError(f"train.compile=true with parallel.pp={pp}: regional compilation is wired for pp=1 only; "
-                          "set train.compile=false or parallel.pp=1")
 
 
 def check_tp_divides(m: ModelConfig, tp: int) -> None:

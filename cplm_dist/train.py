@@ -43,7 +43,7 @@ from cplm_dist.heartbeat import Heartbeat
 from cplm_dist.hf_llama import check_hf_dir, initialise_from_hf
 from cplm_dist.launch_env import LaunchEnv
 from cplm_dist.model import build_model
-from cplm_dist.model.pipeline import build_pipeline_model
+from cplm_dist.model.pipeline import build_pipeline_model, stage_summary
 from cplm_dist.model.counting import parameter_count
 from cplm_dist.optim import parameters_finite
 from cplm_dist.parallel import ParallelDims, check_world, default_device, destroy_distributed, init_distributed, synchronize
@@ -292,7 +292,8 @@ def banner(cfg: Config, dims: ParallelDims, accumulation: int, resume_tag: str |
             f"copy {cfg.copy.mix + '/' + cfg.copy.paste if cfg.copy.enabled else 'off'}, tp={dims.tp_size} "
             + (f"pp={dims.pp_size} " if dims.pp_size > 1 else "") + f"dp={dims.dp_size} ZeRO-{t.zero_stage} {t.precision}, global batch {t.global_batch_size} = "
             f"{t.micro_batch_size} x {accumulation} x {dims.dp_size}, "
-            f"{t.global_batch_size * cfg.data.seq_length:,} tokens/step" + (f", resuming {resume_tag}" if resume_tag else ""))
+            f"{t.global_batch_size * cfg.data.seq_length:,} tokens/step" + (f", resuming {resume_tag}" if resume_tag else "")
+            + (f"\npipeline (balanced by parameters): {stage_summary(cfg, dims.pp_size)}" if dims.pp_size > 1 else ""))
 
 
 def stop_for_bad_steps(log: RunLog, saved: Path | str | None, step: int, in_a_row: int, limit: int) -> int:

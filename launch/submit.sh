@@ -9,6 +9,9 @@
 # Options: --nodes N, --gpus-per-node G (0 on CPU), --tasks-per-node T (default G, or 1),
 # --cpus-per-task C, --time HH:MM:SS, --partition P, --account A, --job-name NAME,
 # --log-dir DIR (default logs/slurm: <DIR>/<name>-<jobid>.out), --torchrun, --wait, --dry-run.
+# Before sbatch (and in --dry-run) the training arguments are checked against the job's size
+# (nodes x tasks per node = tp x pp x dp, the batch arithmetic): a layout that cannot run is
+# refused with one line instead of failing after its wait in the queue.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 nodes=1; gpus=""; tasks=""; cpus=""; time_limit=""; partition=""; account=""; name="cplm"
@@ -42,6 +45,11 @@ else
   tasks=1  # one torchrun per node
   export CPLM_PROCS_PER_NODE=${CPLM_PROCS_PER_NODE:-$([ "$gpus" -gt 0 ] && echo "$gpus" || echo 1)}
 fi
+# before queueing: the config validates and tp x pp divides the job (cplm_dist/preflight.py)
+per_node=$([ "$script" = "$here/slurm.sbatch" ] && echo "$tasks" || echo "$CPLM_PROCS_PER_NODE")
+root="$(dirname "$here")"
+python=${PYTHON:-$([ -x "$root/.venv/bin/python" ] && echo "$root/.venv/bin/python" || echo python3)}
+"$python" -m cplm_dist.preflight --world $((nodes * per_node)) "$@" || exit 2
 args=(--job-name "$name" --nodes "$nodes" --ntasks-per-node "$tasks" --time "$time_limit"
       --output "$log_dir/%x-%j.out")
 [ "$gpus" -gt 0 ] && args+=(--gpus-per-node "$gpus")

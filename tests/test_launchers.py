@@ -143,8 +143,16 @@ def test_submit_helper_dry_run_and_usage_errors():
     line = subprocess.run(base + ["--", "--config", "configs/runs/cplm-1.7b.yaml"], capture_output=True, text=True).stdout
     assert line.split()[:9] == ["sbatch", "--job-name", "cplm", "--nodes", "2", "--ntasks-per-node", "8", "--time", "24:00:00"]
     assert "--gpus-per-node 8" in line and "--partition gpu" in line and line.rstrip().endswith("--config configs/runs/cplm-1.7b.yaml")
-    torch_line = subprocess.run(base + ["--torchrun", "--", "--config", "x.yaml"], capture_output=True, text=True).stdout
-    assert "--ntasks-per-node 1" in torch_line and "slurm-torchrun.sbatch" in torch_line
+    torch_line = subprocess.run(base + ["--torchrun", "--", "--config", "configs/runs/cplm-1.7b.yaml", "parallel.tp=2",
+                                        "parallel.pp=2", "train.zero_stage=1", "--resume", "auto"], capture_output=True, text=True)
+    assert "--ntasks-per-node 1" in torch_line.stdout and "slurm-torchrun.sbatch" in torch_line.stdout
+    assert "layout: 16 processes = tp 2 x pp 2 x dp 4" in torch_line.stderr
+    # the job's size is checked before it queues: tp x pp must divide nodes x tasks
+    refused = subprocess.run(base + ["--", "--config", "configs/runs/cplm-1.7b.yaml", "parallel.tp=2", "parallel.pp=3"],
+                             capture_output=True, text=True)
+    assert refused.returncode == 2 and not refused.stdout
+    assert refused.stderr.strip() == ("error: parallel.tp=2 x parallel.pp=3 = 6 does not divide WORLD_SIZE=16 (dp = world / "
+                                      "(tp x pp) must be whole; tp x pp must be one of [1, 2, 4, 8, 16])")
     bad = subprocess.run([str(REPO / "launch/submit.sh"), "--nodes", "1", "--gpus-per-node", "8", "--", "--config", "x"],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stderr.startswith("error: --time HH:MM:SS is required")

@@ -163,3 +163,40 @@ def test_the_chunked_loss_is_the_dense_loss_in_the_model(runs, tp, chunked):
         for name, g in want["grads"].items():
             scale = g.abs().max().item()
             torch.testing.assert_close(got["grads"][name], g, rtol=1e-5, atol=1e-6 * scale, msg=f"grad {name}, rank {rank}")
+
+
+# --- pipeline stages ---------------------------------------------------------------------------
+
+
+def test_pipeline_partition_is_the_balanced_one():
+    """Against brute force: contiguous stages, the embedding's layer first, the head last, at
+    least one transformer layer per stage, the heaviest stage as light as possible."""
+    import itertools
+    import random
+
+    from cplm_dist.model.pipeline import partition
+
+    rng = random.Random(0)
+    for _ in range(200):
+        n, stages = rng.randint(4, 9), rng.randint(2, 4)
+        if n - 2 < stages:
+            continue
+        weights = [rng.randint(1, 50) for _ in range(n)]
+        best = min(max(sum(weights[a:b]) for a, b in zip((0, *cut), (*cut, n)))
+                   for cut in itertools.combinations(range(2, n - 1), stages - 1))
+        bounds = partition(weights, stages)
+        assert bounds[0] == 0 and bounds[-1] == n and len(bounds) == stages + 1
+        assert bounds[1] >= 2 and bounds[-2] <= n - 2 and all(b < c for b, c in zip(bounds, bounds[1:]))
+        assert max(sum(weights[a:b]) for a, b in zip(bounds, bounds[1:])) == best, (weights, stages, bounds)
+
+
+def test_pipeline_stages_of_the_shipped_sizes():
+    from cplm_dist.model.pipeline import stage_bounds, stage_transformer_layers
+
+    for name, pp in (("cplm-1.7b", 2), ("cplm-70b", 8), ("tiny", 2)):
+        cfg = load_config(name, [])
+        layers = stage_transformer_layers(cfg, pp)
+        assert sum(layers) == cfg.model.num_layers and min(layers) >= 1
+        # the LM head (V x D) weighs as several layers: the last stage runs fewer of them
+        assert layers[-1] <= layers[0], (name, layers)
+        assert stage_bounds(cfg, pp)[-1] == cfg.model.num_layers + 2 + cfg.model.tie_embeddings

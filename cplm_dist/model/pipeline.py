@@ -26,16 +26,15 @@ into a plain CPLM (cplm_dist.checkpoint.load_model).
 
 from __future__ import annotations
 
-import logging
 from collections import OrderedDict
 
 import torch
-import torch.distributed as dist
 import torch.utils.checkpoint
 
 from cplm_dist.config import Config
 from cplm_dist.megatron_compat import import_deepspeed, tensor_parallel
 from cplm_dist.model.block import TransformerLayer
+from cplm_dist.model.compiled import compile_layers
 from cplm_dist.model.copy_head import CopyHead
 from cplm_dist.model.counting import _copy_head, _layer_matrices
 from cplm_dist.model.cplm import LossHead, megatron_config, vocabulary_shard
@@ -46,7 +45,6 @@ from cplm_dist.model.sharding import mark_split
 from cplm_dist.parallel import ParallelDims
 from cplm_dist.vocab_parallel import IGNORE_INDEX, padded_vocab_size
 
-log = logging.getLogger(__name__)
 
 
 class EmbeddingStage(torch.nn.Module):
@@ -79,14 +77,15 @@ class LayerStage(TransformerLayer):
         self.canonical_prefix = f"layers.{index}."
         self.checkpointing = checkpointing
         self.head_dim, self.rope_theta = cfg.model.head_dim, cfg.model.rope_theta
+        self.block = super().forward  # the layer itself; torch.compile'd under train.compile (not a module)
 
     def forward(self, inputs):
         x, ids, labels = inputs
         cos, sin = rope_tables(ids.shape[1], self.head_dim, self.rope_theta, device=x.device)
         if self.checkpointing and self.training and torch.is_grad_enabled():
-            x = torch.utils.checkpoint.checkpoint(super().forward, x, cos, sin, use_reentrant=False)
+            x = torch.utils.checkpoint.checkpoint(self.block, x, cos, sin, use_reentrant=False)
         else:
-            x = super().forward(x, cos, sin)
+            x = self.block(x, cos, sin)
         return x, ids, labels
 
 
@@ -174,85 +173,98 @@ def stage_transformer_layers(cfg: Config, pp: int) -> list[int]:
     return [len(set(range(bounds[s], bounds[s + 1])) & set(range(1, L + 1))) for s in range(pp)]
 
 
-def _pipeline_module_class():
+def layer_specs(cfg: Config, dims: ParallelDims, device, dtype) -> list:
+    """DeepSpeed's specs of the pipeline's layers (the module docstring's table)."""
+    from deepspeed.pipe import LayerSpec, TiedLayerSpec
+
+    tied = cfg.model.tie_embeddings
+    embed_args = (EmbeddingStage, cfg, dims.tp_group, device, dtype)
+    tie = {"tied_weight_attr": ["embedding.weight"]}
+    specs = [TiedLayerSpec("embedding", *embed_args, **tie) if tied else LayerSpec(*embed_args)]
+    specs += [LayerSpec(LayerStage, cfg, i, dims.tp_group, device, dtype, cfg.train.activation_checkpointing)
+              for i in range(cfg.model.num_layers)]
+    if tied:
+        specs.append(TiedLayerSpec("embedding", *embed_args, forward_fn=hand_weight_to_head, **tie))
+    return specs + [LayerSpec(HeadStage, cfg, dims.tp_group, device, dtype)]
+
+
+def stage_summary(cfg: Config, pp: int) -> str:
+    """One line: each stage's layers and parameters (over tp), as `partition` balanced them."""
+    weights = layer_parameters(cfg)
+    if cfg.model.tie_embeddings:
+        weights = weights[:-1] + [0, weights[-1]]  # the tied copy, counted with the head
+    bounds = stage_bounds(cfg, pp)
+    return "; ".join(f"stage {s}: layers [{bounds[s]}, {bounds[s + 1]}) {sum(weights[bounds[s]:bounds[s + 1]]) / 1e6:.1f}M"
+                     for s in range(pp))
+
+
+class PipelineStages:
+    """This rank's pipeline stage, mixed into DeepSpeed's PipelineModule (`pipeline_module_class`);
+    `loss_fn` turns the head's per-token terms into the micro-batch loss (in evaluation also
+    adding its summed nll and token count to `eval_sums`)."""
+
+    def __init__(self, cfg: Config, dims: ParallelDims, device, dtype):
+        from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
+        self.cfg, self.dims = cfg, dims
+        self.inject_nonfinite = False
+        self.eval_sums = torch.zeros(2, dtype=torch.float64, device=device)
+        self._extra = OrderedDict(lm_loss=torch.zeros((), device=device), copy_share=torch.zeros((), device=device))
+        topology = PipeModelDataParallelTopology(num_pp=dims.pp_size, num_mp=dims.tp_size, num_dp=dims.dp_size)
+        super().__init__(layer_specs(cfg, dims, device, dtype), topology=topology, loss_fn=self.micro_batch_loss,
+                         partition_method="parameters")
+        init_parameters(self.canonical_named_parameters(), cfg.model, cfg.copy, cfg.seed, dims.tp_rank, dims.tp_size)
+        if cfg.train.compile:  # regional compilation, as at pp = 1 (cplm_dist.model.compiled)
+            layers = [f for f in self.forward_funcs if isinstance(f, LayerStage)]
+            for layer, block in zip(layers, compile_layers([layer.block for layer in layers], device) or []):
+                layer.block = block
+
+    def canonical_named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """(name in CPLM, parameter) for every parameter this stage holds: the seeded
+        initialisation and the weight-decay groups go by these names."""
+        modules = [f for f in self.forward_funcs if isinstance(f, torch.nn.Module)] + list(self.tied_modules.values())
+        seen, out = set(), []
+        for module in modules:
+            for name, p in module.named_parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    out.append((module.canonical_prefix + name, p))
+        return out
+
+    def _partition_layers(self, method="parameters"):
+        self.parts = stage_bounds(self.cfg, self.num_stages)
+        stage = self._topo.get_coord(self.global_rank).pipe
+        self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
+
+    def _synchronize_tied_weights(self):
+        # DeepSpeed broadcasts the tied weight in place with autograd on, which leaves a
+        # node torch warns about (and may one day refuse) in every backward through it
+        with torch.no_grad():
+            super()._synchronize_tied_weights()
+
+    def micro_batch_loss(self, out: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        nll, lm_nll, share = out
+        tokens = (labels != IGNORE_INDEX).sum()
+        if not self.training:  # summed: the validation loss is per token over all micro-batches
+            self.eval_sums += torch.stack([nll.sum().double(), tokens.double()])
+        self._extra = OrderedDict(lm_loss=(lm_nll.sum() / tokens).detach(), copy_share=(share.sum() / tokens).detach())
+        loss = nll.sum() / tokens
+        return loss * float("nan") if self.inject_nonfinite else loss
+
+    def get_additional_losses(self):
+        """The LM head's own loss and the copy share of the micro-batch: DeepSpeed averages
+        them over micro-batches and dp like the loss and sends them to every stage."""
+        return self._extra
+
+
+def pipeline_module_class():
+    """CPLMPipe: PipelineStages on DeepSpeed's PipelineModule (DeepSpeed imported only here),
+    with DeepSpeed's communication layer joined to our process group."""
     deepspeed = import_deepspeed()
-    deepspeed.init_distributed(dist_init_required=False)  # DeepSpeed's comm layer over our process group
-    from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
-    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+    deepspeed.init_distributed(dist_init_required=False)
+    from deepspeed.pipe import PipelineModule
 
-    class CPLMPipe(PipelineModule):
-        """This rank's pipeline stage; `loss_fn` turns the head's per-token terms into the
-        micro-batch loss (in evaluation also adding its summed nll and token count to `eval_sums`)."""
-
-        def __init__(self, cfg: Config, dims: ParallelDims, device, dtype):
-            self.cfg, self.dims = cfg, dims
-            self._weights = layer_parameters(cfg)
-            self.inject_nonfinite = False
-            self.eval_sums = torch.zeros(2, dtype=torch.float64, device=device)
-            specs, tied = [], cfg.model.tie_embeddings
-            Spec = TiedLayerSpec if tied else LayerSpec
-            embed_args = (EmbeddingStage, cfg, dims.tp_group, device, dtype)
-            tie = {"tied_weight_attr": ["embedding.weight"]}
-            specs.append(Spec("embedding", *embed_args, **tie) if tied else Spec(*embed_args))
-            for i in range(cfg.model.num_layers):
-                specs.append(LayerSpec(LayerStage, cfg, i, dims.tp_group, device, dtype,
-                                                      cfg.train.activation_checkpointing))
-            if tied:
-                specs.append(TiedLayerSpec("embedding", *embed_args, forward_fn=hand_weight_to_head, **tie))
-                self._weights = self._weights[:-1] + [0, self._weights[-1]]  # the tied copy, counted with the head
-            specs.append(LayerSpec(HeadStage, cfg, dims.tp_group, device, dtype))
-            topology = PipeModelDataParallelTopology(num_pp=dims.pp_size, num_mp=dims.tp_size,
-                                                                     num_dp=dims.dp_size)
-            self._extra = OrderedDict(lm_loss=torch.zeros((), device=device), copy_share=torch.zeros((), device=device))
-            super().__init__(specs, topology=topology, loss_fn=self.micro_batch_loss, partition_method="parameters")
-            init_parameters(self.canonical_named_parameters(), cfg.model, cfg.copy, cfg.seed, dims.tp_rank, dims.tp_size)
-
-        def canonical_named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
-            """(name in CPLM, parameter) for every parameter this stage holds: the seeded
-            initialisation and the weight-decay groups go by these names."""
-            modules = [f for f in self.forward_funcs if isinstance(f, torch.nn.Module)] + list(self.tied_modules.values())
-            seen, out = set(), []
-            for module in modules:
-                for name, p in module.named_parameters():
-                    if id(p) not in seen:
-                        seen.add(id(p))
-                        out.append((module.canonical_prefix + name, p))
-            return out
-
-        def _partition_layers(self, method="parameters"):
-            self.parts = stage_bounds(self.cfg, self.num_stages)
-            stage = self._topo.get_coord(self.global_rank).pipe
-            self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
-
-        def _synchronize_tied_weights(self):
-            # DeepSpeed broadcasts the tied weight in place with autograd on, which leaves a
-            # node torch warns about (and may one day refuse) in every backward through it
-            with torch.no_grad():
-                super()._synchronize_tied_weights()
-
-        def stage_summary(self) -> str:
-            """One line: each stage's layers and parameters (over tp), as `partition` balanced them."""
-            out = []
-            for s in range(self.num_stages):
-                a, b = self.parts[s], self.parts[s + 1]
-                out.append(f"stage {s}: layers [{a}, {b}) {sum(self._weights[a:b]) / 1e6:.1f}M")
-            return "; ".join(out)
-
-        def micro_batch_loss(self, out: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-            nll, lm_nll, share = out
-            tokens = (labels != IGNORE_INDEX).sum()
-            if not self.training:  # summed: the validation loss is per token over all micro-batches
-                self.eval_sums += torch.stack([nll.sum().double(), tokens.double()])
-            self._extra = OrderedDict(lm_loss=(lm_nll.sum() / tokens).detach(), copy_share=(share.sum() / tokens).detach())
-            loss = nll.sum() / tokens
-            return loss * float("nan") if self.inject_nonfinite else loss
-
-        def get_additional_losses(self):
-            """The LM head's own loss and the copy share of the micro-batch: DeepSpeed averages
-            them over micro-batches and dp like the loss and sends them to every stage."""
-            return self._extra
-
-    return CPLMPipe
+    return type("CPLMPipe", (PipelineStages, PipelineModule), {})
 
 
 def build_pipeline_model(cfg: Config, dims: ParallelDims, device=None, dtype=torch.float32):
@@ -260,10 +272,7 @@ def build_pipeline_model(cfg: Config, dims: ParallelDims, device=None, dtype=tor
     if dims.pp_size != cfg.parallel.pp:
         raise ValueError(f"parallel.pp={cfg.parallel.pp} but the pipeline group has {dims.pp_size} ranks")
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    pipe = _pipeline_module_class()(cfg, dims, device, dtype)
-    if dist.get_rank() == 0:
-        log.info(f"pipeline: {pipe.stage_summary()}")
-    return pipe
+    return pipeline_module_class()(cfg, dims, device, dtype)
 
 
 def checkpoint_layer_names(cfg: Config) -> dict[int, str]:

@@ -57,21 +57,23 @@ On CPU the measured figure is the process's peak resident set above its size bef
 was built, with glibc told to return freed blocks at once (cplm_dist.profiling.measure).
 
 Pipeline parallelism (parallel.pp = p > 1; DeepSpeed's 1F1B schedule, cplm_dist.model.pipeline):
-the layers are split by `partition(layer_parameters(cfg), p)` (pipeline layer 0 the embedding,
-1..L the transformer layers, L+1 the head), and the figure is the heaviest stage's, each stage
+the layers are split as CPLMPipe splits them, `partition(layer_parameters(cfg), p)` (pipeline layer 0
+the embedding, 1..L the transformer layers, L+1 the head), and the figure is the heaviest stage's, each stage
 counted as above for its own part, with m = accumulation micro-batches a step:
 
     parameters  its transformer layers' (matrices / tp + the two norms), the first stage the
                 embedding (V/tp x D), the last the LM head (V/tp x D: under tie_embeddings the
-                tied copy, so both ends hold one), the final norm and the copy head; gradients,
+                tied copy, so both ends hold one), the final norm and the copy head
+                (counting.tensor_sizes_per_device of the stage); gradients,
                 optimizer states and the optimizer's temporaries of those only (ZeRO 0-1)
     activations stage s holds min(p - s, m) micro-batches in flight (1F1B: the first stage the
                 most, the last one) of its own layers' activations (checkpointed: their inputs),
                 plus per in-flight micro-batch the pipe buffers DeepSpeed keeps for backward: the
                 received hidden states (stages after the first; b D per token, / tp under
                 sequence parallelism; not again under checkpointing, where they are the first
-                layer's saved input), the hidden states sent on (stages before the last, the
-                same size) and the ids and labels (16 bytes a token)
+                layer's saved input), the hidden states sent on (stages before the last; b D / tp
+                per token: DeepSpeed keeps a tp partition of them, or the sequence shard) and the
+                ids and labels (16 bytes a token)
     last stage  the final norm, the loss's logits buffer and the copy head, for one micro-batch
     transient   one layer's activation gradients (+ its recomputation) on every stage; the
                 vocabulary gradient only on the stages holding a vocabulary tensor (first, last)
@@ -84,11 +86,10 @@ p = 1 every figure is the single-stage one above.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
-from functools import lru_cache
 
 from cplm_dist.config import Config
-from cplm_dist.model.counting import _copy_head, _layer_matrices, parameters_per_device
-from cplm_dist.model.pipeline import layer_parameters, partition
+from cplm_dist.model.counting import parameters_per_device, tensor_sizes_per_device
+from cplm_dist.model.pipeline import stage_transformer_layers
 from cplm_dist.vocab_parallel import padded_vocab_size
 
 GIB = 1024**3
@@ -134,38 +135,40 @@ class Stage:
     last: bool  # holds the final norm, the LM head (or the tied embedding copy) and the copy head
 
 
-@lru_cache(maxsize=256)
-def _partition(weights: tuple[int, ...], pp: int) -> tuple[int, ...]:
-    return tuple(partition(list(weights), pp))
+def _at_tp(cfg: Config, tp: int | None) -> Config:
+    """`cfg` with parallel.tp = tp: the stage split pads the vocabulary for the tp it runs at."""
+    return cfg if tp is None or tp == cfg.parallel.tp else replace(cfg, parallel=replace(cfg.parallel, tp=tp))
+
+
+_STAGE_LAYERS: dict[tuple[str, int], list[int]] = {}  # the planner asks for the same split many times
+
+
+def _stage_layers(cfg: Config, pp: int) -> list[int]:
+    key = (repr(cfg.model) + repr(cfg.copy) + str(cfg.parallel.tp), pp)
+    if key not in _STAGE_LAYERS:
+        _STAGE_LAYERS[key] = stage_transformer_layers(cfg, pp)
+    return _STAGE_LAYERS[key]
 
 
 def pipeline_stages(cfg: Config, pp: int, tp: int | None = None) -> list[Stage]:
-    """The stages of `cplm_dist.model.pipeline.partition(layer_parameters(cfg), pp)` (the split
-    CPLMPipe builds, the tied copy merged into the head), with the vocabulary padded for `tp`."""
+    """The stages CPLMPipe builds (cplm_dist.model.pipeline.stage_transformer_layers: `partition`
+    of `layer_parameters`, the tied copy with the head), the vocabulary padded for `tp`."""
     L = cfg.model.num_layers
     if pp == 1:
         return [Stage(0, 1, L, True, True)]
     if pp > L:
         raise ValueError(f"pp={pp} exceeds model.num_layers={L}: every stage needs a transformer layer")
-    if tp is not None and tp != cfg.parallel.tp:
-        cfg = replace(cfg, parallel=replace(cfg.parallel, tp=tp))
-    bounds = _partition(tuple(layer_parameters(cfg)), pp)  # layer 0 the embedding, 1..L, L + 1 the head
-    return [Stage(s, pp, min(b, L + 1) - max(a, 1), s == 0, s == pp - 1) for s, (a, b) in enumerate(zip(bounds, bounds[1:]))]
+    cfg = _at_tp(cfg, tp)
+    layers = _stage_layers(cfg, pp)
+    return [Stage(s, pp, n, s == 0, s == pp - 1) for s, n in enumerate(layers)]
 
 
 def stage_parameters(cfg: Config, stage: Stage, tp: int) -> float:
-    """Parameters one rank of `stage` holds (before ZeRO-3 sharding), padded vocabulary included."""
+    """Parameters one rank of `stage` holds (before ZeRO-3 sharding), padded vocabulary included:
+    counting.tensor_sizes_per_device's of the stage (the tied embedding on the first and last)."""
     if stage.stages == 1:
         return parameters_per_device(cfg, tp)
-    m = cfg.model
-    D = m.hidden_size
-    vocab = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp)
-    n = stage.layers * (_layer_matrices(cfg) / tp + 2 * D)
-    if stage.first:
-        n += vocab * D / tp
-    if stage.last:  # the LM head, or under tie_embeddings the tied copy of the embedding
-        n += vocab * D / tp + D + sum(_copy_head(cfg))
-    return n
+    return sum(tensor_sizes_per_device(_at_tp(cfg, tp), tp, stage.stages, stage.index))
 
 
 def in_flight(stage: Stage, accumulation: int) -> int:
@@ -259,8 +262,9 @@ def _stage_estimate(cfg: Config, stage: Stage, *, tp: int, dp: int, micro_batch:
         layers, held, buffers = m.num_layers, 1, 0.0
     else:
         layers, held = stage.layers, in_flight(stage, accumulation)
-        hidden = b * m.hidden_size / shards  # the hidden states a stage receives or sends, per token
-        buffers = held * tokens * (16 + hidden * ((not stage.first and not ckpt) + (not stage.last)))
+        received = b * m.hidden_size / shards  # per token: gathered whole unless sequence-sharded
+        sent = b * m.hidden_size / tp  # DeepSpeed keeps a tp partition of what it sent (or the sp shard)
+        buffers = held * tokens * (16 + received * (not stage.first and not ckpt) + sent * (not stage.last))
     if ckpt:
         activations = held * tokens * (layers * b * m.hidden_size) / shards
         recompute = tokens * per_layer

@@ -30,11 +30,13 @@ does, per micro-batch and per device:
              / tp, at `achievable` x `eager` x peak: train.compile is wired for pp = 1 only, and
              eager layers reached 34.0% against compiled 48.2% MFU (cplm-1.7b, one H200)
     tp       its own layers' collectives (the embedding's on the first stage, the LM head's, the
-             loss's and the copy head's on the last), exposed
-    p2p      the hidden states forward, micro x seq x D x b (/ tp under sequence parallelism) plus
-             16 bytes a token of ids and labels, and their gradient backward, each sent by one
-             stage and received by the next: blocking in DeepSpeed's schedule, so exposed, at
-             the slowest link between consecutive stages
+             loss's and the copy head's on the last) and the gathers of the tp-partitioned p2p
+             tensors, exposed
+    p2p      "pp/send" + "pp/recv" of the stage: the hidden states forward, micro x seq x D x b
+             (a tp partition of them with tp > 1, the sequence shard under sequence parallelism)
+             plus 16 bytes a token of ids and labels, and their gradient backward; blocking in
+             DeepSpeed's schedule, so exposed, at the slowest link between consecutive stages
+(volumes: cplm_dist.profiling.communication.step_bytes(pp=p, stage=s))
 
 The slowest stage sets the pace: a step is m + p - 1 slots of its (compute + tp + p2p), i.e.
 (compute + tp + p2p) x (m + p - 1) / m, the bubble (p - 1) / (m + p - 1) of the step idle. After
@@ -51,15 +53,13 @@ The later stages' reductions could partly hide under the pipeline's drain; that 
 from __future__ import annotations
 
 import copy
-from collections import defaultdict
 from dataclasses import asdict, dataclass
 
 from cplm_dist.config import Config, ConfigError, check_tp_divides
 from cplm_dist.model.counting import _copy_head, _layer_matrices
-from cplm_dist.profiling.communication import _copy_terms, ring_factor, step_bytes
-from cplm_dist.profiling.memory import GIB, Stage, bubble, estimate, pipeline_stages, stage_parameters
+from cplm_dist.profiling.communication import ring_factor, step_bytes
+from cplm_dist.profiling.memory import GIB, Stage, bubble, estimate, pipeline_stages
 from cplm_dist.profiling.throughput import flops_per_token
-from cplm_dist.vocab_parallel import padded_vocab_size
 
 
 # Layouts whose predicted steps differ by less than this fraction rank as equal; among them the
@@ -127,51 +127,6 @@ def stage_flops_per_token(cfg: Config, stage: Stage, seq_len: int) -> tuple[floa
         if c.enabled:
             forward += 2 * seq_len * c.num_heads * c.head_dim
     return 3.0 * forward, float(layers)
-
-
-def stage_step_bytes(cfg: Config, stage: Stage, *, tp: int, dp: int, zero: int, micro_batch: int, accumulation: int,
-                     seq_len: int, precision: str, activation_checkpointing: bool,
-                     sequence_parallel: bool) -> dict[str, float]:
-    """{"<group>/<collective>": bytes} one rank of `stage` moves in a step at pp > 1, in
-    communication.step_bytes's terms restricted to the stage (its layers' tp collectives, the
-    embedding's on the first stage, the LM head's, loss's and copy head's on the last; dp over its
-    own parameters, ZeRO 0-1), plus "pp/send" and "pp/recv" (its p2p) and "tied/all_reduce" (the
-    tied embedding's gradient, first and last stage). Local to the planner until
-    communication.step_bytes takes the pipeline degree itself."""
-    m, c = cfg.model, cfg.copy
-    if zero > 1:
-        raise ValueError(f"ZeRO-{zero} with pipeline parallelism: the pipeline engine takes ZeRO 0-1 only")
-    b = 2 if precision == "bf16" else 4
-    tokens = micro_batch * seq_len
-    n, first, last = stage.layers, int(stage.first), int(stage.last)
-    ckpt = 1 if activation_checkpointing else 0
-    sp = sequence_parallel and tp > 1
-    out: dict[str, float] = defaultdict(float)
-    if tp > 1:  # communication.tp_bytes_per_micro_batch, term by term, for this stage's part
-        h, loss = tokens * m.hidden_size * b, 3 * 4 * tokens * last
-        if not sp:
-            out["tp/all_reduce"] += (h * (2 * n + first + 2 * n + last + ckpt * n) + loss) * accumulation
-        else:
-            keys = 4 * tokens * c.num_heads * c.head_dim * last if c.enabled else 0
-            terms = 4 * tokens * _copy_terms(cfg) * last if c.enabled else 0
-            replicated = 2 * n * m.hidden_size + (m.hidden_size + sum(_copy_head(cfg))) * last
-            out["tp/all_gather_into_tensor"] += (h * (6 * n + 2 * last + first + ckpt * 2 * n) + keys + terms) * accumulation
-            out["tp/reduce_scatter_tensor"] += (h * (4 * n + first + last + ckpt * n) + keys) * accumulation
-            out["tp/all_reduce"] += (replicated * b + loss) * accumulation
-    if dp > 1:
-        params = stage_parameters(cfg, stage, tp) * b
-        out["dp/all_reduce"] += params
-        if zero == 1:
-            out["dp/all_gather_into_tensor"] += params
-    if stage.stages > 1:
-        hidden = tokens * m.hidden_size * b / (tp if sp else 1)
-        forward, backward = hidden + 16 * tokens, hidden  # + the ids and labels (int64) forward
-        out["pp/send"] += accumulation * (forward * (not stage.last) + backward * (not stage.first))
-        out["pp/recv"] += accumulation * (forward * (not stage.first) + backward * (not stage.last))
-        if m.tie_embeddings and (stage.first or stage.last):
-            vocab = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp)
-            out["tied/all_reduce"] += vocab // tp * m.hidden_size * b
-    return {k: v for k, v in out.items() if v}
 
 
 def _within_nodes(groups, gpus_per_node: int) -> bool:
@@ -256,8 +211,9 @@ def _predict_pipeline(cfg: Config, cluster: Cluster, layout: dict, *, pp: int, m
     speed = peak * cluster.achievable * cluster.eager
     micro_tokens = layout["micro_batch"] * layout["seq_len"]
     slowest, dp_comm, tied = None, 0.0, 0.0
-    for stage in pipeline_stages(cfg, pp, tp):
-        volumes = stage_step_bytes(cfg, stage, **layout)
+    kinds = {(s.layers, s.first, s.last): s for s in pipeline_stages(cfg, pp, tp)}  # stages alike cost alike
+    for stage in kinds.values():
+        volumes = step_bytes(cfg, **layout, pp=pp, stage=stage.index)
         flops, recomputed = stage_flops_per_token(cfg, stage, layout["seq_len"])
         if layout["activation_checkpointing"]:
             flops += recomputed

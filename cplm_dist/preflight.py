@@ -1,0 +1,41 @@
+"""What a job submission can check before it waits in a queue: the config resolves and validates,
+tp x pp divides the job's world, and the batch arithmetic holds. No data, no checkpoint, no
+process group: it runs on a login node (launch/submit.sh calls it before sbatch).
+
+    python -m cplm_dist.preflight --world 16 --config configs/runs/cplm-7b.yaml parallel.pp=2
+
+Prints the layout the job will train with on stderr; exit 2 with one line when it cannot run.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from cplm_dist.cli import config_parser, exit_on_usage_error, load_from_args
+from cplm_dist.config import batch_layout
+from cplm_dist.errors import UsageError
+from cplm_dist.parallel import check_world
+
+
+@exit_on_usage_error
+def main(argv=None) -> int:
+    parser = config_parser(__doc__.splitlines()[0])
+    parser.add_argument("--world", type=int, required=True, help="processes the job starts (nodes x tasks per node)")
+    parser.add_argument("--resume", help="training's flag (not checked here: the checkpoint is read at start)")
+    parser.add_argument("--reshape", action="store_true", help="training's flag (not checked here)")
+    args = parser.parse_intermixed_args(argv)
+    if args.world < 1:
+        raise UsageError(f"--world {args.world} must be a positive number of processes")
+    cfg = load_from_args(args)
+    p = cfg.parallel
+    check_world(p.tp, args.world, p.pp)
+    dp = args.world // (p.tp * p.pp)
+    accumulation = batch_layout(cfg, dp)
+    print(f"layout: {args.world} processes = tp {p.tp} x pp {p.pp} x dp {dp}, ZeRO-{cfg.train.zero_stage}, "
+          f"global batch {cfg.train.global_batch_size} = micro {cfg.train.micro_batch_size} x accumulation "
+          f"{accumulation} x dp {dp}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
