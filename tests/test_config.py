@@ -146,8 +146,9 @@ def test_gpu_run_configs_add_up_at_their_node_count(path):
     cfg = load_config(path)
     nodes = int(re.search(r"--nnodes (\d+)", path.read_text()).group(1))
     world = nodes * 8
-    assert world % cfg.parallel.tp == 0 and cfg.parallel.tp <= 8, "tp stays inside a node"
-    assert batch_layout(cfg, world // cfg.parallel.tp) >= 1
+    model_parallel = cfg.parallel.tp * cfg.parallel.pp
+    assert world % model_parallel == 0 and cfg.parallel.tp <= 8, "tp stays inside a node"
+    assert batch_layout(cfg, world // model_parallel) >= 1
     assert cfg.train.precision == "bf16" and cfg.data.seq_length <= cfg.model.max_seq_len
 
 

@@ -1,7 +1,10 @@
 """The layout planner: its communication volumes equal what the profiler's collective timer
 measures through DeepSpeed and megatron-core (tp = 2 x dp = 2, ZeRO 1, 2, 3, with and without
-sequence parallelism and recomputation); its layouts fit and obey the batch arithmetic; the CLI
-says when a size needs pipeline parallelism and writes a loadable run config."""
+sequence parallelism and recomputation; pipeline stages at tp2 x pp2 and pp2 x dp2, per stage); its layouts fit and obey the batch arithmetic; the memory
+estimator splits the model over pipeline stages as CPLMPipe does and counts 1F1B's micro-batches in
+flight; the planner proposes pipeline parallelism where nothing fits without it and charges its
+bubble; the CLI says when a size fits in no layout and writes a loadable run config, parallel.pp
+included."""
 
 import shutil
 import subprocess
@@ -12,8 +15,12 @@ import pytest
 
 from cplm_dist.config import load_config
 from cplm_dist.model.counting import parameters_per_device, tensor_sizes_per_device
+from cplm_dist.model.pipeline import layer_parameters, partition
 from cplm_dist.profiling.communication import step_bytes
-from cplm_dist.profiling.planner import Cluster, plan, predict
+from cplm_dist.profiling.memory import (Stage, bubble, estimate, layer_activation_bytes_per_token, pipeline_stages,
+                                        stage_estimates, state_bytes_per_parameter)
+from cplm_dist.profiling.planner import Cluster, pipeline_links, plan, predict, stage_flops_per_token
+from cplm_dist.profiling.throughput import flops_per_token
 from tests.spawn import run_ranks
 
 REPO = Path(__file__).resolve().parent.parent
@@ -78,6 +85,69 @@ def test_predicted_collective_bytes_equal_the_profilers(measured, case):
         assert abs(have / want - 1) < 0.10, (what, group, have, want)
 
 
+# pipeline layouts, four ranks each: (tp, pp, dp, overrides)
+PP_CASES = [
+    (2, 2, 1, ["train.zero_stage=1"], "tp2 x pp2 ZeRO-1: partitioned activations and gradients, tied embedding"),
+    (2, 2, 1, ["train.zero_stage=1", "parallel.sequence_parallel=true", "train.activation_checkpointing=true"],
+     "tp2 x pp2 with sp and recomputation: activations already sharded"),
+    (1, 2, 2, ["train.zero_stage=0", "model.tie_embeddings=false"], "pp2 x dp2 ZeRO-0, untied: each stage's own dp volume"),
+]
+
+
+def _pp_config(tp, pp, dp, overrides):
+    return load_config("tiny", [*overrides, f"parallel.tp={tp}", f"parallel.pp={pp}", "train.precision=fp32",
+                                f"train.micro_batch_size={MICRO}", f"data.seq_length={SEQ}",
+                                f"train.global_batch_size={MICRO * ACCUMULATION * dp}"])
+
+
+def _measured_pipeline_volumes_worker():
+    """Every rank's measured bytes by collective, and its stage, for each of PP_CASES (the
+    parallel groups rebuilt between cases on the same process group)."""
+    from cplm_dist.megatron_compat import parallel_state
+    from cplm_dist.parallel import default_device, init_distributed
+    from cplm_dist.profiling.measure import measure
+    from cplm_dist_tools.cplm_profile import build
+
+    out = []
+    for tp, pp, dp, overrides in [c[:4] for c in PP_CASES]:
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+        dims = init_distributed(tp, pp_size=pp)
+        cfg = _pp_config(tp, pp, dp, overrides)
+        step = build(cfg, dims, default_device())
+        r = measure(step, cfg, dims, warmup=1, steps=1, breakdown_steps=1, seq_len=SEQ, device=default_device(),
+                    baseline_bytes=0)
+        out.append((dims.pp_rank, {k: v["mb"] * 1e6 for k, v in r["comm_by_collective"].items()}))
+    return out
+
+
+@pytest.fixture(scope="module")
+def measured_pipeline():
+    return run_ranks(_measured_pipeline_volumes_worker, 4, timeout=400)
+
+
+@pytest.mark.parametrize("case", range(len(PP_CASES)), ids=[c[4].split(":")[0] for c in PP_CASES])
+def test_predicted_pipeline_bytes_equal_the_profilers(measured_pipeline, case):
+    """Per stage (first and last), every predicted volume within 10% of the timer's: the
+    point-to-point sends and receives, the gathers of partitioned tensors, the tied embedding's
+    all-reduce, the stage's own tp and dp collectives; nothing sizeable unpredicted."""
+    tp, pp, dp, overrides, what = PP_CASES[case]
+    cfg = _pp_config(tp, pp, dp, overrides)
+    t = cfg.train
+    for rank in range(4):
+        stage, got = measured_pipeline[rank][case]
+        predicted = step_bytes(cfg, tp=tp, dp=dp, zero=t.zero_stage, micro_batch=MICRO, accumulation=ACCUMULATION,
+                               seq_len=SEQ, precision="fp32", activation_checkpointing=t.activation_checkpointing,
+                               sequence_parallel=cfg.parallel.sequence_parallel, pp=pp, stage=stage)
+        assert {"pp/send", "pp/recv"} <= set(predicted), predicted
+        for key, size in predicted.items():
+            assert key in got, (what, rank, key, got)
+            assert abs(got[key] / size - 1) < 0.10, (what, rank, key, got[key], size)
+        total = sum(got.values())
+        missing = {k: v for k, v in got.items() if k not in predicted and v > 0.01 * total}
+        assert not missing, (what, rank, missing)
+
+
 def test_tensor_sizes_add_up_to_the_parameters_a_device_holds():
     for name, overrides in (("tiny", []), ("cplm-1.7b", ["copy.mix=sentinel", "model.tie_embeddings=false"]),
                             ("cplm-70b", ["copy.mix=joint"])):
@@ -94,7 +164,7 @@ def test_plans_fit_obey_the_batch_and_rank_fastest_first():
     assert 0 < len(fits) < considered
     for p in fits:
         assert p.memory_gib <= 0.9 * cluster.memory_gib
-        assert p.micro_batch * p.accumulation * p.dp == 256 and p.tp * p.dp == 16
+        assert p.micro_batch * p.accumulation * p.dp == 256 and p.tp * p.pp * p.dp == 16
         assert 0 < p.mfu <= cluster.achievable + 1e-9  # communication and recomputation only cost
     fastest = min(p.step_s for p in fits)
     assert fits[0].step_s <= fastest * 1.02
@@ -115,14 +185,14 @@ def test_the_model_responds_to_the_cluster_in_the_right_direction():
     assert without.compute_s < recomputed.compute_s < without.compute_s * 4 / 3
 
 
-def test_cli_writes_a_run_config_and_says_when_pipeline_parallelism_is_needed(tmp_path, capsys):
+def test_cli_writes_a_run_config_and_says_when_no_layout_fits(tmp_path, capsys):
     from cplm_dist_tools.plan import main
 
     run = tmp_path / "cplm-7b.yaml"
     shutil.copy(REPO / "configs/runs/cplm-7b.yaml", run)
     assert main(["--config", str(run), "--gpus", "64", "--top", "3", "--write", str(run)]) == 0
     out = capsys.readouterr().out
-    assert "| tp | dp | ZeRO |" in out and f"wrote {run}" in out
+    assert "| tp | pp | dp | ZeRO |" in out and f"wrote {run}" in out
     text = run.read_text()
     assert text.startswith("# cplm-7b") and "# layout from tools/plan.py --gpus 64" in text  # comments kept
     assert "compile: true  # regional torch.compile" in text
@@ -132,8 +202,149 @@ def test_cli_writes_a_run_config_and_says_when_pipeline_parallelism_is_needed(tm
     assert f"micro {cfg.train.micro_batch_size} " in best and cfg.data.tokenizer == "data/tokenizer.model"
 
     assert main(["--config", "cplm-70b", "--gpus", "8", "--seq-len", "4096", "--global-batch", "64"]) == 1
-    assert "needs pipeline parallelism" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "even with pipeline parallelism (pp up to 8)" in out and "needs pipeline parallelism" not in out
 
     bad = subprocess.run([sys.executable, str(REPO / "tools/plan.py"), "--config", "cplm-7b", "--gpus", "0"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "--gpus 0" in bad.stderr
+
+
+def test_pipeline_stages_are_cplmpipes_split_and_hold_its_parameters():
+    """The estimator's stages are `partition(layer_parameters(cfg), pp)`; their parameters add up to
+    the model's, the tied embedding counted on the first and the last stage."""
+    for name in ("cplm-1.7b", "cplm-7b"):  # tied, untied
+        cfg = load_config(name)
+        L = cfg.model.num_layers
+        assert pipeline_stages(cfg, 1) == [Stage(0, 1, L, True, True)]
+        for pp in (2, 4):
+            stages = pipeline_stages(cfg, pp, 1)
+            bounds = partition(layer_parameters(cfg), pp)
+            assert [s.layers for s in stages] == [min(b, L + 1) - max(a, 1) for a, b in zip(bounds, bounds[1:])]
+            assert sum(s.layers for s in stages) == L and all(s.layers >= 1 for s in stages)
+            assert [(s.first, s.last) for s in stages] == [(i == 0, i == pp - 1) for i in range(pp)]
+            e = stage_estimates(cfg, tp=1, dp=1, micro_batch=1, seq_len=512, zero=0, precision="fp32", pp=pp,
+                                accumulation=8)
+            held = sum(x.parameters for x in e) / 4  # fp32: 4 bytes a parameter
+            tied = cfg.model.vocab_size * cfg.model.hidden_size if cfg.model.tie_embeddings else 0
+            assert abs(held - parameters_per_device(cfg, 1) - tied) < 1e-6 * held, (name, pp)
+
+
+def test_estimator_at_pp_2_halves_the_parameters_and_holds_the_1f1b_micro_batches():
+    cfg = load_config("cplm-7b", ["train.precision=bf16"])
+    layout = dict(tp=2, dp=4, micro_batch=2, seq_len=2048, zero=1, activation_checkpointing=False)
+    one = estimate(cfg, **layout)
+    assert estimate(cfg, **layout, pp=1, accumulation=8).as_dict() == one.as_dict()  # pp = 1 as before
+    assert one.parameters == parameters_per_device(cfg, 2) * state_bytes_per_parameter("bf16", 1, 4)[0]
+    stages = stage_estimates(cfg, **layout, pp=2, accumulation=8)
+    for s in stages:  # the parameters, their gradients and optimizer states roughly halve per stage
+        for part in ("parameters", "gradients", "optimizer", "optimizer_transient"):
+            assert 0.4 < getattr(s, part) / getattr(one, part) < 0.6, part
+    assert estimate(cfg, **layout, pp=2, accumulation=8).total == max(s.total for s in stages)
+    # the loss's logits and the copy head only on the last stage
+    assert stages[0].logits == stages[0].copy_head == 0 and stages[1].logits == one.logits > 0
+    assert stages[1].copy_head == one.copy_head > 0
+
+    # 1F1B: stage s keeps min(pp - s, m) micro-batches of its own layers' activations
+    b, D, tokens = 2, cfg.model.hidden_size, 2 * 2048
+    per_layer = layer_activation_bytes_per_token(cfg, 2, b)
+    rope = 2 * 4 * 2048 * cfg.model.head_dim
+    for pp, m in ((2, 8), (4, 2), (4, 8), (4, 1)):
+        stages = pipeline_stages(cfg, pp, 2)
+        e = stage_estimates(cfg, **layout, pp=pp, accumulation=m)
+        first, last = stages[0], stages[-1]
+        # the first stage: its layers, its tp partition of the hidden states it sent and the ids and
+        # labels, min(pp, m) times
+        assert e[0].activations == pytest.approx(min(pp, m) * tokens * (first.layers * per_layer + b * D / 2 + 16) + rope,
+                                                 rel=1e-12), (pp, m)
+        final_norm = tokens * (8 * D + 4 + b * D)  # the received hidden states whole (no sequence parallelism)
+        assert e[-1].activations == pytest.approx(tokens * (last.layers * per_layer + b * D + 16) + final_norm + rope,
+                                                  rel=1e-12), (pp, m)
+        if pp == 4:  # an interior stage: min(pp - 1, m) micro-batches, no vocabulary gradient
+            assert e[1].activations == pytest.approx(
+                min(3, m) * tokens * (stages[1].layers * per_layer + b * D + b * D / 2 + 16) + rope, rel=1e-12)
+            assert e[1].backward_transient == tokens * per_layer < e[0].backward_transient
+    # more micro-batches in flight than the pipeline holds cost nothing more
+    assert stage_estimates(cfg, **layout, pp=4, accumulation=4)[0].activations == \
+        stage_estimates(cfg, **layout, pp=4, accumulation=64)[0].activations
+    # checkpointed: each in-flight micro-batch keeps its layers' inputs only
+    ck = stage_estimates(cfg, **{**layout, "activation_checkpointing": True}, pp=4, accumulation=8)[0]
+    assert ck.activations == pytest.approx(
+        4 * tokens * (pipeline_stages(cfg, 4, 2)[0].layers * b * D + b * D / 2 + 16) + rope, rel=1e-12)
+
+
+def test_stage_flops_add_up_and_the_pipeline_moves_step_bytes_volumes():
+    """The stages' FLOPs add up to flops_per_token; a pipelined plan's p2p time is
+    communication.step_bytes(pp=, stage=)'s sends and receives at the stage link's bandwidth."""
+    for name, overrides in (("cplm-1.7b", []), ("cplm-7b", ["copy.mix=sentinel"])):
+        cfg = load_config(name, overrides)
+        for pp in (2, 4):
+            total = sum(stage_flops_per_token(cfg, s, 1024)[0] for s in pipeline_stages(cfg, pp))
+            assert abs(total / flops_per_token(cfg, 1024) - 1) < 1e-12
+    cfg = load_config("cplm-7b", ["train.precision=bf16", "parallel.tp=2"])  # untied: no tied all-reduce
+    p = predict(cfg, Cluster(gpus=32), tp=2, pp=4, zero=1, micro_batch=1, seq_len=4096, global_batch=64,
+                activation_checkpointing=False, sequence_parallel=True)
+    slowest = [step_bytes(cfg, tp=2, dp=4, zero=1, micro_batch=1, accumulation=16, seq_len=4096, precision="bf16",
+                          activation_checkpointing=False, sequence_parallel=True, pp=4, stage=s) for s in range(4)]
+    p2p = [(v["pp/send"] + v["pp/recv"]) / 40e9 for v in slowest]  # 32 GPUs: stage boundaries on the network
+    assert any(p.pp_comm_s == pytest.approx(t) for t in p2p) and p.pp_comm_s > 0
+    assert p.pp_comm_s >= 16 * 2 * (4096 * 4096 * 2 / 2) / 40e9  # a sequence shard each way, 16 micro-batches
+
+
+def test_bubble_and_the_pipelined_step():
+    assert bubble(1, 8) == 0 and bubble(4, 12) == 3 / 15 and bubble(8, 1) == 7 / 8
+    cfg = load_config("cplm-70b", ["train.precision=bf16"])
+    cluster = Cluster(gpus=512)
+    layout = dict(tp=4, pp=4, zero=1, micro_batch=1, seq_len=4096, activation_checkpointing=False, sequence_parallel=True)
+    few, many = (predict(cfg, cluster, global_batch=g, **layout) for g in (128, 1024))  # m = 4, 32
+    assert (few.accumulation, many.accumulation) == (4, 32)
+    assert few.bubble == 3 / 7 and many.bubble == 3 / 35
+    for p in (few, many):  # untied: pp s is the p2p alone, and the slowest stage's slots carry it too
+        assert p.pp == 4 and p.dp == 32 and p.pp_comm_s > 0 and p.exposed_dp_s == p.dp_comm_s > 0
+        assert p.step_s == pytest.approx((p.compute_s + p.tp_comm_s + p.pp_comm_s) / (1 - p.bubble) + p.exposed_dp_s)
+    assert few.mfu < many.mfu  # the bubble costs
+    # consecutive stages are tp x dp ranks apart: in one node only when the whole job is
+    assert pipeline_links(Cluster(gpus=8), tp=2, pp=2, dp=2) == (360.0, 360.0, 360.0)
+    assert pipeline_links(Cluster(gpus=16), tp=2, pp=2, dp=4) == (360.0, 40.0, 40.0)
+    assert pipeline_links(Cluster(gpus=16), tp=8, pp=2, dp=1)[1] == 40.0
+    assert pipeline_links(Cluster(gpus=32), tp=2, pp=2, dp=8)[0] == 40.0  # a stage's dp group spans two nodes
+
+
+def _pipeline_only_cluster():
+    """cplm-1.7b with the chunked loss (no ZeRO-3) on 8 single-GPU nodes (no tp) in 7.5 GiB: ZeRO-1/2
+    over dp = 8 cannot hold the whole model's states and one micro-batch; split over stages it fits."""
+    return Cluster(gpus=8, gpus_per_node=1, memory_gib=7.5)
+
+
+def test_the_planner_proposes_pipeline_parallelism_where_nothing_fits_without_it():
+    cfg = load_config("cplm-1.7b", ["train.precision=bf16", "loss.impl=chunked"])
+    cluster = _pipeline_only_cluster()
+    flat, _ = plan(cfg, cluster, seq_len=2048, global_batch=64, max_pp=1)
+    assert flat == []
+    fits, considered = plan(cfg, cluster, seq_len=2048, global_batch=64)
+    assert fits and all(p.pp > 1 for p in fits)
+    for p in fits:
+        assert p.memory_gib <= 0.9 * cluster.memory_gib and p.tp * p.pp * p.dp == 8
+        assert p.micro_batch * p.accumulation * p.dp == 64 and p.zero == 1  # bf16 pipelines take ZeRO-1 only
+        assert p.bubble == (p.pp - 1) / (p.accumulation + p.pp - 1) and 0 < p.mfu <= cluster.achievable
+    fastest = min(p.step_s for p in fits)
+    assert fits[0].step_s <= fastest * 1.02
+
+
+def test_cli_writes_parallel_pp(tmp_path, capsys):
+    from cplm_dist_tools.plan import main
+
+    run = tmp_path / "cplm-1.7b.yaml"
+    run.write_text((REPO / "configs/runs/cplm-1.7b.yaml").read_text() + "loss:\n  impl: chunked\n")
+    assert load_config(str(run)).parallel.pp == 1
+    common = ["--config", str(run), "--gpus", "8", "--gpus-per-node", "1", "--gpu-gb", "7.5", "--global-batch", "64"]
+    assert main([*common, "--max-pp", "1"]) == 1
+    assert "needs pipeline parallelism" in capsys.readouterr().out
+    assert main([*common, "--top", "3", "--write", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "| tp | pp | dp | ZeRO |" in out and "without pipeline parallelism" in out
+    cfg = load_config(str(run))  # validates: pp > 1 with ZeRO-1
+    best = out.split("best: ")[1]
+    assert cfg.parallel.pp > 1 and f"pp={cfg.parallel.pp} " in best and f"ZeRO-{cfg.train.zero_stage} " in best
+    assert cfg.train.global_batch_size == 64 and cfg.data.tokenizer == "data/tokenizer.model"
+    assert f"(pp={cfg.parallel.pp}, bubble" in run.read_text().splitlines()[1]

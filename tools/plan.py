@@ -1,4 +1,4 @@
-"""Plan a training layout: which tp x dp x ZeRO x micro-batch x checkpointing x sequence
+"""Plan a training layout: which tp x pp x dp x ZeRO x micro-batch x checkpointing x sequence
 parallelism fits a cluster, and which is fastest (cplm_dist/profiling/planner.py, docs/parallelism.md).
 
     python tools/plan.py --config cplm-1.7b --gpus 8
@@ -8,8 +8,8 @@ parallelism fits a cluster, and which is fastest (cplm_dist/profiling/planner.py
 The sequence length and global batch default to the config's data.seq_length and
 train.global_batch_size; precision is train.precision. Predictions, not measurements: compute at
 --achievable x the GPU's dense peak, communication at the stated bandwidths. --write sets the
-chosen layout's fields in a run config (a file keeps its other sections; a shipped name becomes
-`base: <name>`).
+chosen layout's fields in a run config, parallel.pp included (a file keeps its other sections; a
+shipped name becomes `base: <name>`).
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ from cplm_dist.model.counting import parameter_count
 from cplm_dist.profiling.planner import Cluster, Plan, plan
 
 PLAN_NOTE = "# layout from tools/plan.py"
-COLUMNS = [("tp", "tp"), ("dp", "dp"), ("zero", "ZeRO"), ("micro_batch", "micro"), ("accumulation", "accum"),
+COLUMNS = [("tp", "tp"), ("pp", "pp"), ("dp", "dp"), ("zero", "ZeRO"), ("micro_batch", "micro"), ("accumulation", "accum"),
            ("activation_checkpointing", "ckpt"), ("sequence_parallel", "sp"), ("memory_gib", "GiB"),
            ("compute_s", "compute s"), ("tp_comm_s", "tp s"), ("exposed_dp_s", "dp s (exposed)"),
-           ("step_s", "step s"), ("mfu", "MFU"), ("tokens_per_s", "tokens/s")]
+           ("pp_comm_s", "pp s"), ("bubble", "bubble"), ("step_s", "step s"), ("mfu", "MFU"), ("tokens_per_s", "tokens/s")]
 
 
 def _cell(value) -> str:
@@ -38,7 +38,7 @@ def table(plans: list[Plan]) -> str:
     lines = ["| " + " | ".join(h for _, h in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for p in plans:
         row = p.as_dict()
-        cells = [(f"{row[k]:.1%}" if k == "mfu" else f"{row[k]:.2f}" if k == "memory_gib" else
+        cells = [(f"{row[k]:.1%}" if k in ("mfu", "bubble") else f"{row[k]:.2f}" if k == "memory_gib" else
                   f"{row[k]:,.0f}" if k == "tokens_per_s" else f"{row[k]:.3g}" if k.endswith("_s") else _cell(row[k]))
                  for k, _ in COLUMNS]
         lines.append("| " + " | ".join(cells) + " |")
@@ -87,7 +87,7 @@ def write_run_config(path: Path, source: str, best: Plan, seq_len: int, global_b
     src = Path(source)
     text = src.read_text() if src.is_file() else f"base: {source}\n"
     text = set_fields(text, {
-        ("parallel", "tp"): best.tp, ("parallel", "sequence_parallel"): best.sequence_parallel,
+        ("parallel", "tp"): best.tp, ("parallel", "pp"): best.pp, ("parallel", "sequence_parallel"): best.sequence_parallel,
         ("data", "seq_length"): seq_len, ("train", "micro_batch_size"): best.micro_batch,
         ("train", "global_batch_size"): global_batch, ("train", "zero_stage"): best.zero,
         ("train", "activation_checkpointing"): best.activation_checkpointing})
@@ -97,6 +97,12 @@ def write_run_config(path: Path, source: str, best: Plan, seq_len: int, global_b
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text("\n".join(lines) + "\n")
     tmp.replace(path)
+
+
+def max_pp(cfg, args) -> int:
+    """The largest pipeline degree the planner tried: pp divides the GPUs and is at most the layers."""
+    limit = min(args.gpus, cfg.model.num_layers, args.max_pp or args.gpus)
+    return max(d for d in range(1, limit + 1) if args.gpus % d == 0)
 
 
 @exit_on_usage_error
@@ -111,6 +117,7 @@ def main(argv=None) -> int:
     p.add_argument("--intra-gbps", type=float, default=360.0, help="GB/s per GPU inside a node (ring bus bandwidth)")
     p.add_argument("--inter-gbps", type=float, default=40.0, help="GB/s per GPU between nodes")
     p.add_argument("--overlap", type=float, default=0.8, help="share of ZeRO communication under compute that it hides")
+    p.add_argument("--max-pp", type=int, help="largest pipeline degree to consider (default: any; 1: no pipelining)")
     p.add_argument("--seq-len", type=int, help="default: data.seq_length")
     p.add_argument("--global-batch", type=int, help="sequences per step (default: train.global_batch_size)")
     p.add_argument("--top", type=int, default=8, help="layouts to print")
@@ -121,30 +128,40 @@ def main(argv=None) -> int:
         raise UsageError(f"--gpus {args.gpus} and --gpus-per-node {args.gpus_per_node} must be positive")
     if not 0 < args.achievable <= 1 or not 0 <= args.overlap <= 1:
         raise UsageError(f"--achievable {args.achievable} must be in (0, 1] and --overlap {args.overlap} in [0, 1]")
+    if args.max_pp is not None and args.max_pp < 1:
+        raise UsageError(f"--max-pp {args.max_pp} must be a positive integer")
     seq = args.seq_len or cfg.data.seq_length
     batch = args.global_batch or cfg.train.global_batch_size
     cluster = Cluster(gpus=args.gpus, gpus_per_node=args.gpus_per_node, memory_gib=args.gpu_gb,
                       peak_tflops=args.peak_tflops, achievable=args.achievable, intra_gbps=args.intra_gbps,
                       inter_gbps=args.inter_gbps, overlap=args.overlap)
-    fits, considered = plan(cfg, cluster, seq_len=seq, global_batch=batch)
+    fits, considered = plan(cfg, cluster, seq_len=seq, global_batch=batch, max_pp=args.max_pp)
     n = parameter_count(cfg)["total"]
     head = (f"{cfg.model.name} ({n / 1e9:.2f}B parameters, {cfg.train.precision}) on {args.gpus} GPUs "
             f"({args.gpus_per_node} a node, {args.gpu_gb:g} GiB), {batch} x {seq} tokens a step: "
             f"{len(fits)} of {considered} layouts fit")
     print(head)
     if not fits:
-        print(f"no layout fits {cluster.headroom:.0%} of {args.gpu_gb:g} GiB: this size needs pipeline parallelism "
-              "(not built yet, docs/parallelism.md), more GPUs or a smaller micro-batch / global batch")
+        if args.max_pp == 1:
+            print(f"no layout fits {cluster.headroom:.0%} of {args.gpu_gb:g} GiB at pp=1: this size needs pipeline "
+                  "parallelism (drop --max-pp), more GPUs or a smaller global batch")
+        else:
+            print(f"no layout fits {cluster.headroom:.0%} of {args.gpu_gb:g} GiB, even with pipeline parallelism (pp up to "
+                  f"{max_pp(cfg, args)}): this size needs more GPUs, more memory a GPU or a smaller global batch")
         return 1
     print(table(fits[: args.top]))
     best = fits[0]
-    print(f"best: tp={best.tp} dp={best.dp} ZeRO-{best.zero} micro {best.micro_batch} x accumulation {best.accumulation}, "
+    if best.pp > 1 and not any(p.pp == 1 for p in fits):
+        print(f"no layout fits {cluster.headroom:.0%} of {args.gpu_gb:g} GiB without pipeline parallelism: "
+              f"this size needs pp > 1 on {args.gpus} GPUs")
+    print(f"best: tp={best.tp} pp={best.pp} dp={best.dp} ZeRO-{best.zero} micro {best.micro_batch} x accumulation {best.accumulation}, "
           f"checkpointing {'on' if best.activation_checkpointing else 'off'}, sequence parallel "
-          f"{'on' if best.sequence_parallel else 'off'}: predicted {best.step_s:.3g} s a step, MFU {best.mfu:.1%}, "
-          f"{best.memory_gib:.1f} GiB a GPU")
+          f"{'on' if best.sequence_parallel else 'off'}: predicted {best.step_s:.3g} s a step"
+          f"{f' (bubble {best.bubble:.1%})' if best.pp > 1 else ''}, MFU {best.mfu:.1%}, {best.memory_gib:.1f} GiB a GPU")
     if args.write:
         note = (f"{PLAN_NOTE} --gpus {args.gpus} (a prediction, docs/parallelism.md): predicted {best.step_s:.3g} s "
-                f"a step, MFU {best.mfu:.1%}, {best.memory_gib:.1f} GiB a GPU")
+                f"a step{f' (pp={best.pp}, bubble {best.bubble:.1%})' if best.pp > 1 else ''}, MFU {best.mfu:.1%}, "
+                f"{best.memory_gib:.1f} GiB a GPU")
         write_run_config(Path(args.write), args.config, best, seq, batch, note)
         print(f"wrote {args.write}")
     return 0

@@ -57,15 +57,15 @@ On CPU the measured figure is the process's peak resident set above its size bef
 was built, with glibc told to return freed blocks at once (cplm_dist.profiling.measure).
 
 Pipeline parallelism (parallel.pp = p > 1; DeepSpeed's 1F1B schedule, cplm_dist.model.pipeline):
-the layers are split as CPLMPipe splits them, `partition(layer_parameters(cfg), p)` (pipeline layer 0
-the embedding, 1..L the transformer layers, L+1 the head), and the figure is the heaviest stage's, each stage
-counted as above for its own part, with m = accumulation micro-batches a step:
+the layers are split as CPLMPipe splits them, `partition(layer_parameters(cfg), p)` (pipeline
+layer 0 the embedding, 1..L the transformer layers, L+1 the head), and the figure is the heaviest
+stage's, each stage counted as above for its own part, with m = accumulation micro-batches a step:
 
     parameters  its transformer layers' (matrices / tp + the two norms), the first stage the
                 embedding (V/tp x D), the last the LM head (V/tp x D: under tie_embeddings the
                 tied copy, so both ends hold one), the final norm and the copy head
-                (counting.tensor_sizes_per_device of the stage); gradients,
-                optimizer states and the optimizer's temporaries of those only (ZeRO 0-1)
+                (counting.tensor_sizes_per_device of the stage); gradients, optimizer states
+                and the optimizer's temporaries of those only (ZeRO 0-1)
     activations stage s holds min(p - s, m) micro-batches in flight (1F1B: the first stage the
                 most, the last one) of its own layers' activations (checkpointed: their inputs),
                 plus per in-flight micro-batch the pipe buffers DeepSpeed keeps for backward: the

@@ -27,8 +27,7 @@ on the network). Each stage (cplm_dist.profiling.memory.pipeline_stages: the mod
 does, per micro-batch and per device:
 
     compute  its layers' FLOPs (and the LM head's and copy head's on the last stage) x micro x seq
-             / tp, at `achievable` x `eager` x peak: train.compile is wired for pp = 1 only, and
-             eager layers reached 34.0% against compiled 48.2% MFU (cplm-1.7b, one H200)
+             / tp, at `achievable` x peak (train.compile compiles each stage's layers as at pp = 1)
     tp       its own layers' collectives (the embedding's on the first stage, the LM head's, the
              loss's and the copy head's on the last) and the gathers of the tp-partitioned p2p
              tensors, exposed
@@ -63,8 +62,9 @@ from cplm_dist.profiling.throughput import flops_per_token
 
 
 # Layouts whose predicted steps differ by less than this fraction rank as equal; among them the
-# lower ZeRO stage (fewer, larger collectives), the larger micro-batch (better-shaped matmuls),
-# no recomputation and the smaller tp come first: the model does not see those costs.
+# smaller pp (no pipeline engine, whose schedule the model simplifies), the lower ZeRO stage (fewer,
+# larger collectives), the larger micro-batch (better-shaped matmuls), no recomputation and the
+# smaller tp come first: the model does not see those costs.
 TIE = 0.02
 
 
@@ -79,8 +79,6 @@ class Cluster:
     inter_gbps: float = 40.0  # GB/s per GPU over the network (a 400 Gb/s NIC per GPU, ~80%)
     headroom: float = 0.9  # the share of memory a layout may fill
     overlap: float = 0.8  # the share of ZeRO communication issued under compute that it actually hides
-    # eager layers' speed relative to compiled ones (pp > 1 runs eager): 34.0% / 48.2% MFU, cplm-1.7b on one H200
-    eager: float = 0.340 / 0.482
 
 
 @dataclass
@@ -208,7 +206,7 @@ def _predict_pipeline(cfg: Config, cluster: Cluster, layout: dict, *, pp: int, m
     """predict at pp > 1: the slowest stage's slots, the bubble, then the tied and dp reductions."""
     tp, dp, m = layout["tp"], layout["dp"], layout["accumulation"]
     dp_gbps, p2p_gbps, tied_gbps = pipeline_links(cluster, tp=tp, pp=pp, dp=dp)
-    speed = peak * cluster.achievable * cluster.eager
+    speed = peak * cluster.achievable
     micro_tokens = layout["micro_batch"] * layout["seq_len"]
     slowest, dp_comm, tied = None, 0.0, 0.0
     kinds = {(s.layers, s.first, s.last): s for s in pipeline_stages(cfg, pp, tp)}  # stages alike cost alike
