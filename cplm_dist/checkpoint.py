@@ -362,7 +362,9 @@ class Checkpointer:
         from cplm_dist.reshape import UNIVERSAL_INFO, universal_info
 
         tag = tag_for(step)
-        state = {**client_state, "step": step, "rng": rng_state(), UNIVERSAL_INFO: universal_info(engine.module)}
+        state = {**client_state, "step": step, "rng": rng_state()}
+        if self.dims.pp_size == 1:  # what a reshape reads; pipeline checkpoints are not reshaped
+            state[UNIVERSAL_INFO] = universal_info(engine.module)
         error = _os_error(lambda: engine.save_checkpoint(str(self.root), tag=tag, client_state=state, save_latest=False),
                           self.root)
         self._agree(error, tag)  # every rank's files are on disk, or the save is undone everywhere
@@ -577,8 +579,9 @@ def _check_intact(step_dir: Path, manifest: dict, names: list[str] | None) -> No
                               f"{COMPLETE}): use an earlier step (--checkpoint <run>/checkpoints/step-*)")
 
 
-def _load_states(file: Path) -> dict:
-    """torch.load of a DeepSpeed model-states file; a missing or damaged one is a CheckpointError."""
+def _load_states(file: Path, module: bool = True) -> dict:
+    """torch.load of a DeepSpeed model-states file (`module`: one holding the whole module's
+    states, not a pipeline layer's); a missing or damaged one is a CheckpointError."""
     try:
         state = safe_load(file, map_location="cpu")
     except CheckpointError:
@@ -589,7 +592,7 @@ def _load_states(file: Path) -> dict:
     except Exception as e:  # torch raises RuntimeError, EOFError, UnpicklingError ... on a damaged file
         raise CheckpointError(f"{file} cannot be read ({type(e).__name__}: {str(e).splitlines()[0][:100]}): the file is "
                               "damaged; use an earlier step (--checkpoint <run>/checkpoints/step-*)") from None
-    if not isinstance(state, dict) or "module" not in state:
+    if not isinstance(state, dict) or (module and "module" not in state):
         raise CheckpointError(f"{file} is not a DeepSpeed model-states file (no 'module'): point --checkpoint at a run")
     return state
 
@@ -604,11 +607,7 @@ def _pipeline_shards(step_dir: Path, manifest: dict, cfg: Config, saved_tp: int)
     _check_intact(step_dir, manifest, [f.name for f in files.values()])
     shards = [{} for _ in range(saved_tp)]
     for (i, r), file in files.items():
-        try:
-            state = safe_load(file, map_location="cpu")
-        except FileNotFoundError:
-            raise CheckpointError(f"{file} is missing although its checkpoint is marked complete: use an earlier step") from None
-        shards[r].update({names[i] + k: v for k, v in state.items()})
+        shards[r].update({names[i] + k: v for k, v in _load_states(file, module=False).items()})
     return shards
 
 

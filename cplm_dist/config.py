@@ -42,6 +42,7 @@ LossImpl = Literal["dense", "chunked"]
 TokenizerBackend = Literal["sentencepiece", "huggingface"]
 Schedule = Literal["cosine", "wsd", "constant"]
 Precision = Literal["fp32", "bf16"]
+Arch = Literal["llama", "gpt2"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -54,6 +55,9 @@ class ModelConfig:
     """Llama-style decoder shapes (the size table in docs/copy_head.md)."""
 
     name: str = "tiny"
+    # the backbone: llama (RMSNorm, SwiGLU, RoPE, no biases) or gpt2 (LayerNorm with bias, GELU MLP,
+    # learned absolute positions, biases); the copy head and the loss are the same for both
+    arch: Arch = "llama"
     num_layers: int = 2
     hidden_size: int = 128
     num_heads: int = 8
@@ -429,6 +433,9 @@ def validate(cfg: Config) -> None:
     validate_train(cfg)
     check_tp_divides(m, tp)
     validate_pipeline(cfg)
+    if m.arch == "gpt2" and m.init_from:
+        raise ConfigError("model.init_from reads a HF Llama, which model.arch=gpt2 is not: drop model.init_from "
+                          "or use model.arch=llama")
     if cfg.parallel.sequence_parallel and tp > 1 and cfg.data.seq_length % tp:
         raise ConfigError(
             f"data.seq_length={cfg.data.seq_length} is not divisible by parallel.tp={tp}, which "

@@ -8,7 +8,7 @@ our parallel groups, and `deepspeed.initialize` with our optimizer and schedule.
 | global / (micro x dp) | gradient_accumulation_steps (checked: a ConfigError gives the numbers) |
 | optim.clip_grad | gradient_clipping |
 | train.zero_stage | zero_optimization.stage |
-| train.overlap_comm (null: on with CUDA) | zero_optimization.overlap_comm |
+| train.overlap_comm (null: on with CUDA) | zero_optimization.overlap_comm (DeepSpeed turns it off for a pipeline) |
 | train.contiguous_gradients, reduce_bucket_size, allgather_bucket_size, stage3_prefetch_bucket_size | zero_optimization.* (same names) |
 | train.precision | bf16.enabled |
 | `--reshape` to another layout, ZeRO > 0 | checkpoint.load_universal |
@@ -123,11 +123,11 @@ def clip_before_step(optimizer, model: torch.nn.Module, dims: ParallelDims, max_
     """Before each optimizer step: the global gradient norm over tp and pipeline stages (each
     parameter once), kept as `optimizer.grad_norm`, and the gradients clipped to `max_norm`."""
 
-    def hook(opt, _args, _kwargs):
+    def clip():
         norm = grad_norm(model, dims.tp_group, dims.pp_group)
-        opt.grad_norm = norm
+        optimizer.grad_norm = norm
         if max_norm > 0 and norm > max_norm:
             grads = [p.grad for p in model.parameters() if p.grad is not None]
             torch._foreach_mul_(grads, max_norm / (norm + 1e-6))
 
-    optimizer.register_step_pre_hook(hook)
+    optimizer.before_step = clip

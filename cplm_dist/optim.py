@@ -73,6 +73,7 @@ class GuardedAdamW(torch.optim.AdamW):
         super().__init__(params, **kwargs)
         self.group = group
         self.skipped_last = False
+        self.before_step = None  # a callable run first in each step (pipeline ZeRO-0: the norm and clipping)
 
     @torch.no_grad()
     def all_grads_finite(self) -> bool:
@@ -91,6 +92,8 @@ class GuardedAdamW(torch.optim.AdamW):
         return self.skipped_last
 
     def step(self, closure=None):
+        if self.before_step is not None:
+            self.before_step()
         self.skipped_last = not self.all_grads_finite()
         if self.skipped_last:
             return None

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 
-from cplm_dist.cli import config_parser, exit_on_usage_error, load_from_args
+from cplm_dist.cli import exit_on_usage_error, load_from_args
 from cplm_dist.config import batch_layout
 from cplm_dist.errors import UsageError
 from cplm_dist.parallel import check_world
@@ -19,10 +19,10 @@ from cplm_dist.parallel import check_world
 
 @exit_on_usage_error
 def main(argv=None) -> int:
-    parser = config_parser(__doc__.splitlines()[0])
+    from cplm_dist.train import train_parser  # the job's own arguments, whatever flags training gains
+
+    parser = train_parser()
     parser.add_argument("--world", type=int, required=True, help="processes the job starts (nodes x tasks per node)")
-    parser.add_argument("--resume", help="training's flag (not checked here: the checkpoint is read at start)")
-    parser.add_argument("--reshape", action="store_true", help="training's flag (not checked here)")
     args = parser.parse_intermixed_args(argv)
     if args.world < 1:
         raise UsageError(f"--world {args.world} must be a positive number of processes")

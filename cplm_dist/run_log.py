@@ -92,12 +92,13 @@ class RunLog:
         tps = self.tokens_per_step * w["steps"] / w["time"]
         per_device = self.flops_per_token * tps / self.world
         waits = self._per_rank(w["data_wait"] / w["steps"])
+        memory = max(self._per_rank(peak_memory_bytes(self.device) / 1e9))  # the fullest rank (pipeline stages differ)
         record = {
             "step": step, "consumed_tokens": consumed_tokens, "lr": result.lr, "loss": _mean(w["loss"]),
             "lm_loss": _mean(w["lm"]), "copy_share": _mean(w["share"]), "grad_norm": result.grad_norm,
             "skipped_steps": skipped_total, "tokens_per_s": tps, "tokens_per_s_per_device": tps / self.world,
             "tflops_per_device": per_device / 1e12, "mfu": per_device / self.peak_flops if self.peak_flops else None,
-            "peak_memory_gb": peak_memory_bytes(self.device) / 1e9,
+            "peak_memory_gb": memory,
             "step_time_s": w["time"] / w["steps"], "data_wait_s": waits[0], "data_wait_max_s": max(waits),
             "data_wait_max_rank": waits.index(max(waits)),
         }
@@ -112,7 +113,7 @@ class RunLog:
         self._new_window()
 
     def _per_rank(self, seconds: float) -> list[float]:
-        """Every rank's figure (all ranks call this together). Step times are equal on every rank
+        """Every rank's figure (all ranks call this together): peak memory, data wait. Step times are equal on every rank
         (each waits for the slowest in its collectives); what a rank spent waiting for its own
         data is not, so the log names the rank that holds the others up."""
         if self.world == 1:

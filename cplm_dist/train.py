@@ -131,7 +131,7 @@ def evaluate_pipeline(engine, loader: ResumableLoader, cfg: Config, dims: Parall
     (cplm_dist.model.pipeline), the sums are added over dp, and the ratio goes to every stage."""
     batches = (((b["input_ids"], b["labels"]), b["labels"]) for b in loader)
     engine.module.eval_sums.zero_()
-    engine.eval_batch(batches if dims.pp_rank == 0 or dims.is_last_stage else None,
+    engine.eval_batch(batches if engine.is_first_stage() or engine.is_last_stage() else None,
                       num_micro_batches=cfg.train.eval_batches, bcast_loss=False)
     sums = engine.module.eval_sums
     dist.all_reduce(sums, group=dims.dp_group)
@@ -149,13 +149,18 @@ def main(argv=None) -> int:
         return 0
 
 
-def run(argv, stop: StopRequest) -> int:
-    # 1. config ----------------------------------------------------------------------------------
+def train_parser():
+    """cplm-train's arguments (launch/submit.sh's pre-flight check parses the same)."""
     parser = config_parser(__doc__.splitlines()[0])
     parser.add_argument("--resume", metavar="auto|PATH", help="continue from the latest checkpoint of out_dir (auto) or of PATH")
     parser.add_argument("--reshape", action="store_true",
                         help="the checkpoint may have another layout (tp, dp, ZeRO stage): convert it to this one")
-    args = parser.parse_intermixed_args(argv)
+    return parser
+
+
+def run(argv, stop: StopRequest) -> int:
+    # 1. config ----------------------------------------------------------------------------------
+    args = train_parser().parse_intermixed_args(argv)
     cfg = load_from_args(args)
     t = cfg.train
 

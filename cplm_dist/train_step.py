@@ -107,7 +107,7 @@ class TrainStep:
         return StepResult(loss_v, lm_v, share_v, float(norm) if norm is not None else float("nan"), lr, skipped, data_wait)
 
     def _pipeline_step(self, batches, inject_nonfinite: bool, phases: dict | None) -> StepResult:
-        engine, dims = self.engine, self.dims
+        engine = self.engine
         lr = self.scheduler.get_last_lr()[0]
         skipped_before = engine.skipped_steps
         self.optimizer.skipped_last = False
@@ -121,10 +121,10 @@ class TrainStep:
                 wait[0] += time.perf_counter() - waited
                 yield (batch["input_ids"], batch["labels"]), batch["labels"]
 
-        reads = dims.pp_rank == 0 or dims.is_last_stage
+        reads = engine.is_first_stage() or engine.is_last_stage()  # DeepSpeed's rule: they load micro-batches
         with _phase(phases, "pipeline", self.device):
             loss = engine.train_batch(data_iter=micro_batches() if reads else None)
-        if not reads:  # the samples the other stages read this step: the position a checkpoint stores
+        if not reads and hasattr(batches, "skip"):  # the position a checkpoint stores: what the other stages read
             batches.skip(self.accumulation)
         extra = engine.agg_additional_losses
         norm = getattr(self.optimizer, "grad_norm", None) if self.zero_stage == 0 else engine.get_global_grad_norm()

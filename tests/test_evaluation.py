@@ -78,7 +78,8 @@ def _decode_worker(tp):
     init_distributed(tp)
     out = {}
     for name, overrides in {"gate-next": [], "joint-self-rope": ["copy.mix=joint", "copy.paste=self", "copy.rope=true"],
-                            "sentinel-2heads": ["copy.mix=sentinel", "copy.num_heads=2"], "off": ["copy.enabled=false"]}.items():
+                            "sentinel-2heads": ["copy.mix=sentinel", "copy.num_heads=2"], "off": ["copy.enabled=false"],
+                            "gpt2": ["model.arch=gpt2"]}.items():  # learned positions at the cache's offset
         model = build_model(load_config("tiny", overrides + [f"parallel.tp={tp}"])).eval()
         g = torch.Generator().manual_seed(5)
         span = torch.randint(4, 512, (2, 6), generator=g)

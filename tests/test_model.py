@@ -1,5 +1,6 @@
 """The whole model at tp = 1, 2 and 4 on gloo: one seed gives the same per-token nll and the same
-gathered gradients, for every mix and paste mode and with the copy head off; the evaluation
+gathered gradients, for every mix and paste mode and with the copy head off, on both backbones
+(llama, gpt2); the evaluation
 distribution sums to one and reproduces the training nll; the analytic parameter count is exact."""
 
 import pytest
@@ -24,6 +25,9 @@ VARIANTS = {
     "sentinel-self": ["copy.mix=sentinel", "copy.paste=self"],
     # the gate shut (g = sigmoid(40)): the copy weight at 0, so the copy model must be the baseline
     "gate-shut": ["copy.mix=gate", "copy.gate_bias_init=40"],
+    # the GPT-2 backbone: LayerNorm with bias, GELU MLP, learned positions, biases (grouped and plain heads)
+    "gpt2-gate-next": ["model.arch=gpt2", "copy.mix=gate", "copy.paste=next", "copy.chunk_size=5"],
+    "gpt2-mha-copy-off-untied": ["model.arch=gpt2", "model.num_kv_heads=8", "copy.enabled=false", "model.tie_embeddings=false"],
 }
 # loss.impl=chunked (blocks of 7 of the 48 rows) beside the dense variant it must equal
 CHUNKED_LOSS = {f"{name}+chunked-loss": name for name in ("copy-off-padded-untied", "joint-next", "sentinel-next-2heads")}
@@ -32,7 +36,7 @@ VARIANTS.update({chunked: VARIANTS[dense] + ["loss.impl=chunked", "loss.chunk_ro
 # dense (gate-self) and chunked copy paths, copy off, both LM-side losses
 SEQUENCE_PARALLEL = {f"{name}+sp": name for name in (
     "copy-off-padded-untied", "gate-next-2heads-rope", "gate-self", "joint-self-padded-untied", "sentinel-next-2heads",
-    "copy-off-padded-untied+chunked-loss", "joint-next+chunked-loss")}
+    "copy-off-padded-untied+chunked-loss", "joint-next+chunked-loss", "gpt2-gate-next", "gpt2-mha-copy-off-untied")}
 TPS = (1, 2, 4)
 
 
@@ -130,7 +134,7 @@ def test_copy_head_learns_nothing_yet_but_shares_mass(runs):
         if name == "gate-shut":
             continue
         share = res["copy_share"][:, 1:-1]
-        if name.startswith("copy-off"):
+        if "copy.enabled=false" in VARIANTS[name]:
             assert (res["copy_share"] == 0).all() and torch.equal(res["nll"], res["lm_nll"])
         else:
             assert (share > 0.001).all() and (share < 0.999).all(), name

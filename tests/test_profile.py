@@ -97,22 +97,22 @@ def test_estimate_within_15_percent_of_measured_on_cpu(tmp_path):
     assert abs(r["estimate_error"]) < 0.15, r
 
 
-def _saved_bytes_worker(precision):
+def _saved_bytes_worker(precision, arch):
     from cplm_dist.model import build_model
-    from cplm_dist.model.rotary import rope_tables
+    from cplm_dist.model.rotary import layer_rope
     from cplm_dist.parallel import init_distributed
 
     dims = init_distributed(2 if precision.startswith("fp32-tp2") else 1)
     sp = precision.endswith("-sp")
     cfg = load_config("tiny", ["model.num_layers=1", f"parallel.tp={dims.tp_size}", "model.ffn_hidden_size=384",
-                               f"parallel.sequence_parallel={str(sp).lower()}"])
+                               f"parallel.sequence_parallel={str(sp).lower()}", f"model.arch={arch}"])
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     model = build_model(cfg).to(dtype)
     B, T = 3, 40
     shape = (T // dims.tp_size, B) if sp else (B, T)  # sequence parallel: this rank's positions, sequence first
     x = torch.randn(*shape, cfg.model.hidden_size, dtype=dtype, requires_grad=True)
-    cos, sin = rope_tables(T, cfg.model.head_dim, cfg.model.rope_theta)
-    exclude = {p.untyped_storage().data_ptr() for p in model.parameters()} | {cos.untyped_storage().data_ptr(), sin.untyped_storage().data_ptr()}
+    cos, sin = layer_rope(cfg.model, T)  # gpt2: None, None
+    exclude = {p.untyped_storage().data_ptr() for p in [*model.parameters(), *(t for t in (cos, sin) if t is not None)]}
     storages = {}
 
     def pack(t):
@@ -126,15 +126,16 @@ def _saved_bytes_worker(precision):
     return sum(storages.values()) / (B * T), dims.tp_size
 
 
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
 @pytest.mark.parametrize("precision,act_bytes,world", [("fp32", 4, 1), ("bf16", 2, 1), ("fp32-tp2", 4, 2),
                                                        ("fp32-tp2-sp", 4, 2)])
-def test_layer_activation_formula_equals_what_autograd_keeps(precision, act_bytes, world):
-    """Also under sequence parallelism, where the norms keep T/tp positions."""
-    measured, tp = run_ranks(_saved_bytes_worker, world, args=(precision,))[0]
+def test_layer_activation_formula_equals_what_autograd_keeps(precision, act_bytes, world, arch):
+    """Also under sequence parallelism, where the norms keep T/tp positions; both backbones."""
+    measured, tp = run_ranks(_saved_bytes_worker, world, args=(precision, arch))[0]
     sp = str(precision.endswith("-sp")).lower()
-    cfg = load_config("tiny", ["model.ffn_hidden_size=384", f"parallel.sequence_parallel={sp}"])
-    # in bf16 each of the two norms also keeps an fp32 copy of its weight: 8 D bytes per layer
-    per_layer_constant = 2 * 4 * cfg.model.hidden_size if act_bytes == 2 else 0
+    cfg = load_config("tiny", ["model.ffn_hidden_size=384", f"parallel.sequence_parallel={sp}", f"model.arch={arch}"])
+    # in bf16 each of the two norms also keeps an fp32 copy of its weight (and gpt2's of its bias)
+    per_layer_constant = (2 if arch == "gpt2" else 1) * 2 * 4 * cfg.model.hidden_size if act_bytes == 2 else 0
     assert measured * 120 == layer_activation_bytes_per_token(cfg, tp, act_bytes) * 120 + per_layer_constant
 
 

@@ -152,8 +152,10 @@ PP_STEPS = 10
 
 
 def _pp_args(small_data, out, micro, *extra):
-    # global batch 4; evaluated at the end over the same 8 validation sequences whatever the micro-batch
-    return argv(small_data, out, f"train.train_steps={PP_STEPS}", "train.global_batch_size=4", "optim.clip_grad=1.0",
+    # 4 layers (room for 3 stages), global batch 4; evaluated at the end over the same 8 validation
+    # sequences whatever the micro-batch
+    return argv(small_data, out, "model.num_layers=4", f"train.train_steps={PP_STEPS}", "train.global_batch_size=4",
+                "optim.clip_grad=1.0",
                 f"train.micro_batch_size={micro}", f"train.eval_interval={PP_STEPS}", f"train.eval_batches={8 // micro}",
                 *extra)
 
@@ -195,14 +197,28 @@ def test_pipeline_follows_one_rank(pp_reference, pp2_run):
     assert state["loader"] == {"consumed_samples": PP_STEPS * 4}
 
 
-def test_pipeline_with_tensor_parallel_stages_follows_one_rank(small_data, tmp_path, pp_reference):
+@pytest.mark.parametrize("sp", [False, True], ids=["partitioned", "sequence-parallel"])
+def test_pipeline_with_tensor_parallel_stages_follows_one_rank(small_data, tmp_path, pp_reference, sp):
     """pp = 2 x tp = 2 at ZeRO-0 (the optimizer clips with the norm over both stages) with
-    sequence parallelism and recomputation inside the stages."""
+    recomputation inside the stages. Without sequence parallelism DeepSpeed partitions the
+    activations and gradients it sends over the tp ranks and gathers them back; with it each tp
+    rank sends its own sequence shard."""
     out = tmp_path / "pp2tp2"
     assert train(4, _pp_args(small_data, out, 2, "parallel.pp=2", "parallel.tp=2", "train.zero_stage=0",
-                             "parallel.sequence_parallel=true",
-                             "train.activation_checkpointing=true")) == [0] * 4
+                             "train.activation_checkpointing=true", f"parallel.sequence_parallel={str(sp).lower()}")) == [0] * 4
     _assert_follows(out, pp_reference, 1e-4)
+
+
+def test_three_stages_follow_one_rank_and_the_middle_keeps_the_data_position(small_data, tmp_path, pp_reference):
+    """pp = 3: the middle stage reads no data but counts what the others read, so its checkpoint
+    holds the same position (a resume continues with the right samples on every stage)."""
+    out = tmp_path / "pp3"
+    assert train(3, _pp_args(small_data, out, 2, "parallel.pp=3", "train.zero_stage=1")) == [0] * 3
+    _assert_follows(out, pp_reference, 1e-4)
+    step_dir = out / "checkpoints" / f"step-{PP_STEPS:08d}"
+    for stage in range(3):
+        state = torch.load(step_dir / f"mp_rank_{stage:02d}_model_states.pt", weights_only=False)
+        assert state["loader"] == {"consumed_samples": PP_STEPS * 4}, stage
 
 
 def test_pipeline_resume_is_exact(small_data, tmp_path, pp2_run):

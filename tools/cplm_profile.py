@@ -33,7 +33,7 @@ import torch
 from cplm_dist.cli import config_parser, exit_on_usage_error, load_from_args
 from cplm_dist.config import Config, batch_layout, load_config
 from cplm_dist.errors import UsageError
-from cplm_dist.profiling.memory import estimate
+from cplm_dist.profiling.memory import estimate, stage_estimates
 
 SWEEPABLE = {  # --sweep name -> config override (a value list follows the '=')
     "tp": "parallel.tp",
@@ -131,7 +131,8 @@ def profile_one(cfg: Config, args) -> dict:
     result.update(measure(step, cfg, dims, warmup=args.warmup, steps=args.steps,
                           breakdown_steps=args.breakdown_steps, seq_len=seq, device=device,
                           baseline_bytes=baseline, trace_path=args.trace if dims.is_first else None))
-    est = estimate(cfg, tp=dims.tp_size, dp=dims.dp_size, micro_batch=cfg.train.micro_batch_size, seq_len=seq)
+    # this rank's stage (the measured figure is rank 0's: the first pipeline stage)
+    est = stage_estimates(cfg, tp=dims.tp_size, dp=dims.dp_size, micro_batch=cfg.train.micro_batch_size, seq_len=seq)[dims.pp_rank]
     result["estimated_memory_gb"] = est.total / 1e9
     result["estimate_error"] = est.total / 1e9 / result["step_memory_gb"] - 1 if result["step_memory_gb"] > 0 else None
     return result
@@ -236,8 +237,8 @@ class HFAdapter(torch.nn.Module):
 def peer(cfg: Config, args) -> dict:
     import copy as copylib
 
-    if cfg.parallel.tp != 1:
-        raise UsageError("--peer compares at parallel.tp=1 (transformers' Llama has no tensor parallelism)")
+    if cfg.parallel.tp != 1 or cfg.parallel.pp != 1:
+        raise UsageError("--peer compares at parallel.tp=1, parallel.pp=1 (transformers' Llama has no tensor or pipeline parallelism)")
     dims, device, seq, accumulation = setup(cfg, args)
     off = copylib.deepcopy(cfg)
     off.copy.enabled = False
@@ -261,8 +262,8 @@ def decode(cfg: Config, args) -> dict:
     if longest > cfg.model.max_seq_len:
         raise UsageError(f"--decode: prompt {max(args.decode_prompts)} + --new-tokens {args.new_tokens} exceeds "
                          f"model.max_seq_len={cfg.model.max_seq_len}: add model.max_seq_len={longest} (RoPE extends)")
-    if cfg.parallel.tp != 1:
-        raise UsageError("--decode measures one process: use parallel.tp=1")
+    if cfg.parallel.tp != 1 or cfg.parallel.pp != 1:
+        raise UsageError("--decode measures one process: use parallel.tp=1 and parallel.pp=1")
     dims, device, seq, accumulation = setup(cfg, args)
     dtype = torch.bfloat16 if cfg.train.precision == "bf16" and device.type == "cuda" else torch.float32
     off = copylib.deepcopy(cfg)

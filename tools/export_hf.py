@@ -36,6 +36,9 @@ def export(checkpoint: str, out: Path, dtype: str) -> Path:
     from cplm_dist.model.sharding import full_state_dict
 
     model, cfg, info = load_model(checkpoint)
+    if cfg.model.arch != "llama":
+        raise UsageError(f"{checkpoint} has model.arch={cfg.model.arch}: the export writes a Llama-shaped model "
+                         "(LlamaForCausalLM + the copy head); only model.arch=llama checkpoints export")
     full = full_state_dict([model.state_dict()], model)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:

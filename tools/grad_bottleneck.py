@@ -77,6 +77,7 @@ def main(argv=None) -> int:
     rows = []
     if args.config:
         cfg = load_config(args.config, args.overrides)
+        cfg.parallel.pp = 1  # a property of the model, not of its layout: measured on whole models
         dims = init_distributed(cfg.parallel.tp)
         data, source = batches(cfg, args.batches, args.micro_batch, args.seq_len)
         for enabled in (True, False):

@@ -18,6 +18,7 @@ import time
 import torch
 
 from cplm_dist.cli import config_parser, exit_on_usage_error, load_from_args
+from cplm_dist.errors import UsageError
 from cplm_dist.model import build_model
 from cplm_dist.model.counting import parameter_count
 from cplm_dist.parallel import destroy_distributed, init_distributed
@@ -30,6 +31,9 @@ def main(argv=None) -> int:
     parser.add_argument("--seq-len", type=int, default=128)
     args = parser.parse_intermixed_args(argv)
     cfg = load_from_args(args)
+    if cfg.parallel.pp != 1:
+        raise UsageError(f"parallel.pp={cfg.parallel.pp}: model_check builds the whole model in each process; "
+                         "check pipeline layouts with cplm-train (parallel.pp) or drop parallel.pp")
     dims = init_distributed(cfg.parallel.tp)
     torch.manual_seed(cfg.seed + dims.dp_rank)
     say = print if dims.is_first else (lambda *a, **k: None)

@@ -1,4 +1,6 @@
 """Grouped-query self-attention from megatron-core tensor-parallel linears and torch SDPA.
+Llama: RoPE, no biases. GPT-2 (model.arch=gpt2): biases on QKV and the output projection, no
+RoPE (positions are learned and added to the embedding).
 
 QKV is one ColumnParallelLinear whose rows are laid out per kv group, Megatron's way:
 [q_1 .. q_(nh/nkv), k, v] for each kv group, so an even split over tp hands every rank whole
@@ -18,6 +20,7 @@ from cplm_dist.config import ModelConfig
 from cplm_dist.megatron_compat import ModelParallelConfig, tensor_parallel
 from cplm_dist.model.initialization import deferred_init
 from cplm_dist.model.rotary import apply_rope
+from cplm_dist.model.sequence_parallel import sum_grad_over
 from cplm_dist.model.sharding import mark_split
 
 
@@ -30,16 +33,15 @@ class Attention(torch.nn.Module):
         self.group = cfg.num_heads // cfg.num_kv_heads  # query heads per kv head
         self.sequence_parallel = mp.sequence_parallel and tp_size > 1
         qkv_out = (cfg.num_heads + 2 * cfg.num_kv_heads) * self.head_dim
+        bias = cfg.arch == "gpt2"
         self.qkv = tensor_parallel.ColumnParallelLinear(
-            cfg.hidden_size, qkv_out, config=mp, init_method=deferred_init, bias=False, gather_output=False,
+            cfg.hidden_size, qkv_out, config=mp, init_method=deferred_init, bias=bias, gather_output=False,
             tp_group=tp_group,
         )
-        self.proj = tensor_parallel.RowParallelLinear(
-            cfg.num_heads * self.head_dim, cfg.hidden_size, config=mp, init_method=deferred_init, bias=False,
-            input_is_parallel=True, skip_bias_add=False, tp_group=tp_group,
-        )
+        self.proj = OutputLinear(cfg.num_heads * self.head_dim, cfg.hidden_size, mp, tp_group, bias)
         mark_split(self.qkv.weight, dim=0)
-        mark_split(self.proj.weight, dim=1)
+        if bias:
+            mark_split(self.qkv.bias, dim=0)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: dict | None = None) -> torch.Tensor:
         """x (B, T, D), or (T/tp, B, D) under sequence parallelism; cos/sin for all T positions;
@@ -53,7 +55,8 @@ class Attention(torch.nn.Module):
         q = qkv[:, :, :, : self.group].reshape(B, T, self.heads, self.head_dim).transpose(1, 2)  # (B, nh, T, hd)
         k = qkv[:, :, :, self.group].transpose(1, 2)  # (B, nkv, T, hd)
         v = qkv[:, :, :, self.group + 1].transpose(1, 2)  # (B, nkv, T, hd)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cos is not None:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         mask, causal = None, True
         if cache is not None:
             past = cache["k"].shape[2] if "k" in cache else 0
@@ -69,5 +72,20 @@ class Attention(torch.nn.Module):
             y = y.permute(2, 0, 1, 3).reshape(T, B, self.heads * self.head_dim)
         else:
             y = y.transpose(1, 2).reshape(B, T, self.heads * self.head_dim)
-        out, _ = self.proj(y)  # (B, T, D) all-reduced over tp; sequence parallel: (T/tp, B, D) reduce-scattered
-        return out
+        return self.proj(y)  # (B, T, D) all-reduced over tp; sequence parallel: (T/tp, B, D) reduce-scattered
+
+
+class OutputLinear(tensor_parallel.RowParallelLinear):
+    """The RowParallelLinear that ends a tp region (attention out, MLP down), returning one tensor.
+    Its bias (gpt2) is added here, after the all-reduce or reduce-scatter: under sequence
+    parallelism it meets this rank's positions only, so its gradient is summed over tp."""
+
+    def __init__(self, in_features: int, out_features: int, mp: ModelParallelConfig, tp_group, bias: bool):
+        super().__init__(in_features, out_features, config=mp, init_method=deferred_init, bias=bias,
+                         input_is_parallel=True, skip_bias_add=True, tp_group=tp_group)
+        mark_split(self.weight, dim=1)
+        self.sp_group = tp_group if mp.sequence_parallel else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, bias = super().forward(x)
+        return out if bias is None else out + sum_grad_over(bias, self.sp_group)

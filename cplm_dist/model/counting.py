@@ -12,11 +12,34 @@ from cplm_dist.config import Config
 from cplm_dist.vocab_parallel import padded_vocab_size
 
 
-def _layer_matrices(cfg: Config) -> int:
-    """Weight-matrix parameters of one transformer layer (QKV, attention out, SwiGLU fc1 and fc2)."""
+def layer_tensors(cfg: Config) -> list[tuple[int, bool, bool]]:
+    """(elements over all tp ranks, split over tp, a weight matrix) of each parameter tensor of
+    one transformer layer, in module order: llama's norm, QKV, out, norm, SwiGLU fc1 [gate; up],
+    fc2; gpt2's the same with LayerNorm biases, linear biases and a GELU fc1 (model.arch)."""
     m = cfg.model
-    D, hd = m.hidden_size, m.head_dim
-    return D * (m.num_heads + 2 * m.num_kv_heads) * hd + m.num_heads * hd * D + 3 * D * m.ffn_hidden_size
+    D, hd, F = m.hidden_size, m.head_dim, m.ffn_hidden_size
+    qkv = (m.num_heads + 2 * m.num_kv_heads) * hd
+    if m.arch == "gpt2":
+        norm = [(D, False, False), (D, False, False)]
+        return (norm + [(D * qkv, True, True), (qkv, True, False), (m.num_heads * hd * D, True, True), (D, False, False)]
+                + norm + [(F * D, True, True), (F, True, False), (F * D, True, True), (D, False, False)])
+    return [(D, False, False), (D * qkv, True, True), (m.num_heads * hd * D, True, True),
+            (D, False, False), (2 * F * D, True, True), (F * D, True, True)]
+
+
+def _layer_matrices(cfg: Config) -> int:
+    """Weight-matrix parameters of one transformer layer (QKV, attention out, MLP fc1 and fc2)."""
+    return sum(n for n, _, matrix in layer_tensors(cfg) if matrix)
+
+
+def _norm_tensors(cfg: Config) -> list[int]:
+    """The final norm's tensors: RMSNorm's weight, or LayerNorm's weight and bias (gpt2)."""
+    return [cfg.model.hidden_size] * (2 if cfg.model.arch == "gpt2" else 1)
+
+
+def _positions(cfg: Config) -> int:
+    """gpt2's learned absolute positions (replicated on every tp rank); llama has none (RoPE)."""
+    return cfg.model.max_seq_len * cfg.model.hidden_size if cfg.model.arch == "gpt2" else 0
 
 
 def _copy_head(cfg: Config) -> tuple[int, int]:
@@ -38,8 +61,9 @@ def parameter_count(cfg: Config, *, padded: bool = False) -> dict[str, int]:
     D = m.hidden_size
     parts = {
         "embedding": vocab * D,
-        "layers": m.num_layers * (_layer_matrices(cfg) + 2 * D),  # + two RMSNorm weights
-        "final_norm": D,
+        "positions": _positions(cfg),
+        "layers": m.num_layers * sum(n for n, _, _ in layer_tensors(cfg)),
+        "final_norm": sum(_norm_tensors(cfg)),
         "lm_head": 0 if m.tie_embeddings else vocab * D,
         "copy_head": sum(_copy_head(cfg)),
     }
@@ -52,14 +76,17 @@ def parameters_per_device(cfg: Config, tp: int) -> float:
     tp-split matrices / tp, plus what every rank replicates (norms, the copy head)."""
     m = cfg.model
     vocab = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp)
-    split = m.num_layers * _layer_matrices(cfg) + vocab * m.hidden_size * (1 if m.tie_embeddings else 2)
+    split_layer = sum(n for n, split, _ in layer_tensors(cfg) if split)
+    split = m.num_layers * split_layer + vocab * m.hidden_size * (1 if m.tie_embeddings else 2)
     return split / tp + replicated_parameters(cfg)
 
 
 def replicated_parameters(cfg: Config) -> int:
-    """Parameters every tp rank holds whole: the norms and the copy head (under sequence
-    parallelism, the ones whose gradients are summed over tp)."""
-    return (2 * cfg.model.num_layers + 1) * cfg.model.hidden_size + sum(_copy_head(cfg))
+    """Parameters every tp rank holds whole: the norms, the copy head, and for gpt2 the output
+    projections' biases and the learned positions (under sequence parallelism, the ones whose
+    gradients are summed over tp)."""
+    per_layer = sum(n for n, split, _ in layer_tensors(cfg) if not split)
+    return cfg.model.num_layers * per_layer + sum(_norm_tensors(cfg)) + _positions(cfg) + sum(_copy_head(cfg))
 
 
 def matmul_parameters(cfg: Config) -> int:
@@ -79,17 +106,16 @@ def tensor_sizes_per_device(cfg: Config, tp: int, pp: int = 1, stage: int = 0) -
     from cplm_dist.model.pipeline import stage_transformer_layers
 
     m, c = cfg.model, cfg.copy
-    D, hd = m.hidden_size, m.head_dim
+    D = m.hidden_size
     vocab_rows = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp) // tp
-    layer = [D, D * (m.num_heads + 2 * m.num_kv_heads) * hd // tp, m.num_heads * hd * D // tp,
-             D, 2 * D * m.ffn_hidden_size // tp, m.ffn_hidden_size * D // tp]
+    layer = [n // tp if split else n for n, split, _ in layer_tensors(cfg)]
     first, last = stage == 0, stage == pp - 1
     layers = m.num_layers if pp == 1 else stage_transformer_layers(cfg, pp)[stage]
-    sizes = [vocab_rows * D] if first else []
+    sizes = [vocab_rows * D] + ([_positions(cfg)] if _positions(cfg) else []) if first else []
     sizes += layer * layers
     if last:
         sizes += [vocab_rows * D] if m.tie_embeddings and not first else []
-        sizes += [D] + ([] if m.tie_embeddings else [vocab_rows * D])
+        sizes += _norm_tensors(cfg) + ([] if m.tie_embeddings else [vocab_rows * D])
         if c.enabled:
             width = c.num_heads * c.head_dim
             sizes += [width * D, width * D] + {"gate": [D, 1], "sentinel": [width], "joint": []}[c.mix]

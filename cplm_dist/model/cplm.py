@@ -6,7 +6,7 @@ head, and the copy head beside it, mixed without gathering the vocabulary.
     logp = model.next_token_logprobs(ids)     # (B, T, V) full mixed distribution (evaluation)
 
 Data flow of a forward, per tp rank:
-    ids -> VocabParallelEmbedding -> L x TransformerLayer -> RMSNorm -> h (B, T, D), replicated
+    ids -> VocabParallelEmbedding (+ learned positions, gpt2) -> L x TransformerLayer -> norm -> h (B, T, D), replicated
     h -> LM head (ColumnParallelLinear) -> logits (B, T, V/tp), this rank's vocabulary shard
     h -> CopyHead (replicated) -> A_t, M_t, gate (B, T)
     vocab_parallel.mixed_nll: (logits shard, labels, copy terms or None) -> nll (B, T)
@@ -39,8 +39,8 @@ from cplm_dist.model.compiled import compile_layers as compile_each_layer
 from cplm_dist.model.block import TransformerLayer
 from cplm_dist.model.copy_head import CopyHead
 from cplm_dist.model.initialization import deferred_init, init_parameters
-from cplm_dist.model.norm import RMSNorm
-from cplm_dist.model.rotary import rope_tables
+from cplm_dist.model.norm import make_norm
+from cplm_dist.model.rotary import LearnedPositions, layer_rope
 from cplm_dist.model.sequence_parallel import gather_sequence
 from cplm_dist.model.sharding import mark_split
 
@@ -76,8 +76,8 @@ def megatron_config(tp_size: int, device: torch.device, dtype: torch.dtype,
 class LossHead:
     """The model's last part over the final-norm states h: the LM head's vocabulary shard, the copy
     head and the mixed per-token loss. Shared by CPLM and the pipeline's last stage
-    (cplm_dist.model.pipeline), which hold the same attributes: model_cfg, copy_cfg, loss_cfg,
-    tp_group, tp_size, lm_head, copy_head, real_local, v_local, sequence_parallel. `tied`: the
+    (cplm_dist.model.pipeline), which hold the same attributes: copy_cfg, loss_cfg, tp_group,
+    lm_head, copy_head, real_local, v_local, sequence_parallel. `tied`: the
     embedding's weight when the LM head shares it, else None (the LM head's own weight)."""
 
     def lm_logits(self, h: torch.Tensor, tied: torch.Tensor | None = None) -> torch.Tensor:
@@ -144,10 +144,12 @@ class CPLM(LossHead, torch.nn.Module):
             self.padded_vocab_size, m.hidden_size, init_method=deferred_init, config=mp, tp_group=tp_group,
             reduce_scatter_embeddings=self.sequence_parallel,
         )
+        self.position_embedding = (LearnedPositions(m.max_seq_len, m.hidden_size, device=device, dtype=dtype, sp_group=sp_group)
+                                   if m.arch == "gpt2" else None)
         self.layers = torch.nn.ModuleList(
             TransformerLayer(m, mp, tp_group, self.tp_size, device=device) for _ in range(m.num_layers)
         )
-        self.final_norm = RMSNorm(m.hidden_size, m.norm_eps, device=device, dtype=dtype, grad_group=sp_group)
+        self.final_norm = make_norm(m, device=device, dtype=dtype, grad_group=sp_group)
         self.lm_head = tensor_parallel.ColumnParallelLinear(
             m.hidden_size, self.padded_vocab_size, config=mp, init_method=deferred_init, bias=False,
             gather_output=False, skip_weight_param_allocation=m.tie_embeddings, tp_group=tp_group,
@@ -176,9 +178,10 @@ class CPLM(LossHead, torch.nn.Module):
             raise ValueError(f"sequence length {T} is not divisible by tp={self.tp_size} (sequence parallelism)")
         if offset + T > self.model_cfg.max_seq_len:
             raise ValueError(f"sequence length {offset + T} exceeds model.max_seq_len={self.model_cfg.max_seq_len}")
-        cos, sin = rope_tables(offset + T, self.model_cfg.head_dim, self.model_cfg.rope_theta, device=input_ids.device)
-        cos, sin = cos[offset:], sin[offset:]
+        cos, sin = layer_rope(self.model_cfg, T, offset, device=input_ids.device)
         x = self.embedding(input_ids)  # (B, T, D)
+        if self.position_embedding is not None:
+            x = self.position_embedding(x, offset)
         layers = self.compiled_layers if self.compiled_layers is not None and state is None else self.layers
         for i, layer in enumerate(layers):
             if state is not None:

@@ -1,7 +1,7 @@
-"""SwiGLU MLP as a Column/Row parallel pair.
+"""The MLPs as Column/Row parallel pairs: SwiGLU (llama) and GELU with biases (gpt2).
 
-fc1 holds [gate; up] with stride 2, so each tp rank keeps matching halves of both and the
-SwiGLU product needs no communication; fc2's all-reduce ends the tensor-parallel region.
+SwiGLU's fc1 holds [gate; up] with stride 2, so each tp rank keeps matching halves of both and
+the product needs no communication; fc2's all-reduce ends the tensor-parallel region.
 """
 
 import torch
@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from cplm_dist.config import ModelConfig
 from cplm_dist.megatron_compat import ModelParallelConfig, tensor_parallel
+from cplm_dist.model.attention import OutputLinear
 from cplm_dist.model.initialization import deferred_init
 from cplm_dist.model.sharding import mark_split
 
@@ -20,15 +21,32 @@ class SwiGLUMLP(torch.nn.Module):
             cfg.hidden_size, 2 * cfg.ffn_hidden_size, config=mp, init_method=deferred_init, bias=False,
             gather_output=False, stride=2, tp_group=tp_group,
         )
-        self.fc2 = tensor_parallel.RowParallelLinear(
-            cfg.ffn_hidden_size, cfg.hidden_size, config=mp, init_method=deferred_init, bias=False,
-            input_is_parallel=True, skip_bias_add=False, tp_group=tp_group,
-        )
+        self.fc2 = OutputLinear(cfg.ffn_hidden_size, cfg.hidden_size, mp, tp_group, bias=False)
         mark_split(self.fc1.weight, dim=0, stride=2)
-        mark_split(self.fc2.weight, dim=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h, _ = self.fc1(x)  # (B, T, 2 * ffn / tp): [gate | up] of this rank
         gate, up = h.chunk(2, dim=-1)
-        out, _ = self.fc2(F.silu(gate) * up)  # (B, T, D), all-reduced over tp
-        return out
+        return self.fc2(F.silu(gate) * up)  # (B, T, D), all-reduced over tp
+
+
+class GeluMLP(torch.nn.Module):
+    """GPT-2's MLP: fc1 (D -> ffn, bias), GELU (tanh approximation), fc2 (ffn -> D, bias)."""
+
+    def __init__(self, cfg: ModelConfig, mp: ModelParallelConfig, tp_group, tp_size: int):
+        super().__init__()
+        self.fc1 = tensor_parallel.ColumnParallelLinear(
+            cfg.hidden_size, cfg.ffn_hidden_size, config=mp, init_method=deferred_init, bias=True,
+            gather_output=False, tp_group=tp_group,
+        )
+        self.fc2 = OutputLinear(cfg.ffn_hidden_size, cfg.hidden_size, mp, tp_group, bias=True)
+        mark_split(self.fc1.weight, dim=0)
+        mark_split(self.fc1.bias, dim=0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, _ = self.fc1(x)  # (B, T, ffn / tp)
+        return self.fc2(F.gelu(h, approximate="tanh"))
+
+
+def make_mlp(cfg: ModelConfig, mp: ModelParallelConfig, tp_group, tp_size: int) -> torch.nn.Module:
+    return (GeluMLP if cfg.arch == "gpt2" else SwiGLUMLP)(cfg, mp, tp_group, tp_size)

@@ -27,6 +27,7 @@ into a plain CPLM (cplm_dist.checkpoint.load_model).
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import torch
 import torch.utils.checkpoint
@@ -36,11 +37,11 @@ from cplm_dist.megatron_compat import import_deepspeed, tensor_parallel
 from cplm_dist.model.block import TransformerLayer
 from cplm_dist.model.compiled import compile_layers
 from cplm_dist.model.copy_head import CopyHead
-from cplm_dist.model.counting import _copy_head, _layer_matrices
+from cplm_dist.model.counting import parameter_count
 from cplm_dist.model.cplm import LossHead, megatron_config, vocabulary_shard
 from cplm_dist.model.initialization import deferred_init, init_parameters
-from cplm_dist.model.norm import RMSNorm
-from cplm_dist.model.rotary import rope_tables
+from cplm_dist.model.norm import make_norm
+from cplm_dist.model.rotary import LearnedPositions, layer_rope
 from cplm_dist.model.sharding import mark_split
 from cplm_dist.parallel import ParallelDims
 from cplm_dist.vocab_parallel import IGNORE_INDEX, padded_vocab_size
@@ -50,19 +51,25 @@ from cplm_dist.vocab_parallel import IGNORE_INDEX, padded_vocab_size
 class EmbeddingStage(torch.nn.Module):
     canonical_prefix = ""
 
-    def __init__(self, cfg: Config, tp_group, device, dtype):
+    def __init__(self, cfg: Config, tp_group, device, dtype, positions: bool = True):
+        """positions: gpt2's learned positions live here (not on the tied copy of the last stage)."""
         super().__init__()
+        m = cfg.model
         mp = megatron_config(cfg.parallel.tp, device, dtype, cfg.parallel.sequence_parallel)
-        padded, _, _ = vocabulary_shard(cfg.model, tp_group)
+        padded, _, _ = vocabulary_shard(m, tp_group)
         self.embedding = tensor_parallel.VocabParallelEmbedding(
-            padded, cfg.model.hidden_size, init_method=deferred_init, config=mp, tp_group=tp_group,
+            padded, m.hidden_size, init_method=deferred_init, config=mp, tp_group=tp_group,
             reduce_scatter_embeddings=mp.sequence_parallel)
         mark_split(self.embedding.weight, dim=0)
-        self.embedding.weight.full_rows = cfg.model.vocab_size
+        self.embedding.weight.full_rows = m.vocab_size
+        self.position_embedding = (LearnedPositions(m.max_seq_len, m.hidden_size, device=device, dtype=dtype,
+                                                    sp_group=tp_group if mp.sequence_parallel else None)
+                                   if m.arch == "gpt2" and positions else None)
 
     def forward(self, inputs):
         ids, labels = inputs
-        return self.embedding(ids), ids, labels
+        x = self.embedding(ids)
+        return (x if self.position_embedding is None else self.position_embedding(x)), ids, labels
 
 
 def hand_weight_to_head(stage: EmbeddingStage, inputs):
@@ -76,12 +83,12 @@ class LayerStage(TransformerLayer):
         super().__init__(cfg.model, mp, tp_group, cfg.parallel.tp, device=device)
         self.canonical_prefix = f"layers.{index}."
         self.checkpointing = checkpointing
-        self.head_dim, self.rope_theta = cfg.model.head_dim, cfg.model.rope_theta
+        self.model_cfg = cfg.model
         self.block = super().forward  # the layer itself; torch.compile'd under train.compile (not a module)
 
     def forward(self, inputs):
         x, ids, labels = inputs
-        cos, sin = rope_tables(ids.shape[1], self.head_dim, self.rope_theta, device=x.device)
+        cos, sin = layer_rope(self.model_cfg, ids.shape[1], device=x.device)
         if self.checkpointing and self.training and torch.is_grad_enabled():
             x = torch.utils.checkpoint.checkpoint(self.block, x, cos, sin, use_reentrant=False)
         else:
@@ -100,7 +107,7 @@ class HeadStage(LossHead, torch.nn.Module):
         self.sequence_parallel = mp.sequence_parallel
         sp_group = tp_group if self.sequence_parallel else None
         padded, self.v_local, self.real_local = vocabulary_shard(m, tp_group)
-        self.final_norm = RMSNorm(m.hidden_size, m.norm_eps, device=device, dtype=dtype, grad_group=sp_group)
+        self.final_norm = make_norm(m, device=device, dtype=dtype, grad_group=sp_group)
         self.lm_head = tensor_parallel.ColumnParallelLinear(
             m.hidden_size, padded, config=mp, init_method=deferred_init, bias=False, gather_output=False,
             skip_weight_param_allocation=m.tie_embeddings, tp_group=tp_group)
@@ -115,13 +122,32 @@ class HeadStage(LossHead, torch.nn.Module):
         return torch.stack(list(out))  # (3, B, T): nll, lm_nll, copy_share
 
 
-def layer_parameters(cfg: Config) -> list[int]:
-    """Parameters of each pipeline layer (over all tp ranks), the LM head's V x D counted on the
-    head whether tied or not: the weights `partition` balances."""
+@dataclass(frozen=True)
+class PipelineLayer:
+    """One entry of the pipeline's layer list (the module docstring's table)."""
+
+    kind: str  # embedding | layer | tied (the embedding's copy on the last stage) | head
+    prefix: str  # its parameters' names in CPLM: prefix + the module's own names
+    weight: int  # parameters it counts for the stage split (over tp; the LM head's V x D with the head)
+    saved: bool  # DeepSpeed writes a layer_XX file for it (not for the tied copy)
+
+
+def pipeline_layers(cfg: Config) -> list[PipelineLayer]:
+    """The pipeline's layers in order, in one place: DeepSpeed's specs, the stage split, its
+    summary and the checkpoint's layer files all read them."""
     m, D = cfg.model, cfg.model.hidden_size
     vocab = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, cfg.parallel.tp)
-    layers = [_layer_matrices(cfg) + 2 * D] * m.num_layers
-    return [vocab * D] + layers + [vocab * D + D + sum(_copy_head(cfg))]
+    parts = parameter_count(cfg)
+    layers = [PipelineLayer("embedding", "", vocab * D + parts["positions"], True)]
+    layers += [PipelineLayer("layer", f"layers.{i}.", parts["layers"] // m.num_layers, True) for i in range(m.num_layers)]
+    if m.tie_embeddings:
+        layers.append(PipelineLayer("tied", "", 0, False))
+    return layers + [PipelineLayer("head", "", vocab * D + parts["final_norm"] + parts["copy_head"], True)]
+
+
+def layer_parameters(cfg: Config) -> list[int]:
+    """The weights `partition` balances: the layers' without the tied copy (it travels with the head)."""
+    return [layer.weight for layer in pipeline_layers(cfg) if layer.kind != "tied"]
 
 
 def partition(weights: list[int], stages: int) -> list[int]:
@@ -158,42 +184,41 @@ def partition(weights: list[int], stages: int) -> list[int]:
 
 
 def stage_bounds(cfg: Config, pp: int) -> list[int]:
-    """The pipeline's stage boundaries over its layers (`partition` of `layer_parameters`; with
-    tied embeddings the layer list holds the tied copy before the head, on the head's stage)."""
-    weights = layer_parameters(cfg)
-    if not cfg.model.tie_embeddings:
-        return partition(weights, pp)
-    merged = partition(weights, pp)
-    return merged[:-1] + [merged[-1] + 1]
+    """The pipeline's stage boundaries over `pipeline_layers` (`partition` of `layer_parameters`;
+    the tied copy, just before the head, on the head's stage)."""
+    bounds = partition(layer_parameters(cfg), pp)
+    return bounds[:-1] + [bounds[-1] + 1] if cfg.model.tie_embeddings else bounds
 
 
 def stage_transformer_layers(cfg: Config, pp: int) -> list[int]:
     """How many transformer layers each stage runs."""
-    bounds, L = stage_bounds(cfg, pp), cfg.model.num_layers
-    return [len(set(range(bounds[s], bounds[s + 1])) & set(range(1, L + 1))) for s in range(pp)]
+    bounds, layers = stage_bounds(cfg, pp), pipeline_layers(cfg)
+    return [sum(layer.kind == "layer" for layer in layers[bounds[s]:bounds[s + 1]]) for s in range(pp)]
 
 
 def layer_specs(cfg: Config, dims: ParallelDims, device, dtype) -> list:
-    """DeepSpeed's specs of the pipeline's layers (the module docstring's table)."""
+    """DeepSpeed's specs of `pipeline_layers`."""
     from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
-    tied = cfg.model.tie_embeddings
     embed_args = (EmbeddingStage, cfg, dims.tp_group, device, dtype)
     tie = {"tied_weight_attr": ["embedding.weight"]}
-    specs = [TiedLayerSpec("embedding", *embed_args, **tie) if tied else LayerSpec(*embed_args)]
-    specs += [LayerSpec(LayerStage, cfg, i, dims.tp_group, device, dtype, cfg.train.activation_checkpointing)
-              for i in range(cfg.model.num_layers)]
-    if tied:
-        specs.append(TiedLayerSpec("embedding", *embed_args, forward_fn=hand_weight_to_head, **tie))
-    return specs + [LayerSpec(HeadStage, cfg, dims.tp_group, device, dtype)]
+    specs = []
+    for layer in pipeline_layers(cfg):
+        if layer.kind == "embedding":
+            specs.append(TiedLayerSpec("embedding", *embed_args, **tie) if cfg.model.tie_embeddings else LayerSpec(*embed_args))
+        elif layer.kind == "layer":
+            specs.append(LayerSpec(LayerStage, cfg, int(layer.prefix.split(".")[1]), dims.tp_group, device, dtype,
+                                   cfg.train.activation_checkpointing))
+        elif layer.kind == "tied":
+            specs.append(TiedLayerSpec("embedding", *embed_args, positions=False, forward_fn=hand_weight_to_head, **tie))
+        else:
+            specs.append(LayerSpec(HeadStage, cfg, dims.tp_group, device, dtype))
+    return specs
 
 
 def stage_summary(cfg: Config, pp: int) -> str:
     """One line: each stage's layers and parameters (over tp), as `partition` balanced them."""
-    weights = layer_parameters(cfg)
-    if cfg.model.tie_embeddings:
-        weights = weights[:-1] + [0, weights[-1]]  # the tied copy, counted with the head
-    bounds = stage_bounds(cfg, pp)
+    weights, bounds = [layer.weight for layer in pipeline_layers(cfg)], stage_bounds(cfg, pp)
     return "; ".join(f"stage {s}: layers [{bounds[s]}, {bounds[s + 1]}) {sum(weights[bounds[s]:bounds[s + 1]]) / 1e6:.1f}M"
                      for s in range(pp))
 
@@ -277,8 +302,5 @@ def build_pipeline_model(cfg: Config, dims: ParallelDims, device=None, dtype=tor
 
 def checkpoint_layer_names(cfg: Config) -> dict[int, str]:
     """{pipeline layer index: its CPLM name prefix} of the layers DeepSpeed saves as
-    layer_XX-model_YY-model_states.pt (the tied embedding's second copy is not saved)."""
-    L = cfg.model.num_layers
-    names = {0: "", **{1 + i: f"layers.{i}." for i in range(L)}}
-    names[L + 1 + cfg.model.tie_embeddings] = ""
-    return names
+    layer_XX-model_YY-model_states.pt."""
+    return {i: layer.prefix for i, layer in enumerate(pipeline_layers(cfg)) if layer.saved}

@@ -25,7 +25,15 @@ saved-tensor hooks and must agree exactly):
     MLP       b (2 F + F + F)                       fc1 output, SiLU(gate), SiLU(gate) * up
 
 (nh, nkv = heads per tp rank; in bf16 each norm also keeps an fp32 copy of its weight, 8 D bytes
-per layer, not counted). With activation checkpointing a layer keeps only its input
+per layer, not counted). The gpt2 backbone (model.arch=gpt2) keeps instead:
+
+    norms     2 x (4 D + 8 + b D)                   LayerNorm's fp32 input, mean and 1/std, output
+    attention b (nh + 2 nkv) hd                     the fused QKV output (q, k, v are views of it:
+              + b nh hd [nkv < nh]                  no RoPE), q made contiguous when heads share kv,
+              + b nh hd + 4 nh                      the SDPA output and its log-sum-exp
+    MLP       b (F + F)                             fc1 output, GELU output
+
+(in bf16 its LayerNorms keep fp32 copies of weight and bias, 16 D bytes per layer, not counted). With activation checkpointing a layer keeps only its input
 (b D per token) and one layer's activations exist at a time, during its recomputation.
 
 Sequence parallelism (parallel.sequence_parallel, tp > 1) keeps the norms' tensors for T/tp
@@ -203,6 +211,10 @@ def layer_activation_bytes_per_token(cfg: Config, tp: int, act_bytes: int) -> fl
     m, b = cfg.model, act_bytes
     D, F, hd = m.hidden_size, m.ffn_hidden_size // tp, m.head_dim
     nh, nkv = m.num_heads // tp, m.num_kv_heads // tp
+    if m.arch == "gpt2":
+        norms = 2 * (4 * D + 8 + b * D) / sequence_shards(cfg, tp)
+        attention = b * (nh + 2 * nkv) * hd + b * nh * hd * (2 if nkv < nh else 1) + 4 * nh
+        return norms + attention + b * 2 * F
     norms = 2 * (4 * D + 4 + 4 * D + b * D) / sequence_shards(cfg, tp)
     attention = b * (nh + 2 * nkv) * hd + b * (2 * nh + nkv) * hd + 4 * nh
     mlp = b * 4 * F
