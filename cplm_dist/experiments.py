@@ -1,0 +1,39 @@
+"""Many training runs from one driver (tools/ablate.py, tools/scaling.py): the copy variants
+they compare, one subprocess per command with its output in a log, and whether a run is done.
+
+A run is finished when its checkpoints' `latest` names its last step; a driver that is stopped
+and started again skips finished runs and continues the others with `--resume auto`.
+"""
+
+from __future__ import annotations
+
+import statistics
+import subprocess
+from pathlib import Path
+
+from cplm_dist.errors import UsageError
+
+REPO = Path(__file__).resolve().parent.parent
+VARIANTS = {"off": ["copy.enabled=false"], "gate": ["copy.mix=gate"], "joint": ["copy.mix=joint"],
+            "sentinel": ["copy.mix=sentinel"]}
+COPY_TASKS = ("induction", "mqar", "spamlang")
+
+
+def run(cmd: list[str], log: Path, cwd: Path = REPO) -> None:
+    """Run `cmd`, appending its output to `log`; a failure is one line naming the log."""
+    with open(log, "a") as f:
+        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=cwd)
+    if proc.returncode != 0:
+        tail = log.read_text().strip().splitlines()[-3:]
+        raise UsageError(f"{' '.join(cmd[:4])} ... failed (exit {proc.returncode}); see {log}: {' | '.join(tail)}")
+
+
+def finished(run_dir: Path, steps: int) -> bool:
+    latest = run_dir / "checkpoints" / "latest"
+    return latest.is_file() and latest.read_text().strip() == f"step-{steps:08d}"
+
+
+def mean_score(rows: list[dict]) -> float:
+    """A task's mean accuracy (or exact match) over its settings in an eval.json."""
+    key = "exact_match" if rows and "exact_match" in rows[0] else "accuracy"
+    return statistics.mean(r[key] for r in rows) if rows else float("nan")

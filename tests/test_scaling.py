@@ -1,0 +1,80 @@
+"""Scaling ladders (cplm_dist/scaling.py, tools/scaling.py): shapes hit their parameter targets,
+the power-law fit recovers known exponents, and a 2-size x 2-variant ladder runs end to end on
+CPU, is interrupted and resumed without rerunning finished points. (Its Slurm path runs in
+test_launchers.py, on the local Slurm those tests start.)"""
+
+import csv
+import json
+import math
+import random
+
+import pytest
+
+from cplm_dist.config import load_config
+from cplm_dist.model.counting import parameter_count
+from cplm_dist.scaling import bootstrap, fit_power_law, interval, shape_for, with_overrides
+from tests.test_train import argv
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_shapes_hit_their_parameter_targets(arch):
+    base = load_config("configs/quickstart.yaml", [f"model.arch={arch}"])
+    for target in (1e6, 2e6, 4e6, 8e6, 1.7e9):
+        shape = shape_for(base, target, aspect=32, head_dim=64)
+        cfg = with_overrides(base, list(shape.overrides))
+        assert shape.parameters == parameter_count(cfg)["total"]
+        assert abs(shape.parameters / target - 1) <= 0.10, (arch, target, shape)
+        assert cfg.model.hidden_size % 64 == 0 and cfg.model.num_heads * 64 == cfg.model.hidden_size
+        # the fixed aspect ratio, as near as whole layers and heads of 64 allow
+        assert 0.4 < cfg.model.hidden_size / cfg.model.num_layers / 32 < 2.5, (arch, target, shape)
+
+
+def test_the_fit_recovers_known_exponents():
+    rng = random.Random(0)
+    for E, A, alpha in ((1.8, 2.0e3, 0.3), (2.5, 80.0, 0.12), (0.0, 50.0, 0.05)):
+        compute = [10 ** (12 + 0.75 * i) for i in range(8)]
+        points = [{"compute": c, "loss": (E + A * c ** -alpha) * (1 + rng.gauss(0, 0.002)), "seed": s}
+                  for c in compute for s in (1, 2)]
+        fit = fit_power_law([p["compute"] for p in points], [p["loss"] for p in points])
+        assert abs(fit.alpha / alpha - 1) < 0.05, (alpha, fit)
+        assert abs(fit(1e20) / (E + A * 1e20 ** -alpha) - 1) < 0.02
+        lo, hi = interval([f.alpha for f in bootstrap(points, samples=40)])
+        assert lo <= fit.alpha * 1.02 and hi >= fit.alpha * 0.98 and hi - lo < 0.2 * alpha
+    with pytest.raises(ValueError, match="3 or more distinct compute"):
+        fit_power_law([1e12, 1e12, 1e13], [3.0, 3.1, 2.9])
+
+
+def _scaling(args):
+    from cplm_dist_tools.scaling import main
+
+    return main(args)
+
+
+def test_a_ladder_runs_is_interrupted_and_resumes_without_rerunning(small_data, tmp_path):
+    """2 sizes x {off, gate}, stopped after two points, then run again: the two finished points
+    are not trained again, the other two are, and the CSV, fits and report cover all four."""
+    out = tmp_path / "ladder"
+    base = argv(small_data, tmp_path / "unused")[2:]  # the test data's overrides (the driver's own come after them)
+    args = ["--base-config", "configs/quickstart.yaml", "--sizes", "3e5", "7e5", "--head-dim", "32", "--variants", "off",
+            "gate", "--tokens-per-parameter", "0.02", "--suite", "none", "--bootstrap", "5", "--out", str(out),
+            "train.global_batch_size=4", "train.micro_batch_size=4", *base]
+    assert _scaling(args + ["--stop-after", "2"]) == 0
+    ladder = json.loads((out / "ladder.json").read_text())
+    assert len(ladder) == 4 and {p["variant"] for p in ladder} == {"off", "gate"}
+    done = [p for p in ladder if (out / "points" / p["point"] / "checkpoints" / "latest").exists()]
+    assert len(done) == 2
+    stamps = {p["point"]: (out / "points" / p["point"] / "logs" / "metrics.jsonl").stat().st_mtime_ns for p in done}
+    assert _scaling(args) == 0
+    for point, stamp in stamps.items():
+        assert (out / "points" / point / "logs" / "metrics.jsonl").stat().st_mtime_ns == stamp, f"{point} was rerun"
+    rows = list(csv.DictReader(open(out / "points.csv")))
+    assert len(rows) == 4
+    for row in rows:
+        plan = next(p for p in ladder if p["point"] == row["point"])
+        assert int(row["tokens"]) == plan["tokens"] == plan["steps"] * 4 * 64
+        assert float(row["flops"]) > 0 and math.isfinite(float(row["valid_loss"]))
+    small, large = sorted({int(r["parameters"]) for r in rows})
+    assert large > 1.5 * small
+    report = (out / "report.md").read_text()
+    assert "Fewer than 3 sizes per variant: no fit." in report and "gate, measured:" in report
+    assert (out / "loss_vs_compute.png").stat().st_size > 0 and (out / "copy_gain.png").stat().st_size > 0
