@@ -37,3 +37,12 @@ def mean_score(rows: list[dict]) -> float:
     """A task's mean accuracy (or exact match) over its settings in an eval.json."""
     key = "exact_match" if rows and "exact_match" in rows[0] else "accuracy"
     return statistics.mean(r[key] for r in rows) if rows else float("nan")
+
+
+def ensure_quickstart_data(cfg, log: Path) -> None:
+    """Build the quickstart corpus (tools/build_quickstart_data.py) when `cfg` reads it and it is missing."""
+    import sys
+
+    if "data/quickstart" in (cfg.data.tokenizer or "") and not Path(cfg.data.tokenizer).exists():
+        print("building the quickstart data ...", flush=True)
+        run([sys.executable, "tools/build_quickstart_data.py", "--out", "data/quickstart"], log)

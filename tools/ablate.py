@@ -23,7 +23,7 @@ from pathlib import Path
 
 from cplm_dist.cli import exit_on_usage_error
 from cplm_dist.config import load_config
-from cplm_dist.experiments import COPY_TASKS, VARIANTS, finished, mean_score, run
+from cplm_dist.experiments import COPY_TASKS, VARIANTS, ensure_quickstart_data, finished, mean_score, run
 
 SIZES = {  # name -> overrides on the base config
     "base": [],
@@ -55,9 +55,7 @@ def main(argv=None) -> int:
     log = out / "ablation.log"
     py = shlex.split(args.launcher) or [sys.executable]  # torchrun takes `-m module` and scripts alike
     base = load_config(args.base_config, args.overrides)  # fail early on a bad base
-    if "data/quickstart" in (base.data.tokenizer or "") and not Path(base.data.tokenizer).exists():
-        print("building the quickstart data ...", flush=True)
-        run([sys.executable, "tools/build_quickstart_data.py", "--out", "data/quickstart"], log)
+    ensure_quickstart_data(base, log)
     runs = []
     for size in args.sizes:
         for variant in args.variants:

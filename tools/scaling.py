@@ -33,7 +33,7 @@ from pathlib import Path
 from cplm_dist.cli import exit_on_usage_error
 from cplm_dist.config import load_config
 from cplm_dist.errors import UsageError
-from cplm_dist.experiments import REPO, VARIANTS, finished, mean_score, run
+from cplm_dist.experiments import REPO, VARIANTS, ensure_quickstart_data, finished, mean_score, run
 from cplm_dist.model.counting import parameter_count
 from cplm_dist.scaling import bootstrap, fit_power_law, interval, shape_for, token_budget, training_flops, with_overrides
 
@@ -304,6 +304,7 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     log = out / "scaling.log"
+    ensure_quickstart_data(load_config(args.base_config, args.overrides), log)
     points = plan_ladder(args)
     (out / "ladder.json").write_text(json.dumps(points, indent=2) + "\n")
     print(f"{len(points)} points; {sum(finished(Path(p['run_dir']), p['steps']) for p in points)} already finished", flush=True)
