@@ -367,11 +367,13 @@ class Checkpointer:
             state[UNIVERSAL_INFO] = universal_info(engine.module)
         error = _os_error(lambda: engine.save_checkpoint(str(self.root), tag=tag, client_state=state, save_latest=False),
                           self.root)
+        if error is None and self.dims.rank == 0:
+            error = _os_error(lambda: carry_tokenizer(self.cfg, self.root / tag))
         self._agree(error, tag)  # every rank's files are on disk, or the save is undone everywhere
         files = self._describe_files(self.root / tag)
         error = None
         if self.dims.rank == 0:
-            manifest = {"format": FORMAT, "step": step, "time": time.time(), "layout": self.layout,
+            manifest = {"format": FORMAT, "step": step, "time": time.time(), "layout": self.layout, "cwd": os.getcwd(),
                         "consumed_samples": consumed_samples,
                         "consumed_tokens": consumed_samples * self.cfg.data.seq_length,
                         "config": to_dict(self.cfg), "versions": versions(), "files": files}
@@ -514,16 +516,59 @@ class Checkpointer:
 # --- loading for evaluation (no DeepSpeed engine) ------------------------------------------------------
 
 
+# The tokenizer travels inside each checkpoint (a few hundred KB to a few MB, hashed in the
+# manifest like the weights), so evaluation finds it from any directory and after a copy.
+CARRIED_TOKENIZER = {"sentencepiece": ("tokenizer.model",),
+                     "huggingface": ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")}
+
+
+def carry_tokenizer(cfg: Config, step_dir: Path) -> None:
+    """Copy the run's tokenizer into its step directory (rank 0, before the manifest is written)."""
+    source = Path(cfg.data.tokenizer) if cfg.data.tokenizer else None
+    if source is None or not source.exists():
+        return
+    if cfg.data.tokenizer_backend == "sentencepiece":
+        shutil.copyfile(source, step_dir / "tokenizer.model")
+        return
+    folder, main = (source, source / "tokenizer.json") if source.is_dir() else (source.parent, source)
+    for name, file in zip(CARRIED_TOKENIZER["huggingface"], [main] + [folder / n for n in CARRIED_TOKENIZER["huggingface"][1:]]):
+        if file.is_file():
+            shutil.copyfile(file, step_dir / name)
+
+
+def _self_contained(cfg: Config, manifest: dict, step_dir: Path) -> Config:
+    """The checkpoint's config with paths that work from here: data.tokenizer is the copy the
+    checkpoint carries; relative data paths that do not exist here are taken from the directory
+    training ran in (the manifest's `cwd`; for checkpoints older than that, the nearest directory
+    above the checkpoint that holds them), when they exist there."""
+    bases = ([Path(manifest["cwd"])] if manifest.get("cwd") else []) + list(step_dir.resolve().parents)[1:5]
+    carried = CARRIED_TOKENIZER.get(cfg.data.tokenizer_backend, ())
+    if carried and (step_dir / carried[0]).is_file():
+        cfg.data.tokenizer = str(step_dir / carried[0]) if len(carried) == 1 else str(step_dir)
+    elif cfg.data.tokenizer:
+        cfg.data.tokenizer = _found_from(cfg.data.tokenizer, bases, "")
+    for entry in cfg.data.blend:
+        entry.path = _found_from(entry.path, bases, ".idx")
+    return cfg
+
+
+def _found_from(path: str, bases: list[Path], suffix: str) -> str:
+    """`path` if it exists from here (or is absolute), else the first base that holds it."""
+    if Path(path).is_absolute() or Path(path + suffix).exists():
+        return path
+    return next((str(b / path) for b in bases if Path(str(b / path) + suffix).exists()), path)
+
+
 def load_checkpoint_config(path: str | Path) -> tuple[Config, dict]:
-    """The resolved config a checkpoint was trained with, and its manifest with `root` and `tag`:
-    read from complete.json alone."""
+    """The resolved config a checkpoint was trained with (its paths made to work from here,
+    `_self_contained`), and its manifest with `root` and `tag`: read from complete.json alone."""
     root, tag = resolve_checkpoint(path)
     manifest = read_manifest(root / tag)
     try:
         cfg = from_dict(manifest["config"])
     except ConfigError as e:
         raise CheckpointError(f"{root / tag / COMPLETE}: its config does not load ({e})") from None
-    return cfg, {**manifest, "root": root, "tag": tag}
+    return _self_contained(cfg, manifest, root / tag), {**manifest, "root": root, "tag": tag}
 
 
 def deepspeed_safe_globals() -> list:
