@@ -44,6 +44,7 @@ def validation(model, cfg, batches: int) -> tuple[dict | None, list[str]]:
     """({loss, perplexity, tokens} or None, decoded validation documents for the needle's filler)."""
     from cplm_dist.data.gpt_data import build_datasets
     from cplm_dist.data.loader import ResumableLoader
+    from cplm_dist.evaluation.generation import device_of
     from cplm_dist.vocab_parallel import IGNORE_INDEX
     from cplm_dist.errors import DataError
 
@@ -55,7 +56,8 @@ def validation(model, cfg, batches: int) -> tuple[dict | None, list[str]]:
         return None, []
     total, count, filler = 0.0, 0, []
     for batch in ResumableLoader(data.valid, micro):
-        out = model(batch["input_ids"], batch["labels"])
+        device = device_of(model)
+        out = model(batch["input_ids"].to(device), batch["labels"].to(device))
         total += float(out.nll.sum())
         count += int((batch["labels"] != IGNORE_INDEX).sum())
         filler += [data.tokenizer.decode(row.tolist()) for row in batch["input_ids"]]

@@ -23,7 +23,7 @@ from cplm_dist.errors import UsageError
 def main(argv=None) -> int:
     from cplm_dist.data.tokenizer import check_tokenizer_fits_model, load_tokenizer
     from cplm_dist.checkpoint import load_checkpoint_config, load_model
-    from cplm_dist.evaluation.generation import generate
+    from cplm_dist.evaluation.generation import device_of, generate
     from cplm_dist.parallel import destroy_distributed, evaluation_tp, init_distributed
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -54,7 +54,7 @@ def main(argv=None) -> int:
         if not ids or len(ids) + args.max_new_tokens > cfg.model.max_seq_len:
             raise UsageError(f"prompt {i}: {len(ids)} tokens + --max-new-tokens {args.max_new_tokens} must be in 1.."
                              f"{cfg.model.max_seq_len} (model.max_seq_len)")
-        out = generate(model, torch.tensor([ids]), args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+        out = generate(model, torch.tensor([ids], device=device_of(model)), args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                        top_p=args.top_p, eos_id=tok.eod, seed=args.seed, mark_copies=args.mark_copies)
         tokens = out.tokens[0].tolist()
         if tok.eod in tokens:

@@ -10,6 +10,7 @@ the gathered distribution and, sharing the seed, samples the same token) or anyt
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +20,13 @@ import torch
 class Generation:
     tokens: torch.Tensor  # (B, n) new tokens; after an end-of-document, more of it
     copied: torch.Tensor | None  # (B, n) bool, or None when not asked / no copy head
+
+
+def device_of(model) -> torch.device:
+    """Where a model's parameters live (the CPU for a model without any): every tensor an
+    evaluation or generation path makes for it goes there."""
+    param = next(iter(model.parameters()), None) if hasattr(model, "parameters") else None
+    return param.device if param is not None else torch.device("cpu")
 
 
 def choose(logprobs: torch.Tensor, temperature: float, top_k: int, top_p: float, generator: torch.Generator | None) -> torch.Tensor:
@@ -66,7 +74,7 @@ def generate(model, prompt: torch.Tensor, max_new_tokens: int, *, temperature: f
         tokens.append(nxt)
         if copy_part is not None:
             chosen = lambda t: t.gather(-1, nxt[:, None]).squeeze(-1)  # noqa: E731
-            copied.append(chosen(copy_part) - chosen(logprobs) > torch.log(torch.tensor(0.5)))
+            copied.append(chosen(copy_part) - chosen(logprobs) > math.log(0.5))
         feed = nxt[:, None]
         ids = torch.cat([ids, feed], dim=1)
         if eos_id is not None and bool(done.all()):

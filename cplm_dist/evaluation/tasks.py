@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from cplm_dist.evaluation.generation import generate
+from cplm_dist.evaluation.generation import device_of, generate
 
 TASKS = ("induction", "mqar", "phonebook", "needle", "spamlang")
 
@@ -172,13 +172,13 @@ def default_settings(task: str, max_len: int) -> list[dict]:
 
 @torch.no_grad()
 def score_positions(model, samples: list[Sample], batch_size: int = 16) -> dict:
-    nll, correct, count = 0.0, 0, 0
+    nll, correct, count, device = 0.0, 0, 0, device_of(model)
     for start in range(0, len(samples), batch_size):
         batch = samples[start:start + batch_size]
-        ids = torch.tensor([s.ids for s in batch])
+        ids = torch.tensor([s.ids for s in batch], device=device)
         logprobs = model.next_token_logprobs(ids)  # (B, T, V)
         for b, s in enumerate(batch):
-            pos = torch.tensor(s.scored)
+            pos = torch.tensor(s.scored, device=device)
             target = ids[b, pos + 1]
             lp = logprobs[b, pos]
             nll -= float(lp.gather(-1, target[:, None]).sum())
@@ -192,7 +192,7 @@ def score_generation(model, samples: list[Sample], tokenizer) -> dict:
     hits = 0
     for s in samples:
         answer_len = len(s.ids) - s.prompt_len
-        out = generate(model, torch.tensor([s.ids[: s.prompt_len]]), answer_len + 1)
+        out = generate(model, torch.tensor([s.ids[: s.prompt_len]], device=device_of(model)), answer_len + 1)
         text = tokenizer.decode(out.tokens[0].tolist())
         hits += text.strip().startswith(s.answer)
     return {"exact_match": hits / len(samples), "n": len(samples)}
