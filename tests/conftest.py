@@ -52,3 +52,22 @@ def small_data(tmp_path_factory) -> SmallData:
         prefixes[name] = str(root / name)
         write_indexed_dataset(iter_documents([raw[name]]), tokenizer, prefixes[name], progress=False)
     return SmallData(root, tok, raw, prefixes, docs)
+
+
+def _train(args):
+    from cplm_dist.train import main
+
+    return main(args)
+
+
+@pytest.fixture(scope="session")
+def trained(small_data, tmp_path_factory):
+    """A run of 6 steps on the small corpus (checkpoints at 3 and 6, max_seq_len 128): what the
+    evaluation, generation and lm-eval tests read."""
+    from tests.spawn import run_ranks
+    from tests.test_train import argv
+
+    out = tmp_path_factory.mktemp("eval") / "run"
+    assert run_ranks(_train, 1, args=(argv(small_data, out, "train.train_steps=6", "train.save_interval=3",
+                                            "model.max_seq_len=128", "data.seq_length=64"),)) == [0]
+    return out

@@ -1,6 +1,6 @@
 """Evaluation: the suite's generators and scoring (oracle perfect, uniform at chance), decoding
 with a KV cache against full recomputation at tp = 1 and 2, generation, the gradient-bottleneck
-figure against a direct computation, the tools end to end, and the lm-eval adapter."""
+figure against a direct computation, the tools end to end (lm-eval: tests/test_lm_eval.py)."""
 
 import json
 import re
@@ -8,7 +8,6 @@ import math
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,7 +18,6 @@ from cplm_dist.data.tokenizer import load_tokenizer
 from cplm_dist.evaluation.tasks import GENERATORS, TASKS, EvalContext, default_settings, run_suite
 from tests.reference_models import OracleModel, UniformModel
 from tests.spawn import run_ranks
-from tests.test_train import argv
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -168,20 +166,6 @@ def test_bottleneck_matches_a_direct_computation_and_tp():
 # --- the tools on a trained checkpoint --------------------------------------------------------------
 
 
-def _train(args):
-    from cplm_dist.train import main
-
-    return main(args)
-
-
-@pytest.fixture(scope="module")
-def trained(small_data, tmp_path_factory):
-    out = tmp_path_factory.mktemp("eval") / "run"
-    assert run_ranks(_train, 1, args=(argv(small_data, out, "train.train_steps=6", "train.save_interval=3",
-                                            "model.max_seq_len=128", "data.seq_length=64"),)) == [0]
-    return out
-
-
 def tool(*args, timeout=300):
     proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -323,52 +307,3 @@ def test_ablation_summarises_paired_differences_across_seeds():
     # induction +0.30, +0.005 (a tie), +0.20
     assert cells[4] == "+0.168 [+0.005, +0.300], won 2/3"
     assert "needle" not in table.splitlines()[2]  # only the copy tasks are summarised
-
-# --- lm-eval adapter --------------------------------------------------------------------------------
-
-
-def _harness_worker(run_dir):
-    from cplm_dist.evaluation.lm_eval_adapter import HarnessAdapter
-    from cplm_dist.checkpoint import load_model
-    from cplm_dist.parallel import init_distributed
-
-    init_distributed(1)
-    model, cfg, _ = load_model(run_dir)
-    tok = load_tokenizer(cfg.data.tokenizer)
-    adapter = HarnessAdapter(model, tok)
-    req = lambda *a: SimpleNamespace(args=a)  # noqa: E731
-    ll = adapter.loglikelihood([req("The items again:", " a, b"), req("", "hello")])
-    ctx_ids, cont_ids = tok.encode("The items again:"), tok.encode(" a, b")
-    direct = model.next_token_logprobs(torch.tensor([ctx_ids + cont_ids[:-1]]))[0]
-    expected = sum(float(direct[len(ctx_ids) - 1 + i, t]) for i, t in enumerate(cont_ids))
-    rolling = adapter.loglikelihood_rolling([req("a b c " * 60)])
-    gen = adapter.generate_until([req("Items: x, y.", {"until": ["."], "max_gen_toks": 8})])
-    # a continuation longer than the window: scored in windows, each token once, as a short
-    # window over the same text (the model's max_seq_len is 128; the text is ~3x longer)
-    long_text = "x = y + 1; " * 40
-    short = HarnessAdapter(model, tok, max_length=16)
-    windows = [short.loglikelihood([req("Start:", long_text)])[0][0],
-               short.loglikelihood_rolling([req(long_text)])[0], adapter.loglikelihood([req("Start:", long_text)])[0][0]]
-    ids = [tok.eod] + tok.encode(long_text)
-    by_hand = 0.0
-    for start in range(1, len(ids), 16):  # windows of 16 predicted tokens, each with up to 16 before it
-        end = min(len(ids), start + 16)
-        window = ids[max(0, end - 17):end]
-        lp = model.next_token_logprobs(torch.tensor([window[:-1]]))[0]
-        by_hand += float(lp[-(end - start):].gather(-1, torch.tensor(window[-(end - start):])[:, None]).sum())
-    edge = adapter.generate_until([req("", {"until": [], "max_gen_toks": 500})])
-    return {"ll": ll, "expected": expected, "rolling": rolling, "gen": gen, "windows": windows, "by_hand": by_hand,
-            "long_tokens": len(ids), "edge": edge}
-
-
-def test_lm_eval_adapter_answers_from_the_mixed_distribution(trained):
-    r = run_ranks(_harness_worker, 1, args=(str(trained),))[0]
-    assert r["ll"][0][0] == pytest.approx(r["expected"], rel=1e-5)
-    assert isinstance(r["ll"][0][1], bool) and r["ll"][1][0] < 0
-    assert r["rolling"][0] < 0 and math.isfinite(r["rolling"][0])
-    assert len(r["gen"]) == 1 and "." not in r["gen"][0]
-    short_ll, short_rolling, long_ll = r["windows"]
-    assert r["long_tokens"] > 128 and all(math.isfinite(x) and x < 0 for x in r["windows"])
-    assert short_rolling == pytest.approx(r["by_hand"], rel=1e-5)
-    assert short_ll != short_rolling  # another context, another score
-    assert len(r["edge"]) == 1 and isinstance(r["edge"][0], str)  # empty context, max_gen_toks past the window

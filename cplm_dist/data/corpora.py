@@ -62,21 +62,21 @@ _FILLER = ["the", "a", "of", "and", "to", "in", "is", "was", "it", "for", "on", 
            "that", "this", "which", "then", "there", "after", "before", "some", "many", "every"]
 
 
-def _lexicon(rng: random.Random, n: int) -> list[str]:
+def lexicon(rng: random.Random, n: int) -> list[str]:
     words: set[str] = set()
     while len(words) < n:
         words.add("".join(rng.choice(_ONSETS) + rng.choice(_VOWELS) + rng.choice(_CODAS) for _ in range(rng.randint(1, 3))))
     return sorted(words)
 
 
-def _filler(rng: random.Random, lexicon: list[str], n: int) -> str:
+def filler(rng: random.Random, lexicon: list[str], n: int) -> str:
     words = [rng.choice(_FILLER) if rng.random() < 0.5 else rng.choice(lexicon) for _ in range(n)]
     return " ".join(words).capitalize() + "."
 
 
 def _repeat_doc(rng, lex):
     span = " ".join(rng.choice(lex) for _ in range(rng.randint(5, 25)))
-    return f"{_filler(rng, lex, rng.randint(5, 30))} Remember this: {span}. {_filler(rng, lex, rng.randint(10, 60))} Once more: {span}."
+    return f"{filler(rng, lex, rng.randint(5, 30))} Remember this: {span}. {filler(rng, lex, rng.randint(10, 60))} Once more: {span}."
 
 
 def _kv_doc(rng, lex):
@@ -84,12 +84,12 @@ def _kv_doc(rng, lex):
     values = {k: str(rng.randint(0, 9999)) if rng.random() < 0.5 else rng.choice(lex) for k in keys}
     facts = " ".join(f"The {k} is {v}." for k, v in values.items())
     queries = " ".join(f"What is the {k}? The {k} is {values[k]}." for k in rng.sample(keys, rng.randint(1, len(keys))))
-    return f"{facts} {_filler(rng, lex, rng.randint(0, 20))} {queries}"
+    return f"{facts} {filler(rng, lex, rng.randint(0, 20))} {queries}"
 
 
 def _list_doc(rng, lex):
     items = ", ".join(rng.choice(lex) for _ in range(rng.randint(4, 15)))
-    return f"Items: {items}. {_filler(rng, lex, rng.randint(5, 40))} The items again: {items}."
+    return f"Items: {items}. {filler(rng, lex, rng.randint(5, 40))} The items again: {items}."
 
 
 def _phonebook_doc(rng, lex):
@@ -97,7 +97,7 @@ def _phonebook_doc(rng, lex):
     book = {n.capitalize(): f"{rng.randint(200, 999)}-{rng.randint(0, 9999):04d}" for n in names}
     entries = "\n".join(f"{n}: {p}" for n, p in book.items())
     who = rng.choice(list(book))
-    return f"Phone book\n{entries}\n{_filler(rng, lex, rng.randint(0, 15))}\nThe number of {who} is {book[who]}."
+    return f"Phone book\n{entries}\n{filler(rng, lex, rng.randint(0, 15))}\nThe number of {who} is {book[who]}."
 
 
 _KINDS = (_repeat_doc, _kv_doc, _list_doc, _phonebook_doc)
@@ -105,7 +105,7 @@ _KINDS = (_repeat_doc, _kv_doc, _list_doc, _phonebook_doc)
 
 def synthetic_copy_documents(n_docs: int, seed: int = 0) -> Iterator[str]:
     """`n_docs` documents; document i depends only on (seed, i)."""
-    lex = _lexicon(random.Random(seed), 3000)
+    lex = lexicon(random.Random(seed), 3000)
     for i in range(n_docs):
         rng = random.Random(f"{seed}-{i}")
         yield rng.choice(_KINDS)(rng, lex)

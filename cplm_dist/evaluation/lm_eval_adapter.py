@@ -1,98 +1,201 @@
-"""lm-evaluation-harness on a CPLM checkpoint (the optional `lm-eval` package).
+"""lm-evaluation-harness requests answered by a CPLM, batched (the optional `lm-eval` package).
 
-    python tools/lm_eval_cplm.py --checkpoint runs/x --tasks lambada_openai hellaswag --limit 20
+    python tools/lm_eval_cplm.py --checkpoint runs/x --tasks cplm_local --batch-size 16
+    lm_eval --model cplm --model_args checkpoint=runs/x --tasks cplm_local --include_path <tasks dir>
 
 `HarnessAdapter` answers the harness's three request types from the model's full next-token
 distribution (`next_token_logprobs`, so the copy head's mass counts) and from greedy generation
-with the KV cache; `register()` makes it the harness model "cplm". The adapter itself does not
-need lm-eval, so its answers are tested directly against the model.
+with the KV cache. It does not need lm-eval (its answers are tested directly against the model);
+the harness's model class is cplm_dist/evaluation/harness_model.py. Batching (docs/evaluation.md):
+
+- loglikelihood: the options of one question (requests sharing a context) run the context once
+  and continue its KV cache, all options of a batch of questions in one forward; other requests
+  run as rows of a right-padded batch, longest first (causal: padding after a row's end changes
+  none of its positions, the copy head included). Both give batch 1's numbers.
+- loglikelihood_rolling: every window of every text is a row of such a batch.
+- generate_until: prompts of the same length and generation settings decode together.
+
+Every tensor is made on the model's device.
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
+from dataclasses import dataclass
+
 import torch
 
-from cplm_dist.evaluation.generation import generate
+from cplm_dist.evaluation.generation import device_of, generate
+
+
+@dataclass
+class _Window:
+    """One forward row: `inputs`, of which the last len(targets) positions predict `targets`."""
+
+    inputs: list[int]
+    targets: list[int]
+    request: int
+
+
+def _progress(total: int, desc: str, enabled: bool):
+    try:
+        from tqdm import tqdm
+    except ImportError:  # tqdm comes with datasets; without it, no bar
+        enabled = False
+    if not enabled:
+        class _Quiet:
+            def update(self, n): pass
+            def close(self): pass
+        return _Quiet()
+    return tqdm(total=total, desc=desc, unit="req", leave=False)
 
 
 class HarnessAdapter:
-    """Requests are objects with `.args`: (context, continuation), (text,), or (context, gen_kwargs)."""
+    """Requests are objects with `.args`: (context, continuation), (text,), or (context, gen_kwargs).
+    `batch_size` rows at most in one forward; `progress` shows a bar (rank 0 of a launch)."""
 
-    def __init__(self, model, tokenizer, max_length: int | None = None):
+    def __init__(self, model, tokenizer, max_length: int | None = None, batch_size: int = 1, progress: bool = False):
+        if batch_size < 1:
+            raise ValueError(f"batch_size={batch_size}: need >= 1")
         self.model, self.tok = model, tokenizer
         self.max_length = max_length or model.model_cfg.max_seq_len
+        self.batch_size, self.progress = batch_size, progress
+        self.device = device_of(model)
 
-    def _continuation_logprob(self, context_ids: list[int], cont_ids: list[int]) -> tuple[float, bool]:
-        """log p(continuation | context) and whether greedy decoding gives it. A continuation longer
-        than the model's window is scored in windows of max_length tokens, each token predicted
-        once from as much preceding text as fits (context_ids must not be empty)."""
-        ids, start = context_ids + cont_ids, len(context_ids)
-        total, greedy = 0.0, True
+    def _tensor(self, rows: list[list[int]]) -> torch.Tensor:
+        """(B, longest) ids on the model's device, right-padded with end-of-document."""
+        width = max(len(r) for r in rows)
+        return torch.tensor([r + [self.tok.eod] * (width - len(r)) for r in rows], dtype=torch.long, device=self.device)
+
+    # --- encoding -----------------------------------------------------------------------------
+
+    def encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
+        """(context ids, continuation ids) as lm-eval's own models split them: the context's
+        trailing spaces go to the continuation and the pair is encoded whole, so the boundary
+        tokenizes as running text does. An empty context is the end-of-document token."""
+        spaces = len(context) - len(context.rstrip())
+        if spaces:
+            context, continuation = context[:-spaces], context[-spaces:] + continuation
+        context_ids = self.tok.encode(context) if context else []
+        whole = self.tok.encode(context + continuation)
+        if whole[: len(context_ids)] != context_ids:  # the tokenizer merged across the boundary
+            whole = context_ids + self.tok.encode(continuation)
+        return context_ids or [self.tok.eod], whole[len(context_ids):]
+
+    def _windows(self, context_ids: list[int], cont_ids: list[int], request: int) -> list[_Window]:
+        """The continuation in windows of max_length inputs, each token predicted once from as
+        much preceding text as fits (one window unless the continuation is longer than that)."""
+        ids, start, out = context_ids + cont_ids, len(context_ids), []
         while start < len(ids):
             end = min(len(ids), start + self.max_length)
             window = ids[max(0, end - self.max_length - 1):end]
-            logprobs = self.model.next_token_logprobs(torch.tensor([window[:-1]]))[0]  # (T, V)
-            n = end - start
-            targets = torch.tensor(window[-n:])
-            total += float(logprobs[-n:].gather(-1, targets[:, None]).sum())
-            greedy = greedy and bool((logprobs[-n:].argmax(-1) == targets).all())
+            out.append(_Window(window[:-1], window[-(end - start):], request))
             start = end
-        return total, greedy
+        return out
+
+    # --- scoring ------------------------------------------------------------------------------
+
+    def _score_windows(self, windows: list[_Window], totals: list[list], bar) -> None:
+        """Add each window's log-probability and greedy flag to totals[request] ([logprob, greedy])."""
+        order = sorted(range(len(windows)), key=lambda i: -len(windows[i].inputs))
+        for b in range(0, len(order), self.batch_size):
+            batch = [windows[i] for i in order[b:b + self.batch_size]]
+            logprobs = self.model.next_token_logprobs(self._tensor([w.inputs for w in batch]))  # (B, T, V)
+            for row, w in enumerate(batch):
+                end, n = len(w.inputs), len(w.targets)
+                self._add(totals[w.request], logprobs[row, end - n:end], w.targets)
+            bar.update(len(batch))
+
+    def _add(self, total: list, logprobs: torch.Tensor, targets: list[int]) -> None:
+        """total += log p(targets) from logprobs (n, V); greedy while every target is the argmax."""
+        t = torch.tensor(targets, dtype=torch.long, device=self.device)
+        total[0] += float(logprobs.gather(-1, t[:, None]).sum())
+        total[1] = total[1] and bool((logprobs.argmax(-1) == t).all())
+
+    def _score_shared(self, groups: list[tuple[list[int], list[tuple[int, list[int]]]]], totals: list[list], bar) -> None:
+        """Questions whose options share a context: each context runs once (questions of equal
+        context length together), then every option continues its question's KV cache."""
+        by_length = defaultdict(list)
+        for g in groups:
+            by_length[len(g[0])].append(g)
+        for length in sorted(by_length, reverse=True):
+            bucket = by_length[length]
+            for b in range(0, len(bucket), self.batch_size):
+                chunk = bucket[b:b + self.batch_size]
+                state = self.model.new_decode_state()
+                first = self.model.decode(self._tensor([ctx for ctx, _ in chunk]), state, last_only=True)[0][:, -1]  # (G, V)
+                options = [(g, req, cont) for g, (_, opts) in enumerate(chunk) for req, cont in opts]
+                for o in range(0, len(options), self.batch_size):
+                    part = options[o:o + self.batch_size]
+                    for g, req, cont in part:
+                        self._add(totals[req], first[g:g + 1], cont[:1])
+                    longer = [(g, req, cont) for g, req, cont in part if len(cont) > 1]
+                    if longer:
+                        rows = torch.tensor([g for g, _, _ in longer], dtype=torch.long, device=self.device)
+                        logprobs = self.model.decode(self._tensor([cont[:-1] for _, _, cont in longer]), state.select(rows))[0]
+                        for row, (_, req, cont) in enumerate(longer):
+                            self._add(totals[req], logprobs[row, : len(cont) - 1], cont[1:])
+                    bar.update(len(part))
+
+    # --- the harness's request types -------------------------------------------------------------
 
     def loglikelihood(self, requests) -> list[tuple[float, bool]]:
-        out = []
-        for req in requests:
-            context, continuation = req.args[0], req.args[1]
-            context_ids = self.tok.encode(context) if context else [self.tok.eod]
-            out.append(self._continuation_logprob(context_ids, self.tok.encode(continuation)))
-        return out
+        """(log p(continuation | context), whether greedy decoding gives the continuation)."""
+        pairs = [self.encode_pair(req.args[0], req.args[1]) for req in requests]
+        totals = [[0.0, True] for _ in pairs]
+        shared, windows = defaultdict(list), []
+        for i, (ctx, cont) in enumerate(pairs):
+            if len(ctx) + len(cont) - 1 <= self.max_length:
+                shared[tuple(ctx)].append((i, cont))
+            else:
+                windows += self._windows(ctx, cont, i)
+        groups = []
+        for ctx, opts in shared.items():
+            if len(opts) > 1:
+                groups.append((list(ctx), opts))
+            else:
+                windows += self._windows(list(ctx), opts[0][1], opts[0][0])
+        bar = _progress(len(requests), "loglikelihood", self.progress)
+        self._score_shared(groups, totals, bar)
+        self._score_windows(windows, totals, bar)
+        bar.close()
+        return [(t[0], t[1]) for t in totals]
 
     def loglikelihood_rolling(self, requests) -> list[float]:
         """Whole-text log-likelihood, in windows of max_length tokens, each token predicted once."""
-        return [self._continuation_logprob([self.tok.eod], self.tok.encode(req.args[0]))[0] for req in requests]
+        totals = [[0.0, True] for _ in requests]
+        windows = [w for i, req in enumerate(requests) for w in self._windows([self.tok.eod], self.tok.encode(req.args[0]), i)]
+        bar = _progress(len(windows), "loglikelihood_rolling", self.progress)
+        self._score_windows(windows, totals, bar)
+        bar.close()
+        return [t[0] for t in totals]
 
     def generate_until(self, requests) -> list[str]:
-        out = []
-        for req in requests:
+        """Greedy (or sampled, at the request's temperature) text up to the first `until` string."""
+        settings, batches = [], defaultdict(list)
+        for i, req in enumerate(requests):
             context, kwargs = req.args[0], dict(req.args[1])
             until = kwargs.get("until") or []
-            until = [until] if isinstance(until, str) else until
+            until = [until] if isinstance(until, str) else list(until)
             max_new = max(1, min(int(kwargs.get("max_gen_toks", 64)), self.max_length - 1))
+            temperature = float(kwargs.get("temperature", 0.0))
             ids = (self.tok.encode(context) or [self.tok.eod])[-(self.max_length - max_new):]  # room for max_new
-            gen = generate(self.model, torch.tensor([ids]), max_new, temperature=float(kwargs.get("temperature", 0.0)),
-                           eos_id=self.tok.eod)
-            tokens = gen.tokens[0].tolist()
-            if self.tok.eod in tokens:
-                tokens = tokens[: tokens.index(self.tok.eod)]
-            text = self.tok.decode(tokens)
-            cut = min([text.find(s) for s in until if s and s in text] or [len(text)])
-            out.append(text[:cut])
+            settings.append((ids, until))
+            batches[(len(ids), max_new, temperature)].append(i)
+        out: list[str | None] = [None] * len(requests)
+        bar = _progress(len(requests), "generate_until", self.progress)
+        for (_, max_new, temperature), members in sorted(batches.items(), key=lambda kv: -kv[0][0]):
+            for b in range(0, len(members), self.batch_size):
+                chunk = members[b:b + self.batch_size]
+                gen = generate(self.model, self._tensor([settings[i][0] for i in chunk]), max_new,
+                               temperature=temperature, eos_id=self.tok.eod)
+                for row, i in enumerate(chunk):
+                    tokens = gen.tokens[row].tolist()
+                    if self.tok.eod in tokens:
+                        tokens = tokens[: tokens.index(self.tok.eod)]
+                    text = self.tok.decode(tokens)
+                    cut = min([text.find(s) for s in settings[i][1] if s and s in text] or [len(text)])
+                    out[i] = text[:cut]
+                bar.update(len(chunk))
+        bar.close()
         return out
-
-
-def register() -> None:
-    """Make `--model cplm --model_args checkpoint=<path>` available to lm-eval."""
-    from lm_eval.api.model import LM
-    from lm_eval.api.registry import register_model
-
-    from cplm_dist.data.gpt_data import tokenizer_for
-    from cplm_dist.checkpoint import load_checkpoint_config, load_model
-    from cplm_dist.parallel import evaluation_tp, init_distributed
-
-    @register_model("cplm")
-    class CPLMHarnessModel(LM):
-        def __init__(self, checkpoint: str, **_):
-            super().__init__()
-            load_checkpoint_config(checkpoint)  # a bad checkpoint: one line before joining a process group
-            init_distributed(evaluation_tp())
-            model, cfg, _ = load_model(checkpoint)
-            self.adapter = HarnessAdapter(model, tokenizer_for(cfg))  # loaded and checked against the model
-
-        def loglikelihood(self, requests):
-            return self.adapter.loglikelihood(requests)
-
-        def loglikelihood_rolling(self, requests):
-            return self.adapter.loglikelihood_rolling(requests)
-
-        def generate_until(self, requests):
-            return self.adapter.generate_until(requests)

@@ -60,6 +60,13 @@ class DecodeState:
     def length(self) -> int:
         return 0 if self.ids is None else self.ids.shape[1]
 
+    def select(self, rows: torch.Tensor) -> "DecodeState":
+        """A state whose row i continues this state's row rows[i] (a shared prompt fanned out to
+        several continuations, as the lm-eval adapter scores the options of one question)."""
+        pick = lambda t: None if t is None else t.index_select(0, rows)  # noqa: E731
+        return DecodeState(layers=[{k: pick(v) for k, v in layer.items()} for layer in self.layers],
+                           ids=pick(self.ids), copy_k=pick(self.copy_k))
+
 
 def megatron_config(tp_size: int, device: torch.device, dtype: torch.dtype,
                     sequence_parallel: bool = False) -> ModelParallelConfig:

@@ -1,0 +1,139 @@
+"""The lm-evaluation-harness model "cplm": a checkpoint behind lm-eval's `LM` interface.
+
+    lm_eval run --model cplm --model_args checkpoint=runs/x --tasks cplm_local --include_path <tasks> --batch_size 16
+    OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 tools/lm_eval_cplm.py --checkpoint runs/x --tasks cplm_local
+
+The stock `lm_eval` finds "cplm" through cplm_dist/evaluation/lm_eval_plugin.py (installed with the
+package); `register()` adds it in-process, any number of times.
+
+model_args: checkpoint (required; or pretrained=, lm-eval's usual name), tp (default: the
+checkpoint's tp when it divides the launch's world size, else the whole launch; dp = world / tp),
+dtype (float32 | bfloat16 | float16), batch_size (also --batch_size; "auto" is 16), max_length
+(default: model.max_seq_len). The model goes on this rank's GPU (the CPU without one; device=cpu
+keeps it there).
+
+Data parallel: lm-eval splits the documents over `rank` / `world_size`, which are the dp rank and
+size here (the tp ranks of one replica get the same requests and run the model together); the
+per-document metrics are gathered to dp rank 0 over the dp group, once.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.distributed as dist
+from lm_eval.api.model import LM
+from lm_eval.api.registry import model_registry
+
+from cplm_dist.evaluation.lm_eval_adapter import HarnessAdapter
+
+NAME = "cplm"
+AUTO_BATCH = 16
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_batch_size(value) -> int:
+    """An lm-eval batch size: an integer, or "auto" / "auto:N" (AUTO_BATCH rows)."""
+    text = str(value if value is not None else 1)
+    if text.startswith("auto"):
+        return AUTO_BATCH
+    try:
+        size = int(text)
+    except ValueError:
+        size = 0
+    if size < 1:
+        raise ValueError(f"batch_size={value!r}: need a positive integer or 'auto'")
+    return size
+
+
+def evaluation_layout(saved_tp: int, world: int, tp: int | None) -> int:
+    """The tp of an lm-eval launch of `world` ranks: `tp` if given, else the checkpoint's when it
+    divides the world (dp = world / tp replicas share the documents), else all ranks in one."""
+    if tp is None:
+        tp = saved_tp if world % saved_tp == 0 else world
+    if tp < 1 or world % tp:
+        raise ValueError(f"tp={tp} does not divide the launch's {world} ranks: choose tp from "
+                         f"{[d for d in range(1, world + 1) if world % d == 0]}")
+    return tp
+
+
+class CPLMHarnessModel(LM):
+    def __init__(self, checkpoint: str | None = None, tp: int | str | None = None, dtype: str = "float32",
+                 batch_size=1, max_length: int | str | None = None, device: str | None = None,
+                 pretrained: str | None = None, **_):
+        from cplm_dist.checkpoint import load_checkpoint_config, load_model
+        from cplm_dist.data.gpt_data import tokenizer_for
+        from cplm_dist.launch_env import LaunchEnv
+        from cplm_dist.parallel import init_distributed
+
+        super().__init__()
+        checkpoint = checkpoint or pretrained  # lm-eval's usual name; it also names --output_path's folder
+        if not checkpoint:
+            raise ValueError("the cplm model needs --model_args checkpoint=<run directory or step directory>")
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype={dtype!r} is not one of {sorted(DTYPES)}")
+        size = parse_batch_size(batch_size)
+        _, info = load_checkpoint_config(checkpoint)  # a bad checkpoint: one line before joining a process group
+        world = dist.get_world_size() if dist.is_initialized() else LaunchEnv.from_environ().world_size
+        dims = init_distributed(evaluation_layout(info["layout"]["tp"], world, None if tp is None else int(tp)))
+        self.dims = dims
+        self._rank, self._world_size = dims.dp_rank, dims.dp_size
+        # lm-eval passes device="cuda:0" unless told otherwise: any CUDA device (or none) means this
+        # rank's own (its local GPU under torchrun, the CPU on a machine without one); "cpu" is kept
+        chosen = torch.device("cpu") if str(device) == "cpu" else None
+        model, cfg, _ = load_model(checkpoint, device=chosen, dtype=DTYPES[dtype])
+        self._device = next(model.parameters()).device
+        self.adapter = HarnessAdapter(model, tokenizer_for(cfg), max_length=int(max_length) if max_length else None,
+                                      batch_size=size, progress=dims.is_first)
+
+    @property
+    def batch_size(self) -> int:
+        return self.adapter.batch_size
+
+    @property
+    def max_length(self) -> int:
+        return self.adapter.max_length
+
+    def loglikelihood(self, requests, disable_tqdm: bool = False):
+        return self.adapter.loglikelihood(self._announce("loglikelihood", requests))
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
+        return self.adapter.loglikelihood_rolling(self._announce("loglikelihood_rolling", requests))
+
+    def generate_until(self, requests, disable_tqdm: bool = False):
+        return self.adapter.generate_until(self._announce("generate_until", requests))
+
+    def _announce(self, kind: str, requests):
+        """One line a request type and replica (first tp rank): how lm-eval split the work."""
+        if self.dims.tp_rank == 0:
+            print(f"cplm: dp rank {self._rank} of {self._world_size} answers {len(requests)} {kind} requests "
+                  f"(batch size {self.adapter.batch_size})", file=sys.stderr, flush=True)
+        return requests
+
+    # lm-eval's data parallelism, over the dp group (tp peers hold the same shard of documents)
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        tensor = tensor.to(self._collective_device())
+        parts = [torch.zeros_like(tensor) for _ in range(self._world_size)]
+        dist.all_gather(parts, tensor, group=self.dims.dp_group)
+        return torch.stack(parts) if tensor.dim() == 0 else torch.cat(parts)
+
+    def gather_object(self, obj, dst: int = 0):
+        everything = [None] * self._world_size
+        dist.all_gather_object(everything, obj, group=self.dims.dp_group)
+        return everything if self._rank == dst else None
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    def _collective_device(self) -> torch.device:
+        return self._device if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def register() -> None:
+    """Make `--model cplm` available in this process; calling it again changes nothing."""
+    import lm_eval.models  # noqa: F401  (lm-eval's own models stay available next to ours)
+
+    if model_registry.get(NAME, None) is not CPLMHarnessModel:
+        model_registry.register(NAME, target=CPLMHarnessModel)

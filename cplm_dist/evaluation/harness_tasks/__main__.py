@@ -1,0 +1,3 @@
+from cplm_dist.evaluation.harness_tasks import TASKS_DIR
+
+print(TASKS_DIR)
