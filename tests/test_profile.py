@@ -212,8 +212,9 @@ def test_estimator_arithmetic_and_cli():
         assert key in proc.stdout, key
 
 
-def test_gpu_check_script_runs_end_to_end_in_smoke_mode(tmp_path):
-    env = {**os.environ, "OUT": str(tmp_path), "GPU_CHECK_SMOKE": "1", "PYTHON": sys.executable, "OMP_NUM_THREADS": "2"}
+def test_gpu_check_script_runs_end_to_end_in_smoke_mode(tmp_path, trained):
+    env = {**os.environ, "OUT": str(tmp_path), "GPU_CHECK_SMOKE": "1", "PYTHON": sys.executable, "OMP_NUM_THREADS": "2",
+           "GPU_CHECK_EVAL_CHECKPOINT": str(trained)}
     proc = subprocess.run(["bash", str(REPO / "tools/gpu_check.sh")], capture_output=True, text=True, timeout=400, env=env, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-2000:]
     assert (tmp_path / "failures.txt").read_text() == ""
@@ -231,6 +232,13 @@ def test_gpu_check_script_runs_end_to_end_in_smoke_mode(tmp_path):
     assert len([p for p in tmp_path.iterdir()]) <= 8  # the device returns at most 8 files
     decode_rows = (tmp_path / "decode.md").read_text().splitlines()
     assert len(decode_rows) == 3 and decode_rows[2].startswith("| 1 | 16 | 4 |"), decode_rows
+    # evaluate, generate and lm-eval ran on the checkpoint; the adapter's requests/s at batch 1 and 2
+    log = (tmp_path / "log.txt").read_text()
+    for step in ("== evaluate", "== generate", "== lm-eval (", "== lm-eval requests/s"):
+        assert step in log, step
+    assert "cplm_kv_mc" in log and "exact_match" in log
+    bench = (tmp_path / "lm_eval.md").read_text().splitlines()
+    assert len(bench) == 6 and bench[0].startswith("batch   1  loglikelihood") and "req/s" in bench[-1], bench
 
 
 def test_copy_head_bench_reports_both_paths_their_agreement_and_the_estimate(tmp_path):

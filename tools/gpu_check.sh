@@ -7,9 +7,11 @@
 # Runs go most valuable first under one time budget (GPU_CHECK_BUDGET_S, default 420 s): a run
 # that would start past it is recorded as skipped, a failing run is recorded and the others go on.
 #
+# Then evaluate / generate / lm-eval on a quickstart checkpoint trained there, and the lm-eval
+# adapter's requests/s.
 # Under $OUT (at most 8 files come back from the device): device.txt, log.txt, table.md,
-# copy_head.md, decode.md, failures.txt, results.tar.gz (each run's JSON, profile.csv,
-# copy_head.json, a Chrome trace of one cplm-135m step).
+# copy_head.md, decode.md, lm_eval.md, failures.txt, results.tar.gz (each run's JSON, profile.csv,
+# copy_head.json, a Chrome trace of one cplm-135m step, the evaluation's and lm-eval's outputs).
 #
 # Here, once:   bash tools/fetch_gpu_wheels.sh
 # On the device (carry: [".whl"]):
@@ -71,6 +73,32 @@ elif ((t >= 30)); then
 else
   echo "copy-head bench (skipped: ${BUDGET} s budget spent)" >> "$OUT/failures.txt"
 fi
+# Evaluation on the GPU: every path that makes tensors for the model (evaluate, generate, the
+# lm-eval adapter through the harness) on a checkpoint trained here (GPU_CHECK_EVAL_CHECKPOINT: one
+# already made), then the adapter's requests/s at batch 1 and 16 (lm_eval.md).
+step() {  # name, then the command; the log gets its output, failures.txt a failing step
+  local name=$1 t; shift
+  t=$(left); ((t > 120)) && t=120
+  if ((t < 20)); then echo "$name (skipped: ${BUDGET} s budget spent)" >> "$OUT/failures.txt"; return 1; fi
+  echo "== $name (at ${SECONDS} s)" | tee -a "$OUT/log.txt"
+  timeout "$t" "$@" >> "$OUT/log.txt" 2>&1 || { echo "$name (exit $?)" >> "$OUT/failures.txt"; tail -5 "$OUT/log.txt"; return 1; }
+}
+if [ -n "${GPU_CHECK_SMOKE:-}" ]; then lm_eval_limit=2; bench=(--docs 2 --batch-sizes 1 2); else lm_eval_limit=40; bench=(--docs 50 --batch-sizes 1 16); fi
+ck=${GPU_CHECK_EVAL_CHECKPOINT:-$work/eval-run}
+if [ -z "${GPU_CHECK_EVAL_CHECKPOINT:-}" ]; then
+  { [ -f data/quickstart/tokenizer.model ] || step "quickstart data" "$PY" tools/build_quickstart_data.py; } &&
+    step "train for evaluation" "$PY" -m cplm_dist.train --config configs/quickstart.yaml train.train_steps=60 \
+      train.save_interval=60 train.eval_interval=1000 train.log_interval=20 "train.out_dir=$ck"
+fi
+if [ -d "$ck" ]; then
+  step "evaluate" "$PY" tools/evaluate.py --checkpoint "$ck" --samples 4 --valid-batches 2 --out "$work/eval"
+  step "generate" "$PY" tools/generate.py --checkpoint "$ck" --prompt "Items: plon, fa, ber. The items again:" \
+    --max-new-tokens 8 --mark-copies
+  step "lm-eval" "$PY" tools/lm_eval_cplm.py --checkpoint "$ck" --tasks cplm_kv_mc cplm_phonebook_gen \
+    --limit "$lm_eval_limit" --batch-size 16 --output-path "$work/lm_eval"
+  step "lm-eval requests/s" "$PY" tools/bench_lm_eval.py --checkpoint "$ck" "${bench[@]}" --json "$work/lm_eval_bench.json" \
+    && grep -E "^batch" "$OUT/log.txt" | tail -6 > "$OUT/lm_eval.md"
+fi
 if [ -n "$large" ]; then
   run "$large-compile-chunked-loss" 180 $(shape $large 8) train.zero_stage=1 train.compile=true loss.impl=chunked
   run "$large-zero2" 120 $(shape $large 8) train.zero_stage=2
@@ -80,6 +108,6 @@ else
 fi
 [ -f "$work/profile.csv" ] && "$PY" tools/cplm_profile.py --report "$work/profile.csv" > "$OUT/table.md"
 tar -czf "$OUT/results.tar.gz" -C "$work" .
-cat "$OUT/table.md" "$OUT/decode.md" "$OUT/copy_head.md" 2>/dev/null
+cat "$OUT/table.md" "$OUT/decode.md" "$OUT/copy_head.md" "$OUT/lm_eval.md" 2>/dev/null
 echo "failures: $(wc -l < "$OUT/failures.txt") (total ${SECONDS} s)"
 cat "$OUT/failures.txt"
