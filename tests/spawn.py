@@ -2,7 +2,8 @@
 
     results = run_ranks(worker, world_size=2, args=(...,))   # [rank 0's return, rank 1's, ...]
 
-`worker(*args)` runs in a fresh spawned process with RANK / WORLD_SIZE / MASTER_* set as torchrun
+`worker(*args)` runs in a fresh process (forked from a server that preloaded torch, DeepSpeed,
+megatron-core and cplm_dist once) with RANK / WORLD_SIZE / MASTER_* set as torchrun
 would, OMP_NUM_THREADS=1 and one torch thread; it calls cplm_dist.parallel.init_distributed
 itself, so the launch path under test is the real one. Return values travel through torch.save
 files (no shared-memory tensors outliving their process). A rank that raises fails the test with
@@ -22,7 +23,26 @@ import torch
 from cplm_dist.parallel import free_port
 
 
-def _entry(fn, args, rank, world_size, port, out_path, extra_env):
+# Ranks fork from a server that imported these once per session, instead of each spawned rank
+# importing torch, DeepSpeed and megatron-core anew (~5 s a rank, in every multi-process test).
+# Nothing in them starts threads or touches a device at import; each rank still joins its own
+# process group, with the environment the test had when it called run_ranks.
+PRELOAD = ["torch", "torch.distributed", "deepspeed", "megatron.core.tensor_parallel", "megatron.core.parallel_state",
+           "cplm_dist.train", "cplm_dist.model", "cplm_dist.checkpoint"]
+_CONTEXT = None
+
+
+def _context():
+    global _CONTEXT
+    if _CONTEXT is None:
+        _CONTEXT = mp.get_context("forkserver")
+        _CONTEXT.set_forkserver_preload(PRELOAD)
+    return _CONTEXT
+
+
+def _entry(fn, args, rank, world_size, port, out_path, extra_env, parent_env):
+    os.environ.clear()
+    os.environ.update(parent_env)  # as a spawned process would have it: the caller's, not the server's
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", **extra_env,
@@ -43,12 +63,12 @@ def _entry(fn, args, rank, world_size, port, out_path, extra_env):
 
 
 def run_ranks(fn, world_size: int, args: tuple = (), timeout: float = 240.0, env: dict | None = None) -> list:
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="cplm-spawn-") as tmp:
         paths = [os.path.join(tmp, f"rank{r}.pt") for r in range(world_size)]
         procs = [
-            ctx.Process(target=_entry, args=(fn, args, r, world_size, port, paths[r], env or {}))
+            ctx.Process(target=_entry, args=(fn, args, r, world_size, port, paths[r], env or {}, dict(os.environ)))
             for r in range(world_size)
         ]
         for p in procs:

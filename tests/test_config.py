@@ -169,4 +169,5 @@ def test_every_subpackage_is_packaged():
                if p.is_dir()} | {"cplm_dist.configs"}
     assert found | configs | {"cplm_dist_tools"} == listed
     data = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
-    assert set(data) == configs and all(v == ["*.yaml"] for v in data.values())
+    # the configs, and the lm-eval task YAMLs shipped next to their Python
+    assert set(data) == configs | {"cplm_dist.evaluation.harness_tasks"} and all(v == ["*.yaml"] for v in data.values())
