@@ -53,6 +53,17 @@ def test_huggingface_backend_from_local_directory(tmp_path):
     tok = load_tokenizer(tmp_path, "huggingface")
     assert (tok.eod, tok.pad, tok.vocab_size) == (1, 2, 400)
     assert tok.decode(tok.encode(TRICKY)) == TRICKY
+    # a checkpoint carries it (tokenizer.json and its config), and loads it from the copy
+    from cplm_dist.checkpoint import _self_contained, carry_tokenizer
+
+    cfg = load_config("tiny", [f"data.tokenizer={tmp_path}", "data.tokenizer_backend=huggingface"])
+    step = tmp_path / "run" / "checkpoints" / "step-00000001"
+    step.mkdir(parents=True)
+    carry_tokenizer(cfg, step)
+    assert sorted(p.name for p in step.iterdir()) == ["tokenizer.json", "tokenizer_config.json"]
+    cfg.data.tokenizer = "elsewhere/tokenizer"
+    carried = load_tokenizer(_self_contained(cfg, {}, step).data.tokenizer, "huggingface")
+    assert carried.encode(TRICKY) == tok.encode(TRICKY) and carried.eod == tok.eod
 
 
 def test_bad_tokenizers_are_refused(tmp_path, small_data):
