@@ -124,7 +124,10 @@ def grad_norm(model: torch.nn.Module, tp_group: dist.ProcessGroup | None,
     squares = [p.grad.float().pow(2).sum() for p in model.parameters()
                if p.grad is not None and not getattr(p, "ds_pipe_replicated", False)
                and (getattr(p, "tensor_model_parallel", False) or tp_rank == 0)]
-    total = torch.stack(squares).sum() if squares else torch.zeros(())
+    # a rank holding no counted gradient still joins the all-reduce, with a zero on the model's
+    # device (NCCL reduces device tensors only)
+    device = next(model.parameters()).device
+    total = torch.stack(squares).sum() if squares else torch.zeros((), device=device)
     for group in (tp_group, pp_group):
         if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(total, group=group)

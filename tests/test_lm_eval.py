@@ -180,14 +180,20 @@ def test_tool_at_dp2_splits_the_documents_and_gives_the_same_scores(stock_cli, c
                 assert value == pytest.approx(stock[(task, key)], rel=1e-5), (task, key)
 
 
-def test_tool_refuses_unknown_tasks_and_bad_flags_before_loading_the_model(trained, tmp_path):
+def test_tool_refuses_unknown_tasks_and_bad_flags_before_loading_the_model(trained, tmp_path, capsys):
+    import torch.distributed as dist
+
+    from cplm_dist_tools.lm_eval_cplm import main
+
     for args, message in ((["--tasks", "cplm_kv_mc", "no_such_task"], "unknown task(s) no_such_task"),
                           (["--tasks", "cplm_kv_mc", "--log-samples"], "--log-samples needs --output-path"),
-                          (["--tasks", "cplm_kv_mc", "--batch-size", "0"], "--batch-size")):
-        proc = subprocess.run([sys.executable, str(REPO / "tools/lm_eval_cplm.py"), "--checkpoint", str(trained), *args],
-                              capture_output=True, text=True, timeout=300, env=_env(), cwd=tmp_path)
-        assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
-        assert "Traceback" not in proc.stderr and "cplm: dp rank" not in proc.stderr
+                          (["--tasks", "cplm_kv_mc", "--batch-size", "0"], "--batch-size"),
+                          (["--tasks", "cplm_kv_mc", "--limit", "0"], "--limit 0"),
+                          (["--tasks", "cplm_kv_mc", "--checkpoint", str(tmp_path)], "no complete checkpoint there")):
+        assert main(["--checkpoint", str(trained), *args]) == 2, args
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and message in err and len(err.strip().splitlines()) == 1, err
+    assert not dist.is_initialized()  # refused before anything loaded
 
 
 def test_register_twice_and_the_plugin_finds_the_model():

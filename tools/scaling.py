@@ -124,7 +124,8 @@ def submit_and_wait(todo: list[dict], args, log: Path) -> None:
         cmd = [str(REPO / "launch" / "submit.sh"), *shlex.split(args.slurm), "--job-name", f"scaling-{p['point']}",
                "--log-dir", str(Path(args.out) / "slurm"), "--", *p["train_args"], "--resume", "auto"]
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
-        log.open("a").write(proc.stdout + proc.stderr)
+        with log.open("a") as f:
+            f.write(proc.stdout + proc.stderr)
         if proc.returncode != 0:
             raise UsageError(f"submitting {p['point']} failed: {(proc.stderr or proc.stdout).strip().splitlines()[-1:]}")
         jobs[proc.stdout.split()[-1]] = p
