@@ -522,18 +522,22 @@ CARRIED_TOKENIZER = {"sentencepiece": ("tokenizer.model",),
                      "huggingface": ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")}
 
 
+def tokenizer_files(cfg: Config) -> dict[str, Path]:
+    """{name a copy takes: the file} of the run's tokenizer, those that exist: a SentencePiece
+    model, or a Hugging Face tokenizer.json (a file, or in a folder) with the config beside it."""
+    source = Path(cfg.data.tokenizer) if cfg.data.tokenizer else None
+    names = CARRIED_TOKENIZER.get(cfg.data.tokenizer_backend, ())
+    if source is None or not names:
+        return {}
+    main = source / "tokenizer.json" if cfg.data.tokenizer_backend == "huggingface" and source.is_dir() else source
+    files = dict(zip(names, [main] + [main.parent / n for n in names[1:]]))
+    return {name: file for name, file in files.items() if file.is_file()}
+
+
 def carry_tokenizer(cfg: Config, step_dir: Path) -> None:
     """Copy the run's tokenizer into its step directory (rank 0, before the manifest is written)."""
-    source = Path(cfg.data.tokenizer) if cfg.data.tokenizer else None
-    if source is None or not source.exists():
-        return
-    if cfg.data.tokenizer_backend == "sentencepiece":
-        shutil.copyfile(source, step_dir / "tokenizer.model")
-        return
-    folder, main = (source, source / "tokenizer.json") if source.is_dir() else (source.parent, source)
-    for name, file in zip(CARRIED_TOKENIZER["huggingface"], [main] + [folder / n for n in CARRIED_TOKENIZER["huggingface"][1:]]):
-        if file.is_file():
-            shutil.copyfile(file, step_dir / name)
+    for name, file in tokenizer_files(cfg).items():
+        shutil.copyfile(file, step_dir / name)
 
 
 def _self_contained(cfg: Config, manifest: dict, step_dir: Path) -> Config:
@@ -544,7 +548,7 @@ def _self_contained(cfg: Config, manifest: dict, step_dir: Path) -> Config:
     bases = ([Path(manifest["cwd"])] if manifest.get("cwd") else []) + list(step_dir.resolve().parents)[1:5]
     carried = CARRIED_TOKENIZER.get(cfg.data.tokenizer_backend, ())
     if carried and (step_dir / carried[0]).is_file():
-        cfg.data.tokenizer = str(step_dir / carried[0]) if len(carried) == 1 else str(step_dir)
+        cfg.data.tokenizer = str(step_dir / carried[0])  # a Hugging Face tokenizer.json reads its config beside it
     elif cfg.data.tokenizer:
         cfg.data.tokenizer = _found_from(cfg.data.tokenizer, bases, "")
     for entry in cfg.data.blend:

@@ -39,7 +39,8 @@ def _adapter_worker(run_dir):
     mc += [req("The kor is", " tam."), req("", "hello"), req("Start: ", long_text)]  # single, empty context, windows
     rolling = [req(long_text), req("a b c " * 5)]
     gen = [req("Items: x, y.", {"until": ["."], "max_gen_toks": 6}), req("Items: p, q.", {"until": [], "max_gen_toks": 6}),
-           req("", {"until": [], "max_gen_toks": 500})]
+           req("", {"until": [], "max_gen_toks": 500}),
+           req("Items: p, q.", {"until": [], "max_gen_toks": 6, "do_sample": False, "temperature": 1.0})]  # greedy
     out = {}
     for size in (1, 4):
         adapter = HarnessAdapter(model, tok, batch_size=size)
@@ -79,7 +80,8 @@ def test_adapter_batched_equals_batch_one_and_the_model(trained):
     for (a, ga), (b, gb) in zip(one["ll"], four["ll"]):  # shared context + KV cache, padded rows, windows
         assert math.isfinite(a) and a < 0 and a == pytest.approx(b, rel=1e-5, abs=1e-5) and ga == gb
     assert four["rolling"] == pytest.approx(one["rolling"], rel=1e-5)
-    assert four["gen"] == one["gen"] and len(one["gen"]) == 3 and "." not in one["gen"][0]
+    assert four["gen"] == one["gen"] and len(one["gen"]) == 4 and "." not in one["gen"][0]
+    assert one["gen"][3] == one["gen"][1]  # do_sample=False decodes greedily whatever the temperature
     assert one["violations"] == [] and four["violations"] == [], one["violations"] + four["violations"]
     assert r["control"] and "embedding" in r["control"][0]
 
@@ -121,15 +123,15 @@ def copied(trained, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def stock_cli(copied, tmp_path_factory):
-    """The stock `lm_eval` command, batch 1, run from a directory that is neither the repository
-    nor where the checkpoint is."""
+    """The stock `lm_eval` command at batch 1 (model_args' batch_size over --batch_size), run from a
+    directory that is neither the repository nor where the checkpoint is."""
     from cplm_dist.evaluation.harness_tasks import TASKS_DIR
 
     where = tmp_path_factory.mktemp("elsewhere")
     out = where / "results"
     proc = subprocess.run([str(Path(sys.executable).parent / "lm_eval"), "run", "--model", "cplm", "--model_args",
-                           f"checkpoint={copied}", "--tasks", "cplm_local", "--include_path", str(TASKS_DIR),
-                           "--batch_size", "1", "--limit", str(LIMIT), "--output_path", str(out)],
+                           f"checkpoint={copied},batch_size=1", "--tasks", "cplm_local", "--include_path", str(TASKS_DIR),
+                           "--batch_size", "8", "--limit", str(LIMIT), "--output_path", str(out)],
                           capture_output=True, text=True, timeout=600, env=_env(), cwd=where)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return _results(out), proc
@@ -137,7 +139,7 @@ def stock_cli(copied, tmp_path_factory):
 
 def test_stock_lm_eval_command_runs_the_local_tasks_on_a_moved_checkpoint(stock_cli):
     results, proc = stock_cli
-    assert "cplm: dp rank 0 of 1 answers" in proc.stderr
+    assert "cplm: dp rank 0 of 1 answers" in proc.stderr and "(batch size 1)" in proc.stderr  # model_args win
     metrics = _metrics(results)
     for task in ("cplm_kv_mc", "cplm_list_mc"):
         assert 0 <= metrics[(task, "acc,none")] <= 1
@@ -199,7 +201,8 @@ def test_tool_refuses_unknown_tasks_and_bad_flags_before_loading_the_model(train
 def test_register_twice_and_the_plugin_finds_the_model():
     code = ("from lm_eval.api.registry import get_model; c = get_model('cplm'); "
             "from cplm_dist.evaluation.harness_model import register, CPLMHarnessModel; register(); register(); "
-            "assert get_model('cplm') is c is CPLMHarnessModel; print('ok')")
+            "assert get_model('cplm') is c is CPLMHarnessModel; "
+            "import importlib.resources as r; assert len(list(r.files('lm_eval.models').iterdir())) > 10; print('ok')")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=_env())
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
     off = subprocess.run([sys.executable, "-c", "from lm_eval.api.registry import get_model; get_model('cplm')"],

@@ -31,7 +31,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def export(checkpoint: str, out: Path, dtype: str) -> Path:
-    from cplm_dist.checkpoint import load_model
+    from cplm_dist.checkpoint import load_model, tokenizer_files
     from cplm_dist.hf_llama import write_hf_dir
     from cplm_dist.model.sharding import full_state_dict
 
@@ -44,9 +44,8 @@ def export(checkpoint: str, out: Path, dtype: str) -> Path:
     try:
         write_hf_dir(full, cfg.model, cfg.copy, tmp, DTYPES[dtype],
                      extra={"cplm_dist": {"checkpoint": str(Path(info["root"]) / info["tag"]), "step": info["step"]}})
-        tok = Path(cfg.data.tokenizer) if cfg.data.tokenizer else None
-        if tok is not None and tok.is_file():
-            shutil.copy2(tok, tmp / ("tokenizer.model" if cfg.data.tokenizer_backend == "sentencepiece" else tok.name))
+        for name, file in tokenizer_files(cfg).items():  # tokenizer.model, or tokenizer.json and its config
+            shutil.copy2(file, tmp / name)
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)

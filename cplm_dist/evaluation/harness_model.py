@@ -8,9 +8,9 @@ package); `register()` adds it in-process, any number of times.
 
 model_args: checkpoint (required; or pretrained=, lm-eval's usual name), tp (default: the
 checkpoint's tp when it divides the launch's world size, else the whole launch; dp = world / tp),
-dtype (float32 | bfloat16 | float16), batch_size (also --batch_size; "auto" is 16), max_length
+dtype (float32 | bfloat16 | float16), batch_size (or --batch_size, which model_args overrides; "auto" is 16), max_length
 (default: model.max_seq_len). The model goes on this rank's GPU (the CPU without one; device=cpu
-keeps it there).
+keeps it there, with gloo). lm-eval's --use_cache is not for tp > 1 (its cache is per global rank).
 
 Data parallel: lm-eval splits the documents over `rank` / `world_size`, which are the dp rank and
 size here (the tp ranks of one replica get the same requests and run the model together); the
@@ -19,6 +19,7 @@ per-document metrics are gathered to dp rank 0 over the dp group, once.
 
 from __future__ import annotations
 
+import hashlib
 import sys
 
 import torch
@@ -76,7 +77,8 @@ class CPLMHarnessModel(LM):
         size = parse_batch_size(batch_size)
         _, info = load_checkpoint_config(checkpoint)  # a bad checkpoint: one line before joining a process group
         world = dist.get_world_size() if dist.is_initialized() else LaunchEnv.from_environ().world_size
-        dims = init_distributed(evaluation_layout(info["layout"]["tp"], world, None if tp is None else int(tp)))
+        dims = init_distributed(evaluation_layout(info["layout"]["tp"], world, None if tp is None else int(tp)),
+                                backend="gloo" if str(device) == "cpu" else None)
         self.dims = dims
         self._rank, self._world_size = dims.dp_rank, dims.dp_size
         # lm-eval passes device="cuda:0" unless told otherwise: any CUDA device (or none) means this
@@ -86,6 +88,19 @@ class CPLMHarnessModel(LM):
         self._device = next(model.parameters()).device
         self.adapter = HarnessAdapter(model, tokenizer_for(cfg), max_length=int(max_length) if max_length else None,
                                       batch_size=size, progress=dims.is_first)
+
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None):
+        """lm-eval passes its --batch_size and --device (defaults included) next to --model_args:
+        what --model_args names wins, instead of a duplicate keyword."""
+        extra = {k: v for k, v in (additional_config or {}).items() if v is not None and k not in arg_dict}
+        return cls(**arg_dict, **extra)
+
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None):
+        from lm_eval.utils import simple_parse_args_string
+
+        return cls.create_from_arg_obj(simple_parse_args_string(arg_string), additional_config)
 
     @property
     def batch_size(self) -> int:
@@ -105,7 +120,16 @@ class CPLMHarnessModel(LM):
         return self.adapter.generate_until(self._announce("generate_until", requests))
 
     def _announce(self, kind: str, requests):
-        """One line a request type and replica (first tp rank): how lm-eval split the work."""
+        """One line a request type and replica (first tp rank): how lm-eval split the work. The tp
+        ranks of a replica run the model together, so they must hold the same requests (lm-eval's
+        --use_cache keeps one cache file a global rank: tp peers could find different entries)."""
+        if self.dims.tp_size > 1:
+            mine = hashlib.sha256(repr([r.args for r in requests]).encode()).hexdigest()
+            peers = [None] * self.dims.tp_size
+            dist.all_gather_object(peers, mine, group=self.dims.tp_group)
+            if len(set(peers)) > 1:
+                raise RuntimeError(f"the tp ranks of one replica got different {kind} requests (lm-eval's --use_cache "
+                                   "is kept per global rank): run without --use_cache at tp > 1")
         if self.dims.tp_rank == 0:
             print(f"cplm: dp rank {self._rank} of {self._world_size} answers {len(requests)} {kind} requests "
                   f"(batch size {self.adapter.batch_size})", file=sys.stderr, flush=True)

@@ -145,7 +145,7 @@ class HarnessAdapter:
         totals = [[0.0, True] for _ in pairs]
         shared, windows = defaultdict(list), []
         for i, (ctx, cont) in enumerate(pairs):
-            if len(ctx) + len(cont) - 1 <= self.max_length:
+            if len(ctx) + max(len(cont), 1) - 1 <= self.max_length:
                 shared[tuple(ctx)].append((i, cont))
             else:
                 windows += self._windows(ctx, cont, i)
@@ -178,7 +178,8 @@ class HarnessAdapter:
             until = kwargs.get("until") or []
             until = [until] if isinstance(until, str) else list(until)
             max_new = max(1, min(int(kwargs.get("max_gen_toks", 64)), self.max_length - 1))
-            temperature = float(kwargs.get("temperature", 0.0))
+            # do_sample=False is greedy whatever the temperature (as lm-eval's own models read it)
+            temperature = 0.0 if kwargs.get("do_sample") is False else float(kwargs.get("temperature", 0.0))
             ids = (self.tok.encode(context) or [self.tok.eod])[-(self.max_length - max_new):]  # room for max_new
             settings.append((ids, until))
             batches[(len(ids), max_new, temperature)].append(i)

@@ -35,6 +35,9 @@ class _AfterExec(importlib.abc.Loader):
     def create_module(self, spec):
         return self.loader.create_module(spec)
 
+    def __getattr__(self, name):  # the rest of the real loader's interface (resources, source, ...)
+        return getattr(self.loader, name)
+
     def exec_module(self, module):
         self.loader.exec_module(module)
         try:
