@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Creates ./.venv with the versions this project is tested with (tools/constraints.txt), once;
-# later calls return at once unless the constraints or pyproject.toml changed.
+# later calls return at once unless the constraints, pyproject.toml or setup.py changed.
 # torch goes in first, pinned: on this project's machines `torch==2.13.0` is a CPU build on local
 # disk; letting another package pull an unpinned torch would download a CUDA build of several GB.
 # On a GPU cluster, install the site's torch first and then `pip install -e .` (ranges only).
@@ -8,7 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=${CPLM_VENV:-.venv}
 python=${PYTHON:-python3}
-stamp="$venv/.cplm-setup-$(cat tools/constraints.txt pyproject.toml | sha1sum | cut -c1-12)"
+stamp="$venv/.cplm-setup-$(cat tools/constraints.txt pyproject.toml setup.py | sha1sum | cut -c1-12)"
 [ -f "$stamp" ] && exit 0
 echo "setting up $venv (torch, deepspeed, megatron-core, datasets, sentencepiece, mpi4py, pytest) ..."
 [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
