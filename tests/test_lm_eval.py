@@ -182,6 +182,20 @@ def test_tool_at_dp2_splits_the_documents_and_gives_the_same_scores(stock_cli, c
                 assert value == pytest.approx(stock[(task, key)], rel=1e-5), (task, key)
 
 
+def test_tool_at_tp2_runs_one_replica_over_both_ranks(stock_cli, copied, tmp_path):
+    out = tmp_path / "results"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(REPO / "tools/lm_eval_cplm.py"), "--checkpoint", str(copied), "--tasks", "cplm_kv_mc",
+                           "--model-args", "tp=2", "--batch-size", "4", "--limit", str(LIMIT), "--output-path", str(out)],
+                          capture_output=True, text=True, timeout=600, env=_env(), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    # one replica: every request on both ranks (announced once, by its first tp rank), one results file
+    assert proc.stderr.count("cplm: dp rank 0 of 1 answers 24 loglikelihood requests") == 1, proc.stderr[-3000:]
+    assert "dp rank 1" not in proc.stderr
+    acc = _results(out)["results"]["cplm_kv_mc"]["acc,none"]
+    assert acc == pytest.approx(_metrics(stock_cli[0])[("cplm_kv_mc", "acc,none")], abs=1e-9)
+
+
 def test_tool_refuses_unknown_tasks_and_bad_flags_before_loading_the_model(trained, tmp_path, capsys):
     import torch.distributed as dist
 
