@@ -2,7 +2,8 @@
 
 That .pth line lets the stock `lm_eval` command find `--model cplm` (lm-eval 0.4 has no plugin
 entry points): cplm_dist/evaluation/lm_eval_plugin.py, which imports nothing until lm-eval is used.
-It is added to regular and to editable installs.
+It is added to regular and to editable installs (through setuptools' editable strategy, where it
+has one; otherwise tools/lm_eval_cplm.py still registers the model itself).
 """
 
 import os
@@ -28,6 +29,9 @@ cmdclass = {"build_py": BuildPyWithPth}
 
 try:  # editable installs write their own wheel: add the .pth next to the editable finder
     from setuptools.command.editable_wheel import editable_wheel
+
+    if not hasattr(editable_wheel, "_select_strategy"):  # a setuptools that builds editables otherwise
+        raise ImportError
 
     class EditableWheelWithPth(editable_wheel):
         def _select_strategy(self, *args, **kwargs):
