@@ -232,9 +232,10 @@ def test_gpu_check_script_runs_end_to_end_in_smoke_mode(tmp_path, trained):
     assert len([p for p in tmp_path.iterdir()]) <= 8  # the device returns at most 8 files
     decode_rows = (tmp_path / "decode.md").read_text().splitlines()
     assert len(decode_rows) == 3 and decode_rows[2].startswith("| 1 | 16 | 4 |"), decode_rows
-    # evaluate, generate and lm-eval ran on the checkpoint; the adapter's requests/s at batch 1 and 2
+    # lm-eval ran on the checkpoint (evaluate and generate run on the GPU only: test_evaluation.py
+    # runs those commands here); the adapter's requests/s at batch 1 and 2
     log = (tmp_path / "log.txt").read_text()
-    for step in ("== evaluate", "== generate", "== lm-eval (", "== lm-eval requests/s"):
+    for step in ("== lm-eval (", "== lm-eval requests/s"):
         assert step in log, step
     assert "cplm_kv_mc" in log and "exact_match" in log
     bench = (tmp_path / "lm_eval.md").read_text().splitlines()

