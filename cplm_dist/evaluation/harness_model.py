@@ -19,6 +19,7 @@ per-document metrics are gathered to dp rank 0 over the dp group, once.
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import sys
 
@@ -66,7 +67,7 @@ class CPLMHarnessModel(LM):
         from cplm_dist.checkpoint import load_checkpoint_config, load_model
         from cplm_dist.data.gpt_data import tokenizer_for
         from cplm_dist.launch_env import LaunchEnv
-        from cplm_dist.parallel import init_distributed
+        from cplm_dist.parallel import destroy_distributed, init_distributed
 
         super().__init__()
         checkpoint = checkpoint or pretrained  # lm-eval's usual name; it also names --output_path's folder
@@ -81,6 +82,9 @@ class CPLMHarnessModel(LM):
                                 backend="gloo" if str(device) == "cpu" else None)
         self.dims = dims
         self._rank, self._world_size = dims.dp_rank, dims.dp_size
+        # lm-eval never tears the process group down: a rank whose gloo threads are still alive
+        # when the interpreter finalizes can abort ("terminate called without an active exception")
+        atexit.register(destroy_distributed)
         # lm-eval passes device="cuda:0" unless told otherwise: any CUDA device (or none) means this
         # rank's own (its local GPU under torchrun, the CPU on a machine without one); "cpu" is kept
         chosen = torch.device("cpu") if str(device) == "cpu" else None
