@@ -54,9 +54,8 @@ def validation(model, cfg, batches: int) -> tuple[dict | None, list[str]]:
     except DataError as e:
         print(f"note: no validation perplexity ({e})")
         return None, []
-    total, count, filler = 0.0, 0, []
+    total, count, filler, device = 0.0, 0, [], device_of(model)
     for batch in ResumableLoader(data.valid, micro):
-        device = device_of(model)
         out = model(batch["input_ids"].to(device), batch["labels"].to(device))
         total += float(out.nll.sum())
         count += int((batch["labels"] != IGNORE_INDEX).sum())

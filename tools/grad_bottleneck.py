@@ -46,9 +46,8 @@ def rows_for(model, cfg, label: str, data) -> list[dict]:
     from cplm_dist.evaluation.bottleneck import measure
     from cplm_dist.evaluation.generation import device_of
 
-    out = []
+    out, device = [], device_of(model)
     for lm_only in ([False, True] if model.copy_head is not None else [False]):
-        device = device_of(model)
         ms = [measure(model, ids.to(device), labels.to(device), lm_only=lm_only) for ids, labels in data]
         avg = {k: sum(m[k] for m in ms) / len(ms) for k in ms[0] if isinstance(ms[0][k], float)}
         loss_kind = "LM head alone" if lm_only else ("mixture" if model.copy_head is not None else "LM head")

@@ -89,9 +89,9 @@ class CPLMHarnessModel(LM):
         # rank's own (its local GPU under torchrun, the CPU on a machine without one); "cpu" is kept
         chosen = torch.device("cpu") if str(device) == "cpu" else None
         model, cfg, _ = load_model(checkpoint, device=chosen, dtype=DTYPES[dtype])
-        self._device = next(model.parameters()).device
         self.adapter = HarnessAdapter(model, tokenizer_for(cfg), max_length=int(max_length) if max_length else None,
                                       batch_size=size, progress=dims.is_first)
+        self._device = self.adapter.device  # lm-eval's `device`
 
     @classmethod
     def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None):

@@ -189,10 +189,10 @@ def score_positions(model, samples: list[Sample], batch_size: int = 16) -> dict:
 
 @torch.no_grad()
 def score_generation(model, samples: list[Sample], tokenizer) -> dict:
-    hits = 0
+    hits, device = 0, device_of(model)
     for s in samples:
         answer_len = len(s.ids) - s.prompt_len
-        out = generate(model, torch.tensor([s.ids[: s.prompt_len]], device=device_of(model)), answer_len + 1)
+        out = generate(model, torch.tensor([s.ids[: s.prompt_len]], device=device), answer_len + 1)
         text = tokenizer.decode(out.tokens[0].tolist())
         hits += text.strip().startswith(s.answer)
     return {"exact_match": hits / len(samples), "n": len(samples)}

@@ -31,6 +31,13 @@ def _lexicon(seed: int) -> list[str]:
     return lexicon(random.Random(seed), 3000)
 
 
+def _four_options(rng: random.Random, answer: str, others: list[str]) -> dict:
+    """The answer and three of `others`, in a random order, and where the answer is."""
+    choices = [answer] + rng.sample(others, 3)
+    rng.shuffle(choices)
+    return {"choices": choices, "label": choices.index(answer)}
+
+
 def kv_retrieval(n: int = 100, seed: int = SEED, **_) -> DatasetDict:
     lex, rows = _lexicon(seed), []
     for i in range(n):
@@ -38,11 +45,10 @@ def kv_retrieval(n: int = 100, seed: int = SEED, **_) -> DatasetDict:
         keys = rng.sample(lex, rng.randint(4, 10))
         values = dict(zip(keys, rng.sample(lex, len(keys))))  # distinct values: one right answer
         asked = rng.choice(keys)
-        choices = [values[asked]] + rng.sample([values[k] for k in keys if k != asked], 3)
-        rng.shuffle(choices)
+        options = _four_options(rng, values[asked], [values[k] for k in keys if k != asked])
         facts = " ".join(f"The {k} is {v}." for k, v in values.items())
         rows.append({"context": f"{facts} {filler(rng, lex, rng.randint(0, 20))} What is the {asked}? The {asked} is",
-                     "choices": choices, "label": choices.index(values[asked])})
+                     **options})
     return _split(rows)
 
 
@@ -52,10 +58,9 @@ def list_copy(n: int = 100, seed: int = SEED, **_) -> DatasetDict:
         rng = random.Random(f"list-{seed}-{i}")
         items = rng.sample(lex, rng.randint(5, 12))
         cut = rng.randint(1, len(items) - 1)
-        choices = [items[cut]] + rng.sample([x for x in items if x != items[cut]], 3)
-        rng.shuffle(choices)
+        options = _four_options(rng, items[cut], [x for x in items if x != items[cut]])
         rows.append({"context": f"Items: {', '.join(items)}. {filler(rng, lex, rng.randint(5, 30))} The items again: "
-                                f"{', '.join(items[:cut])},", "choices": choices, "label": choices.index(items[cut])})
+                                f"{', '.join(items[:cut])},", **options})
     return _split(rows)
 
 
