@@ -36,7 +36,7 @@ CONFIG_DIR = next((d for d in (_PACKAGE_DIR / "configs", _PACKAGE_DIR.parent / "
 FLOAT32_MAX = 3.4028234663852886e38  # parameters and optimizer states are float32: larger numbers cannot work
 MixMode = Literal["gate", "joint", "sentinel"]
 PasteMode = Literal["next", "self"]
-CopyImpl = Literal["chunked", "dense"]
+CopyImpl = Literal["auto", "chunked", "dense", "flex"]
 OptimImpl = Literal["auto", "fused", "foreach"]
 LossImpl = Literal["dense", "chunked"]
 TokenizerBackend = Literal["sentencepiece", "huggingface"]
@@ -92,7 +92,9 @@ class CopyConfig:
     rope: bool = False  # rotary position on the copy q/k
     init_std: float = 0.02
     gate_bias_init: float = 0.0  # gate mix: sigmoid(0) = half the mass to the LM head at init
-    impl: CopyImpl = "chunked"  # chunked: scores recomputed in backward per row block; dense: the reference
+    # auto: flex (fused FlexAttention kernels) training on CUDA, chunked elsewhere; chunked: scores
+    # recomputed in backward per row block; dense: the reference (docs/copy_head.md)
+    impl: CopyImpl = "auto"
     chunk_size: int = 256  # query rows per block of the chunked path
 
 

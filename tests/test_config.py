@@ -60,7 +60,7 @@ BAD = [
     (["copy.enabled=maybe"], r"^copy\.enabled='maybe' must be true or false"),
     (["model.hidden_size=100"], r"^model\.hidden_size=100 must be divisible by model\.num_heads=8"),
     (["parallel.tp=0"], r"^parallel\.tp=0 must be a positive integer"),
-    (["copy.impl=flash"], r"^copy\.impl='flash' is not valid: choose one of \['chunked', 'dense'\]"),
+    (["copy.impl=flash"], r"^copy\.impl='flash' is not valid: choose one of \['auto', 'chunked', 'dense', 'flex'\]"),
     (["copy.chunk_size=0"], r"^copy\.chunk_size=0 must be a positive integer"),
     (["train.reduce_bucket_size=0"], r"^train\.reduce_bucket_size=0 must be a positive number of elements"),
     (["loss.impl=chunked", "train.zero_stage=3"], r"^loss\.impl=chunked with train\.zero_stage=3: .* use loss\.impl=dense"),

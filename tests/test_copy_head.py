@@ -8,6 +8,7 @@ import torch
 
 from cplm_dist import vocab_parallel as vp
 from cplm_dist.config import CopyConfig, ModelConfig
+from cplm_dist.errors import ConfigError
 from cplm_dist.model.copy_head import CopyHead
 from cplm_dist.model.copy_lse import chunked_copy_lse, dense_copy_lse, masked_logsumexp
 from tests import reference
@@ -226,3 +227,90 @@ def test_a_sequence_within_one_block_takes_the_dense_path(chunk, chunked):
     h, ids, labels, _ = inputs()
     terms = head(h.requires_grad_(True), ids, labels)
     assert any("ChunkedCopyLSE" in n for n in graph_node_names(terms.copy_match)) == chunked
+
+
+# --- the flex path (FlexAttention's LSE) against the dense one ------------------------------------
+# On CPU FlexAttention runs its unfused reference, forward only; the fused kernel and its backward
+# are checked against the chunked path on a GPU (tools/bench_copy_head.py --check in tools/gpu_check.sh).
+
+
+@pytest.mark.parametrize("paste", ["next", "self"])
+@pytest.mark.parametrize("with_labels", [True, False])
+@pytest.mark.parametrize("T_,offset", [(11, 0), (300, 0), (140, 160)])
+def test_flex_log_sum_exps_equal_the_dense_path(paste, with_labels, T_, offset):
+    """Sequences within one 128-block and across several (full and partial blocks), and the
+    queries of a sequence-parallel rank (positions offset.. against every key)."""
+    q, k, src, labels, head = lse_inputs(paste, with_labels, T_=T_ + offset)
+    q = q.detach()[:, :, offset:].float()
+    k, labels = k.detach().float(), None if labels is None else labels[:, offset:]
+    from cplm_dist.model.copy_lse import flex_copy_lse
+
+    dense = dense_copy_lse(q, k, src, labels, head.shift, offset)
+    flex = flex_copy_lse(q, k, src, labels, head.shift, offset)
+    for want, got in zip(dense, flex):
+        if want is None:
+            assert got is None
+            continue
+        assert torch.equal(torch.isfinite(want), torch.isfinite(got)), "the same rows must be empty"
+        torch.testing.assert_close(got.masked_fill(~torch.isfinite(got), 0), want.masked_fill(~torch.isfinite(want), 0),
+                                   rtol=1e-5, atol=1e-5)
+    assert torch.isfinite(dense[0]).any() and (labels is None or torch.isfinite(dense[1]).any())
+
+
+def test_flex_gradients_through_its_lse_equal_the_dense_path(monkeypatch):
+    """FlexAttention's own backward formula takes the gradient of the LSE it returns (what the flex
+    path relies on). torch refuses its backward on CPU by a device check only, lifted here to run
+    the unfused reference backward; the fused CUDA backward is checked in the GPU check."""
+    import torch.nn.attention.flex_attention as fa
+    from cplm_dist.model.copy_lse import flex_copy_lse
+
+    monkeypatch.setattr(fa, "_validate_device", lambda *tensors: None)
+    q, k, src, labels, head = lse_inputs("next", True, T_=150)
+    q, k = q.detach().float().requires_grad_(True), k.detach().float().requires_grad_(True)
+    grads = [torch.autograd.grad(finite_weighted_sum(f(q, k, src, labels, head.shift)), [q, k])
+             for f in (dense_copy_lse, flex_copy_lse)]
+    for want, got in zip(*grads):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert grads[1][0].abs().sum() > 0 and grads[1][1].abs().sum() > 0
+
+
+def test_copy_impl_picks_its_path_and_flex_refuses_to_train_on_cpu():
+    """auto trains chunked on CPU; flex evaluates on CPU (the same terms) but training there is
+    refused with one line."""
+    h, ids, labels, _ = inputs()
+    auto, flex = make_head("joint", "next", 2, impl="auto"), make_head("joint", "next", 2, impl="flex")
+    q = torch.zeros(1, 1, T, 8, requires_grad=True)
+    assert auto.lse_path(q, q) == "chunked" and make_head("gate", "next", 1, impl="auto", chunk_size=T).lse_path(q, q) == "dense"
+    with torch.no_grad():
+        assert flex.lse_path(q, q) == "flex"
+        got, want = flex(h, ids, labels), auto(h, ids, labels)
+    for g, w in zip(got, want):
+        if w is not None:
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ConfigError, match=r"^copy\.impl=flex trains on CUDA only .*set copy\.impl=auto"):
+        flex(h.requires_grad_(True), ids, labels)
+
+
+@pytest.mark.parametrize("mix,rope", [("gate", False), ("sentinel", True)])
+def test_compiled_pointwise_parts_equal_eager(mix, rope):
+    """train.compile's copy head: its layout/RoPE and per-token combination run as compiled graphs
+    (dynamo counts them) and give eager's terms and gradients."""
+    from torch._dynamo.utils import counters
+
+    eager, compiled = (make_head(mix, "next", 2, rope=rope) for _ in range(2))
+    before = counters["stats"]["unique_graphs"]
+    assert compiled.compile_pointwise(torch.device("cpu"))
+    h, ids, labels, logits = inputs(seed=7)
+    outs = []
+    for head in (eager, compiled):
+        x = h.clone().requires_grad_(True)
+        terms = head(x, ids, labels)
+        vp.mixed_nll(logits, labels, terms, mix).nll.sum().backward()
+        outs.append((terms, x.grad, [p.grad for p in head.parameters()]))
+    assert counters["stats"]["unique_graphs"] >= before + 2
+    (te, he, pe), (tc, hc, pc) = outs
+    for a, b in zip(te, tc):
+        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(hc, he, rtol=1e-5, atol=1e-6)
+    for a, b in zip(pe, pc):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)

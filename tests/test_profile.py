@@ -246,14 +246,19 @@ def test_copy_head_bench_reports_both_paths_their_agreement_and_the_estimate(tmp
     """tools/bench_copy_head.py: dense and chunked points, each in its own process; the chunked
     path agrees with the dense one, and the estimator's copy-head term is near the measured peak."""
     out = tmp_path / "copy.json"
-    proc = subprocess.run([sys.executable, str(REPO / "tools/bench_copy_head.py"), "--seq-lens", "1024", "--chunk", "128",
-                           "--repeat", "2", "--json", str(out)], capture_output=True, text=True, timeout=300, cwd=REPO,
-                          env={**os.environ, "OMP_NUM_THREADS": "2"})
+    bench = [sys.executable, str(REPO / "tools/bench_copy_head.py"), "--seq-lens", "1024", "--chunk", "128"]
+    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+    proc = subprocess.run([*bench, "--repeat", "2", "--json", str(out), "--check", "1e-4"], capture_output=True,
+                          text=True, timeout=300, cwd=REPO, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out.read_text())
     assert [(r["seq_len"], r["impl"]) for r in rows] == [(1024, "dense"), (1024, "chunked")]
+    assert rows[0]["max_abs_diff_lse"] is None  # dense is the reference
+    assert rows[1]["max_abs_diff_lse"] < 1e-4 and rows[1]["max_rel_diff_grad"] < 1e-4, rows[1]
     for r in rows:
-        assert r["max_abs_diff_lse"] < 1e-4 and r["max_rel_diff_grad"] < 1e-4, r
         assert r["seconds"] > 0 and r["peak_mb"] > 0
         assert 0.7 < r["estimated_mb"] / r["peak_mb"] < 1.5, r
     assert "| 1024 | chunked (128) |" in proc.stdout
+    flex = subprocess.run([*bench, "--impls", "chunked", "flex", "--device", "cpu"], capture_output=True, text=True,
+                          timeout=120, cwd=REPO, env=env)
+    assert flex.returncode == 2 and flex.stderr.strip().endswith("--impls flex needs a CUDA --device: FlexAttention has no CPU backward"), flex.stderr

@@ -1,9 +1,13 @@
-"""The copy head alone, dense against chunked (copy.impl): peak memory and time of forward +
-backward per sequence length, and how far the chunked path's outputs and gradients are from the
-dense ones (a benchmark: figures go to the console and JSON, never into a test's pass/fail).
+"""The copy head alone, its paths (copy.impl: dense, chunked, and flex on CUDA): peak memory and
+time of forward + backward per sequence length, and how far each path's outputs and gradients are
+from the dense ones (a benchmark: figures go to the console and JSON, never into a test's pass/fail).
 
     python tools/bench_copy_head.py                                  # T = 1024 2048 4096, CPU
     python tools/bench_copy_head.py --seq-lens 2048 8192 --heads 4 --chunk 512 --json out.json
+    python tools/bench_copy_head.py --impls dense chunked flex --check 1e-3     # on a GPU
+
+--check TOL exits 1 when a path's A_t, M_t differ from dense by more than TOL or its gradients by
+more than TOL relative (tools/gpu_check.sh checks the fused flex kernel and its backward so).
 
 Each (T, impl) point runs in a fresh process on CPU, so that its peak resident set is its own; on
 CUDA the allocator's peak counter is reset per point instead.
@@ -92,11 +96,9 @@ def measure(args, T: int, impl: str) -> dict:
             "peak_mb": peak / 1e6, "seconds": best}
 
 
-def agreement(args, T: int) -> tuple[float, float]:
-    """(max |A, M difference|, max relative gradient difference) of chunked against dense."""
-    device = torch.device(args.device)
-    h, ids, labels = inputs(args, T, device)
-    (td, gd), (tc, gc) = (run_head(make_head(args, impl, device), h, ids, labels) for impl in ("dense", "chunked"))
+def agreement(dense, other) -> tuple[float, float]:
+    """(max |A, M difference|, max relative gradient difference) of one path's run_head against dense's."""
+    (td, gd), (tc, gc) = dense, other
     diff = 0.0
     for a, b in ((td.copy_all, tc.copy_all), (td.copy_match, tc.copy_match)):
         if not torch.equal(torch.isfinite(a), torch.isfinite(b)):
@@ -110,7 +112,7 @@ def agreement(args, T: int) -> tuple[float, float]:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 2048, 4096])
-    p.add_argument("--impls", nargs="+", default=["dense", "chunked"], choices=["dense", "chunked"])
+    p.add_argument("--impls", nargs="+", default=["dense", "chunked"], choices=["dense", "chunked", "flex"])
     p.add_argument("--chunk", type=int, default=256, help="copy.chunk_size of the chunked path")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--heads", type=int, default=1)
@@ -122,6 +124,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--json", help="write the rows here")
+    p.add_argument("--check", type=float, metavar="TOL", help="exit 1 if a path differs from dense by more than TOL")
     p.add_argument("--point", nargs=2, metavar=("T", "IMPL"), help=argparse.SUPPRESS)  # one point, in a child
     return p
 
@@ -131,14 +134,24 @@ def main(argv=None) -> int:
     args = parser().parse_args(argv)
     if args.chunk < 1 or min(args.seq_lens) < 2:
         raise UsageError("--chunk must be >= 1 and every --seq-lens value >= 2")
+    if "flex" in args.impls and torch.device(args.device).type != "cuda":
+        raise UsageError("--impls flex needs a CUDA --device: FlexAttention has no CPU backward")
     if args.point:
         print(json.dumps(measure(args, int(args.point[0]), args.point[1])))
         return 0
     rows = []
     own = list(argv if argv is not None else sys.argv[1:])  # a child with --point returns before --json
     for T in args.seq_lens:
-        diff, rel = agreement(args, T) if set(args.impls) == {"dense", "chunked"} else (None, None)
+        agree = {}
+        if len(args.impls) > 1 or args.check is not None:
+            device = torch.device(args.device)
+            h, ids, labels = inputs(args, T, device)
+            dense = run_head(make_head(args, "dense", device), h, ids, labels)
+            agree = {impl: agreement(dense, run_head(make_head(args, impl, device), h, ids, labels))
+                     for impl in args.impls if impl != "dense"}
+            del dense, h
         for impl in args.impls:
+            diff, rel = agree.get(impl, (None, None))
             if torch.device(args.device).type == "cpu":
                 out = subprocess.run([sys.executable, __file__, *own, "--point", str(T), impl],
                                      capture_output=True, text=True)
@@ -151,7 +164,7 @@ def main(argv=None) -> int:
                          "max_rel_diff_grad": rel})
     print(f"copy head alone: batch {args.batch}, {args.heads} head(s) x {args.head_dim}, mix {args.mix}, "
           f"paste {args.paste}, device {args.device}")
-    print("| T | impl | peak MB | estimated MB | seconds (fwd+bwd) | chunked vs dense: max abs A, M | grad rel. diff |")
+    print("| T | impl | peak MB | estimated MB | seconds (fwd+bwd) | vs dense: max abs A, M | grad rel. diff |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         impl = r["impl"] + (f" ({r['chunk']})" if r["chunk"] else "")
@@ -160,6 +173,13 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
+    if args.check is not None:
+        off = [r for r in rows if r["max_abs_diff_lse"] is not None
+               and not (r["max_abs_diff_lse"] <= args.check and r["max_rel_diff_grad"] <= args.check)]
+        for r in off:
+            print(f"CHECK FAILED: T={r['seq_len']} {r['impl']} differs from dense by {r['max_abs_diff_lse']:.1e} "
+                  f"(A, M) and {r['max_rel_diff_grad']:.1e} (gradients, relative) > {args.check}", file=sys.stderr)
+        return 1 if off else 0
     return 0
 
 

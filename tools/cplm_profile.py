@@ -122,6 +122,7 @@ def describe(cfg: Config, dims, seq: int, accumulation: int) -> dict:
 
 
 def profile_one(cfg: Config, args) -> dict:
+    from cplm_dist.model.copy_head import CopyHead
     from cplm_dist.profiling.measure import current_memory_bytes, measure
 
     dims, device, seq, accumulation = setup(cfg, args)
@@ -133,6 +134,9 @@ def profile_one(cfg: Config, args) -> dict:
                           baseline_bytes=baseline, trace_path=args.trace if dims.is_first else None))
     # this rank's stage (the measured figure is rank 0's: the first pipeline stage)
     est = stage_estimates(cfg, tp=dims.tp_size, dp=dims.dp_size, micro_batch=cfg.train.micro_batch_size, seq_len=seq)[dims.pp_rank]
+    paths = {m.last_path for m in step.engine.module.modules() if isinstance(m, CopyHead) and m.last_path}
+    if paths:  # what copy.impl ran on this device (auto: flex or chunked, one block: dense)
+        result["copy_impl"] += " -> " + "/".join(sorted(paths))
     result["estimated_memory_gb"] = est.total / 1e9
     result["estimate_error"] = est.total / 1e9 / result["step_memory_gb"] - 1 if result["step_memory_gb"] > 0 else None
     return result

@@ -2,8 +2,9 @@
 # The GPU check for one lent H200 (docs/benchmarks.md, "GPU"): the card's bf16 matrix-product and
 # copy ceilings, then cplm-135m and cplm-1.7b (bf16, sequence 2048): throughput, MFU, memory against
 # the estimator, train.compile on and off, the copy head's overhead in training and in KV-cache
-# decoding, the copy head alone (dense against chunked, tools/bench_copy_head.py), the chunked LM loss, ZeRO-2 and
-# transformers' Llama on the same shapes.
+# decoding, the copy head alone (dense, chunked and the fused flex kernel that copy.impl=auto trains
+# with on CUDA, values and gradients checked against dense: tools/bench_copy_head.py --check), the
+# chunked LM loss, ZeRO-2 and transformers' Llama on the same shapes.
 # Runs go most valuable first under one time budget (GPU_CHECK_BUDGET_S, default 420 s): a run
 # that would start past it is recorded as skipped, a failing run is recorded and the others go on.
 #
@@ -34,7 +35,7 @@ if [ -n "${GPU_CHECK_SMOKE:-}" ]; then
   decode=(--decode-batches 1 --decode-prompts 16 --new-tokens 4); trace=()
 else
   small=cplm-135m; large=cplm-1.7b; seq=2048; steps=(--warmup 3 --steps 10 --breakdown-steps 2 --rounds 3); micro_small=16
-  extra=(train.precision=bf16); copy_bench=(--seq-lens 2048 8192 --batch 8 --hidden 2048)
+  extra=(train.precision=bf16); copy_bench=(--seq-lens 2048 8192 --batch 8 --hidden 2048 --impls dense chunked flex --check 1e-3)
   decode=(--decode-batches 1 8 --decode-prompts 512 2048 --new-tokens 64 model.max_seq_len=2112); trace=(--trace "$work/trace-135m.json")
   { nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader
     "$PY" tools/gpu_ceiling.py; } 2>&1 | tee "$OUT/device.txt"
@@ -54,6 +55,18 @@ if [ ! -f "$work/$small-zero1.json" ]; then  # the GPU defaults failed: the rest
   extra+=(optim.impl=foreach train.overlap_comm=false)
   echo "falling back to ${extra[*]} for the remaining runs" | tee -a "$OUT/failures.txt"
 fi
+# The copy head alone, early: every run below trains it with copy.impl=auto, which is the flex
+# kernel on CUDA; if flex differs from dense (or fails), the rest runs copy.impl=chunked.
+t=$(left); ((t > 150)) && t=150
+if ((${#copy_bench[@]} == 0)); then
+  :
+elif ((t >= 30)); then
+  echo "== copy head alone (at ${SECONDS} s)" | tee -a "$OUT/log.txt"
+  timeout "$t" "$PY" tools/bench_copy_head.py "${copy_bench[@]}" --json "$work/copy_head.json" > "$OUT/copy_head.md" 2>> "$OUT/log.txt" \
+    || { echo "copy-head bench (exit $?): the remaining runs use copy.impl=chunked" >> "$OUT/failures.txt"; extra+=(copy.impl=chunked); }
+else
+  echo "copy-head bench (skipped: ${BUDGET} s budget spent)" >> "$OUT/failures.txt"
+fi
 if [ -n "$large" ]; then
   run "$large-zero1" 150 $(shape $large 8) train.zero_stage=1
   run "$large-zero1-compile" 240 $(shape $large 8) train.zero_stage=1 train.compile=true
@@ -63,16 +76,6 @@ run "$small-copy-overhead" 120 $(shape $small $micro_small) train.zero_stage=1 -
 run "$small-decode" 150 $(shape $small 1) "${decode[@]}" --decode --rounds 2
 [ -f "$work/$small-decode.json" ] && "$PY" -c "import json, sys; from cplm_dist.profiling.decoding import markdown
 print(markdown(json.load(open(sys.argv[1]))['points']))" "$work/$small-decode.json" > "$OUT/decode.md"
-t=$(left); ((t > 120)) && t=120
-if ((${#copy_bench[@]} == 0)); then
-  :
-elif ((t >= 30)); then
-  echo "== copy head alone (at ${SECONDS} s)" | tee -a "$OUT/log.txt"
-  timeout "$t" "$PY" tools/bench_copy_head.py "${copy_bench[@]}" --json "$work/copy_head.json" > "$OUT/copy_head.md" 2>> "$OUT/log.txt" \
-    || echo "copy-head bench (exit $?)" >> "$OUT/failures.txt"
-else
-  echo "copy-head bench (skipped: ${BUDGET} s budget spent)" >> "$OUT/failures.txt"
-fi
 # Evaluation on the GPU: every path that makes tensors for the model (evaluate, generate, the
 # lm-eval adapter through the harness) on a checkpoint trained here (GPU_CHECK_EVAL_CHECKPOINT: one
 # already made), then the adapter's requests/s at batch 1 and 16 (lm_eval.md).
@@ -103,6 +106,8 @@ if [ -d "$ck" ]; then
 fi
 if [ -n "$large" ]; then
   run "$large-compile-chunked-loss" 180 $(shape $large 8) train.zero_stage=1 train.compile=true loss.impl=chunked
+  run "$large-copy-overhead-compile-chunked-copy" 240 $(shape $large 8) train.zero_stage=1 train.compile=true \
+    copy.impl=chunked --copy-overhead
   run "$large-zero2" 120 $(shape $large 8) train.zero_stage=2
   run "$small-peer" 120 $(shape $small $micro_small) train.zero_stage=1 --peer
 else

@@ -13,12 +13,19 @@ Several heads are combined into one (A_t, M_t) so that the loss interface stays 
     A_t = log mean_h exp(A_h), M_t = log mean_h exp(M_h), and the sentinel score likewise.
 With one head both reduce to the formulas above.
 
-Two paths in cplm_dist.model.copy_lse compute the per-head (A, M), chosen by `copy.impl`:
+Three paths in cplm_dist.model.copy_lse compute the per-head (A, M), chosen by `copy.impl`:
   - dense: forms the (B, H_c, T, T) scores and lets autograd keep what it needs; the reference
     every faster path is tested against;
-  - chunked (default): query rows in blocks of `copy.chunk_size`, scores recomputed in backward;
-    memory linear in T for a fixed block. A sequence that fits in one block (T <= chunk_size)
-    takes the dense path: the same peak memory, no recomputation.
+  - chunked: query rows in blocks of `copy.chunk_size`, scores recomputed in backward; memory
+    linear in T for a fixed block. A sequence that fits in one block (T <= chunk_size) takes the
+    dense path: the same peak memory, no recomputation;
+  - flex: two fused FlexAttention kernels (one per log-sum-exp) on CUDA, memory linear in T;
+  - auto (default): flex for training on CUDA where Triton is installed, chunked otherwise. If
+    the kernel fails to build, the run warns once and goes on chunked.
+
+Under train.compile the pointwise parts (the projections' layout, casts and RoPE, the heads'
+combination and the gate) run as compiled graphs (`compile_pointwise`); the log-sum-exps are compiled on their own
+(flex) or stay eager (dense, chunked).
 
 Under sequence parallelism (`sp_group`, the tp group) a rank holds the final states of its own
 T/tp positions. It projects its own queries and keys, all-gathers the keys (B x T x H_c x d_c
@@ -30,15 +37,19 @@ head's weights then see this rank's positions only, so their gradients are summe
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
 
 from cplm_dist.config import CopyConfig, ModelConfig
-from cplm_dist.model.copy_lse import candidate_mask, chunked_copy_lse, dense_copy_lse, masked_logsumexp
+from cplm_dist.errors import ConfigError
+from cplm_dist.model.copy_lse import candidate_mask, chunked_copy_lse, dense_copy_lse, flex_copy_lse, masked_logsumexp
 from cplm_dist.model.rotary import apply_rope, rope_tables
 from cplm_dist.model.sequence_parallel import ReplicatedLinear, active, gather_sequence, sum_grad_over
 from cplm_dist.vocab_parallel import NEG_INF, CopyTerms
+
+log = logging.getLogger(__name__)
 
 
 class CopyHead(torch.nn.Module):
@@ -58,6 +69,23 @@ class CopyHead(torch.nn.Module):
             self.gate = ReplicatedLinear(model_cfg.hidden_size, 1, bias=True, device=device, dtype=dtype, grad_group=self.sp_group)
         elif cfg.mix == "sentinel":
             self.sentinel = torch.nn.Parameter(torch.empty(cfg.num_heads, cfg.head_dim, device=device, dtype=dtype))
+        self._arrange, self._terms = self.arrange, self.terms  # compiled by compile_pointwise
+        self._flex_failed: str | None = None  # copy.impl=auto: why the flex kernel could not run here
+        self.last_path: str | None = None  # the path the last forward took (lse_path), for the profiler
+
+    def compile_pointwise(self, device: torch.device) -> bool:
+        """train.compile: the pointwise parts (the projections' layout, casts and RoPE; the
+        per-token combination of heads and the gate) as compiled graphs. False, with one warning,
+        where compilation is unavailable, and under sequence parallelism, whose weight gradients
+        are summed over tp inside the graph."""
+        from cplm_dist.model.compiled import unavailable_reason
+
+        reason = unavailable_reason(device) or ("sequence parallelism is on" if self.sp_group is not None else None)
+        if reason:
+            log.warning("train.compile=true but %s: the copy head runs eager", reason)
+            return False
+        self._arrange, self._terms = torch.compile(self.arrange), torch.compile(self.terms)
+        return True
 
     # --- pieces ---------------------------------------------------------------------------------
 
@@ -70,12 +98,17 @@ class CopyHead(torch.nn.Module):
     def project(self, h: torch.Tensor, offset: int = 0, seq_first: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """q, k of shape (B, H, T, d) in float32, for positions offset .. offset + T - 1 of
         h (B, T, D), or (T, B, D) with seq_first (projected in that layout: no copy of h)."""
-        T = h.shape[0] if seq_first else h.shape[1]
+        return self.arrange(self.q(h), self.k(h), offset, seq_first)
+
+    def arrange(self, q: torch.Tensor, k: torch.Tensor, offset: int = 0, seq_first: bool = False):
+        """The projections (B, T, H d), or (T, B, H d) with seq_first, as `project` returns them
+        (pointwise: compiled under train.compile)."""
+        T = q.shape[0] if seq_first else q.shape[1]
         order = (1, 2, 0, 3) if seq_first else (0, 2, 1, 3)
-        q = self.q(h).unflatten(-1, (self.heads, self.head_dim)).permute(order).float()  # (B, H, T, d)
-        k = self.k(h).unflatten(-1, (self.heads, self.head_dim)).permute(order).float()  # (B, H, T, d)
+        q = q.unflatten(-1, (self.heads, self.head_dim)).permute(order).float()  # (B, H, T, d)
+        k = k.unflatten(-1, (self.heads, self.head_dim)).permute(order).float()  # (B, H, T, d)
         if self.cfg.rope:
-            cos, sin = rope_tables(offset + T, self.head_dim, self.rope_theta, device=h.device)
+            cos, sin = rope_tables(offset + T, self.head_dim, self.rope_theta, device=q.device)
             q, k = apply_rope(q, cos[offset:], sin[offset:]), apply_rope(k, cos[offset:], sin[offset:])
         return q, k
 
@@ -115,17 +148,57 @@ class CopyHead(torch.nn.Module):
         if sp:
             offset = self.sp_group.rank() * h.shape[0]
             labels = None if labels is None else labels[:, offset : offset + h.shape[0]]
-        q, k = self.project(h, offset, seq_first=sp)  # (B, H, T or T/tp, d)
+        q, k = self._arrange(self.q(h), self.k(h), offset, seq_first=sp)  # (B, H, T or T/tp, d)
         if self.sp_group is not None:  # every key, from every rank: (B, H, T, d)
             k = gather_sequence(k.permute(2, 0, 1, 3), self.sp_group, sum_grad=True).permute(1, 2, 0, 3)
-        src = self.source_ids(input_ids)  # (B, T)
-        if self.cfg.impl == "chunked" and k.shape[2] > self.cfg.chunk_size:
-            a_heads, m_heads = chunked_copy_lse(q, k, src, labels, self.shift, self.cfg.chunk_size, offset)  # (B, H, Tq) each
-        else:
-            a_heads, m_heads = dense_copy_lse(q, k, src, labels, self.shift, offset)
-        copy_match = self._combine(m_heads, a_heads) if labels is not None else None
-        terms = CopyTerms(self._copy_all(a_heads), copy_match, self.gate_logit(h, q, seq_first=sp))
+        a_heads, m_heads = self.log_sum_exps(q, k, self.source_ids(input_ids), labels, offset)  # (B, H, Tq) each
+        terms = self._terms(a_heads, m_heads, h, q, seq_first=sp)
         return self._gather_terms(terms) if sp else terms
+
+    def lse_path(self, q: torch.Tensor, k: torch.Tensor) -> str:
+        """Which of dense, chunked, flex computes (A, M) for these queries and keys (copy.impl)."""
+        impl = self.cfg.impl
+        if impl == "auto":
+            trains_on_cuda = q.device.type == "cuda" and torch.is_grad_enabled() and q.requires_grad
+            impl = "flex" if trains_on_cuda and self._flex_unavailable(q.device) is None else "chunked"
+        if impl == "flex" and q.device.type != "cuda" and torch.is_grad_enabled() and q.requires_grad:
+            raise ConfigError(f"copy.impl=flex trains on CUDA only (FlexAttention has no {q.device.type} backward): "
+                              "set copy.impl=auto (flex on CUDA, chunked elsewhere) or copy.impl=chunked")
+        if impl == "chunked" and k.shape[2] <= self.cfg.chunk_size:
+            return "dense"  # one block: the same peak memory, no recomputation
+        return impl
+
+    def _flex_unavailable(self, device: torch.device) -> str | None:
+        if self._flex_failed is None:
+            from cplm_dist.model.compiled import unavailable_reason
+
+            self._flex_failed = unavailable_reason(device) or ""
+        return self._flex_failed or None
+
+    def log_sum_exps(self, q, k, src, labels, offset: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Per-head (A, M), (B, H, Tq) each, by the path `lse_path` picks."""
+        path = self.lse_path(q, k)
+        self.last_path = path
+        if path == "flex":
+            try:
+                return flex_copy_lse(q, k, src, labels, self.shift, offset)
+            except Exception as e:  # noqa: BLE001 - any failure to build the kernel: auto goes on chunked
+                if self.cfg.impl != "auto":
+                    raise
+                first = (str(e).strip().splitlines() or [""])[0]
+                self._flex_failed = f"{type(e).__name__}: {first[:200]}"
+                log.warning("copy.impl=auto: the FlexAttention kernel failed (%s); the copy head goes on chunked",
+                            self._flex_failed)
+                path = self.last_path = "chunked" if k.shape[2] > self.cfg.chunk_size else "dense"
+        if path == "chunked":
+            return chunked_copy_lse(q, k, src, labels, self.shift, self.cfg.chunk_size, offset)
+        return dense_copy_lse(q, k, src, labels, self.shift, offset)
+
+    def terms(self, a_heads: torch.Tensor, m_heads: torch.Tensor | None, h: torch.Tensor, q: torch.Tensor,
+              seq_first: bool = False) -> CopyTerms:
+        """The per-token CopyTerms from the per-head log-sum-exps (pointwise: compiled under train.compile)."""
+        copy_match = self._combine(m_heads, a_heads) if m_heads is not None else None
+        return CopyTerms(self._copy_all(a_heads), copy_match, self.gate_logit(h, q, seq_first=seq_first))
 
     def _gather_terms(self, terms: CopyTerms) -> CopyTerms:
         """This rank's (B, T/tp) terms -> all positions' (T, B), in one all-gather of (T/tp, B, n<=3)."""

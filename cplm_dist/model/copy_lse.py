@@ -1,4 +1,5 @@
-"""The copy head's per-head log-sum-exps A_t, M_t: the dense reference and the chunked path.
+"""The copy head's per-head log-sum-exps A_t, M_t: the dense reference, the chunked path and the
+fused FlexAttention kernel.
 
 For one head, s_tj = q_t . k_j / sqrt(d_c) and (docs/copy_head.md)
     A_t = logsumexp_{j in C_t} s_tj,    M_t = logsumexp_{j in C_t, src_j = y_t} s_tj,
@@ -17,13 +18,24 @@ Rows with no candidate (A_t = -inf) or no matching candidate (M_t = -inf) pass n
 the dense path. A block only reads the keys its rows can see (j < r1 + shift), so the causal half
 of the score matrix is never computed. Peak extra memory: a few (B, H, chunk, T) tensors.
 
-Both take an `offset`: the queries are positions offset .. offset + Tq - 1 of a sequence whose
+`flex_copy_lse` (copy.impl=flex; what `auto` trains with on CUDA) computes each log-sum-exp as
+the LSE of one FlexAttention call (torch.nn.attention.flex_attention, compiled to one Triton
+kernel): A_t with the mask j in C_t, M_t with the mask j in C_t and src_j = y_t, evaluated inside
+the kernel from the ids. FlexAttention's backward takes the gradient of its LSE, so the kernel's
+own recomputing backward gives dq and dk; no (T, T) tensor exists. The attention output the
+kernel also makes is of zero values `FLEX_VALUE_DIM` wide and is never read. On CPU FlexAttention
+runs forward only, unfused (torch 2.13 refuses its backward there and cannot compile it with the
+LSE), so training on CPU takes the chunked path.
+
+All take an `offset`: the queries are positions offset .. offset + Tq - 1 of a sequence whose
 keys are positions 0 .. Tk - 1 (a sequence-parallel rank's own rows against every key).
 """
 
 from __future__ import annotations
 
+import functools
 import math
+import warnings
 
 import torch
 
@@ -147,3 +159,78 @@ def chunked_copy_lse(q: torch.Tensor, k: torch.Tensor, src: torch.Tensor, labels
     if labels is None:
         return out, None
     return out
+
+
+# --- flex: one fused kernel (CUDA) -------------------------------------------------------------
+
+FLEX_VALUE_DIM = 16  # width of the all-zero values: the kernel's attention output is never read
+
+
+@functools.cache
+def _compiled_flex_attention():
+    """flex_attention compiled once per process (static shapes: training's do not change)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+@functools.lru_cache(maxsize=16)
+def _candidate_block_masks(Tq: int, Tk: int, limit: int, device: torch.device):
+    """(mask of C_t with its fully visible blocks marked so the kernel skips the mask there, the
+    same blocks all marked partial) for queries t = 0.. against keys j <= t + limit; the second
+    carries the match mask, which must be evaluated in every block."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def candidates(b, h, q_idx, kv_idx):
+        return kv_idx <= q_idx + limit
+
+    full = create_block_mask(candidates, None, None, Tq, Tk, device=device)
+    partial = create_block_mask(candidates, None, None, Tq, Tk, device=device, separate_full_blocks=False)
+    return full, partial
+
+
+def flex_copy_lse(q: torch.Tensor, k: torch.Tensor, src: torch.Tensor, labels: torch.Tensor | None,
+                  shift: int, offset: int = 0, compiled: bool | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-head (A, M), as `chunked_copy_lse`'s arguments, from FlexAttention's LSE (module
+    docstring); compiled: the fused kernel (default on CUDA) or FlexAttention's unfused eager
+    reference (default elsewhere; forward only on CPU)."""
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+    if compiled is None:
+        compiled = q.device.type == "cuda"
+    attend = _compiled_flex_attention() if compiled else flex_attention
+    B, H, Tq, _ = q.shape
+    limit = offset + shift
+    full, partial = _candidate_block_masks(Tq, k.shape[2], limit, q.device)
+    values = q.new_zeros(B, H, k.shape[2], FLEX_VALUE_DIM)
+
+    def lse(block_mask):
+        with warnings.catch_warnings():  # the unfused reference announces itself on every call
+            warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
+            return attend(q, k, values, block_mask=block_mask, **_lse_request())[1]
+
+    a = _lse_tensor(lse(full))
+    if labels is None:
+        return a, None
+
+    def pasted_label(b, h, q_idx, kv_idx):  # j in C_t and j pastes y_t
+        return (kv_idx <= q_idx + limit) & (src[b, kv_idx] == labels[b, q_idx])
+
+    match = BlockMask.from_kv_blocks(partial.kv_num_blocks, partial.kv_indices, BLOCK_SIZE=partial.BLOCK_SIZE,
+                                     mask_mod=pasted_label, seq_lengths=partial.seq_lengths)
+    return a, _lse_tensor(lse(match))
+
+
+@functools.cache
+def _lse_request() -> dict:
+    """The keyword asking FlexAttention for its LSE: return_aux (torch >= 2.9), else return_lse."""
+    try:
+        from torch.nn.attention.flex_attention import AuxRequest
+    except ImportError:
+        return {"return_lse": True}
+    return {"return_aux": AuxRequest(lse=True)}
+
+
+
+def _lse_tensor(aux) -> torch.Tensor:
+    return aux if isinstance(aux, torch.Tensor) else aux.lse

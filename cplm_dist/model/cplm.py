@@ -170,6 +170,8 @@ class CPLM(LossHead, torch.nn.Module):
         self.to(device)
         init_parameters(self, model_cfg, copy_cfg, seed, self.tp_rank, self.tp_size)
         self.compiled_layers = compile_each_layer(self.layers, device) if compile_layers else None
+        if self.compiled_layers is not None and self.copy_head is not None:
+            self.copy_head.compile_pointwise(device)
 
     # --- shared trunk --------------------------------------------------------------------------
 

@@ -241,8 +241,12 @@ class PipelineStages:
         init_parameters(self.canonical_named_parameters(), cfg.model, cfg.copy, cfg.seed, dims.tp_rank, dims.tp_size)
         if cfg.train.compile:  # regional compilation, as at pp = 1 (cplm_dist.model.compiled)
             layers = [f for f in self.forward_funcs if isinstance(f, LayerStage)]
-            for layer, block in zip(layers, compile_layers([layer.block for layer in layers], device) or []):
+            compiled = compile_layers([layer.block for layer in layers], device)
+            for layer, block in zip(layers, compiled or []):
                 layer.block = block
+            for stage in self.forward_funcs:
+                if compiled is not None and isinstance(stage, HeadStage) and stage.copy_head is not None:
+                    stage.copy_head.compile_pointwise(device)
 
     def canonical_named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         """(name in CPLM, parameter) for every parameter this stage holds: the seeded

@@ -52,7 +52,11 @@ loss.chunk_rows rows, 8 V/tp each plus the bf16 logits), and the copy head's fp3
   - chunked: A_t and M_t per head (4 H_c each per token) kept for backward; during backward dq and
     dk (q-sized) and one row block's tensors, (B, H_c, chunk, T) each, 5 counted (measured on
     CPU: 4.5 block-sized tensors at T = 1024-4096, chunk 256 and 1024); with T <= chunk the
-    head takes the dense path and is counted as such.
+    head takes the dense path and is counted as such;
+  - flex (CUDA): A_t and M_t per head, the kernel's all-zero values and its two unread outputs
+    (FLEX_VALUE_DIM wide each) kept for backward, dq, dk and the values' gradient in backward
+    (not yet measured on a GPU);
+  - auto is counted as chunked: what it runs on CPU, and the larger of its two paths.
 
 The peak is whichever moment is larger, on top of parameters and optimizer states:
 
@@ -96,6 +100,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 
 from cplm_dist.config import Config
+from cplm_dist.model.copy_lse import FLEX_VALUE_DIM
 from cplm_dist.model.counting import parameters_per_device, tensor_sizes_per_device
 from cplm_dist.model.pipeline import stage_transformer_layers
 from cplm_dist.vocab_parallel import padded_vocab_size
@@ -228,6 +233,8 @@ def copy_head_bytes(cfg: Config, micro_batch: int, seq_len: int, tp: int = 1) ->
     tokens = micro_batch * seq_len
     qk = tokens * 4 * c.num_heads * c.head_dim * (1 / shards + 1)  # q of this rank's positions, k of all
     rows = seq_len // shards  # the query rows this rank scores
+    if c.impl == "flex":
+        return 2 * qk + tokens / shards * 2 * 4 * c.num_heads + 4 * 4 * c.num_heads * FLEX_VALUE_DIM * tokens
     if c.impl == "dense" or seq_len <= c.chunk_size:  # one block: CopyHead takes the dense path
         return qk + micro_batch * COPY_SCORE_TENSORS * 4 * c.num_heads * rows * seq_len
     block = micro_batch * 4 * c.num_heads * min(c.chunk_size, rows) * seq_len
