@@ -42,6 +42,7 @@ LossImpl = Literal["dense", "chunked"]
 TokenizerBackend = Literal["sentencepiece", "huggingface"]
 Schedule = Literal["cosine", "wsd", "constant"]
 Precision = Literal["fp32", "bf16"]
+GradAccumDtype = Literal["fp32", "bf16"]
 Arch = Literal["llama", "gpt2"]
 
 
@@ -176,6 +177,10 @@ class TrainConfig:
     reduce_bucket_size: int = 500_000_000  # elements per gradient reduction
     allgather_bucket_size: int = 500_000_000  # elements per parameter all-gather after the step (stage 1-2)
     stage3_prefetch_bucket_size: int = 50_000_000  # elements of upcoming parameters ZeRO-3 gathers ahead
+    # dtype gradients accumulate (over micro-batches) and are reduced in; null: the parameters'
+    # (DeepSpeed's default). fp32 with bf16 (ZeRO-1 only): DeepSpeed's BF16_Optimizer, as Megatron
+    # accumulates (docs/training.md, "Gradient accumulation in fp32")
+    grad_accum_dtype: GradAccumDtype | None = None
     out_dir: str = "runs/default"  # checkpoints/ and logs/ go here
     log_interval: int = 10
     eval_interval: int = 200  # validation loss every this many steps (and at the end)
@@ -551,6 +556,13 @@ def validate_train(cfg: Config) -> None:
         raise ConfigError(f"optim.warmup_steps={o.warmup_steps} overlaps the WSD decay, which starts at step {decay_start} "
                           f"(optim.decay_fraction={o.decay_fraction} of train.train_steps={t.train_steps}): "
                           "lower one of them")
+    if t.precision == "fp32" and t.grad_accum_dtype == "bf16":
+        raise ConfigError("train.grad_accum_dtype=bf16 with train.precision=fp32: fp32 parameters accumulate fp32 "
+                          "gradients; drop train.grad_accum_dtype or train in train.precision=bf16")
+    if t.precision == "bf16" and t.grad_accum_dtype == "fp32" and t.zero_stage != 1:
+        raise ConfigError(f"train.grad_accum_dtype=fp32 with train.precision=bf16 at train.zero_stage={t.zero_stage}: "
+                          "DeepSpeed accumulates bf16 gradients in fp32 only in its ZeRO-1 bf16 optimizer; use "
+                          "train.zero_stage=1 or drop train.grad_accum_dtype")
     if t.precision == "bf16" and t.zero_stage == 0 and cfg.parallel.tp > 1 and o.clip_grad > 0:
         raise ConfigError("train.precision=bf16 with train.zero_stage=0 at parallel.tp>1 and optim.clip_grad>0: DeepSpeed's "
                           "bf16 stage-0 optimizer clips with a norm that misses the other tp ranks' shards; use "

@@ -11,6 +11,7 @@ our parallel groups, and `deepspeed.initialize` with our optimizer and schedule.
 | train.overlap_comm (null: on with CUDA) | zero_optimization.overlap_comm (DeepSpeed turns it off for a pipeline) |
 | train.contiguous_gradients, reduce_bucket_size, allgather_bucket_size, stage3_prefetch_bucket_size | zero_optimization.* (same names) |
 | train.precision | bf16.enabled |
+| train.grad_accum_dtype (null: unset) | data_types.grad_accum_dtype (fp32 with bf16 at ZeRO-1: DeepSpeed's BF16_Optimizer) |
 | `--reshape` to another layout, ZeRO > 0 | checkpoint.load_universal |
 | parallel.pp > 1, sequence_parallel | pipeline.pipe_partitioned, grad_partitioned (off under sp: activations already sharded) |
 
@@ -90,6 +91,9 @@ def deepspeed_config(cfg: Config, dims: ParallelDims, load_universal: bool = Fal
             "stage3_prefetch_bucket_size": t.stage3_prefetch_bucket_size,
         },
         "bf16": {"enabled": t.precision == "bf16"},
+        # fp32 accumulation is reduced over dp in fp32 too (DeepSpeed would cast it back to bf16 to reduce)
+        **({"data_types": {"grad_accum_dtype": t.grad_accum_dtype}, "communication_data_type": t.grad_accum_dtype}
+           if t.grad_accum_dtype else {}),
         "checkpoint": {"load_universal": load_universal},  # resuming from another layout (cplm_dist.reshape)
         "fp16": {"enabled": False},
         "zero_allow_untested_optimizer": True,  # our AdamW subclass, not DeepSpeed's fused/CPU Adam

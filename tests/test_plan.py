@@ -348,3 +348,15 @@ def test_cli_writes_parallel_pp(tmp_path, capsys):
     assert cfg.parallel.pp > 1 and f"pp={cfg.parallel.pp} " in best and f"ZeRO-{cfg.train.zero_stage} " in best
     assert cfg.train.global_batch_size == 64 and cfg.data.tokenizer == "data/tokenizer.model"
     assert f"(pp={cfg.parallel.pp}, bubble" in run.read_text().splitlines()[1]
+
+
+def test_estimator_counts_the_full_fp32_accumulator_of_fp32_gradient_accumulation():
+    """bf16 ZeRO-1 keeps 2 bytes of bf16 gradient and its 4/dp fp32 partition a parameter; with
+    train.grad_accum_dtype=fp32 (DeepSpeed's BF16_Optimizer) the fp32 accumulator is whole."""
+    assert state_bytes_per_parameter("bf16", 1, 4)[1] == 2 + 4 / 4
+    assert state_bytes_per_parameter("bf16", 1, 4, "fp32")[1] == 2 + 4
+    default = load_config("cplm-1.7b", ["train.precision=bf16"])
+    fp32 = load_config("cplm-1.7b", ["train.precision=bf16", "train.grad_accum_dtype=fp32"])
+    layout = dict(tp=1, dp=8, micro_batch=2, seq_len=2048, zero=1)
+    extra = estimate(fp32, **layout).gradients - estimate(default, **layout).gradients
+    assert extra == pytest.approx(parameters_per_device(default, 1) * 4 * (1 - 1 / 8))

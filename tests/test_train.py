@@ -85,6 +85,54 @@ def test_compiled_layers_train_like_eager(small_data, tmp_path, forty_steps):
         assert abs(got[step] - want[step]) < 1e-5, (step, got[step], want[step])
 
 
+# --- gradient accumulation in fp32 (train.grad_accum_dtype) ----------------------------------------
+
+
+def _accumulated_gradients():
+    """The fp32 gradients the optimizer is handed (clipping off), bf16 ZeRO-1, for grad_accum_dtype
+    fp32 and bf16: for each of four micro-batches alone, and for the four accumulated."""
+    from cplm_dist.config import load_config
+    from cplm_dist.engine import build_engine
+    from cplm_dist.model.cplm import build_model
+    from cplm_dist.parallel import init_distributed
+    from cplm_dist.train_step import TrainStep
+
+    dims = init_distributed(1)
+    g = torch.Generator().manual_seed(0)
+    batches = []
+    for _ in range(4):
+        ids = torch.randint(0, 512, (1, 64), generator=g)
+        batches.append({"input_ids": ids, "labels": torch.cat([ids[:, 1:], torch.full((1, 1), -100)], dim=1)})
+    out = {}
+    for dtype in ("fp32", "bf16"):
+        for name, micro in [(i, [b]) for i, b in enumerate(batches)] + [("all", batches)]:
+            cfg = load_config("tiny", ["train.precision=bf16", "train.zero_stage=1", "train.micro_batch_size=1",
+                                       f"train.global_batch_size={len(micro)}", "optim.clip_grad=0",
+                                       f"train.grad_accum_dtype={dtype}", "data.seq_length=64"])
+            engine, optimizer, scheduler = build_engine(build_model(cfg, device="cpu"), cfg, dims)
+            seen = []
+            optimizer.before_step = lambda: seen.append(  # noqa: B023 - called within this iteration
+                torch.cat([p.grad.flatten().clone() for g in optimizer.param_groups for p in g["params"] if p.grad is not None]))
+            TrainStep(engine, optimizer, scheduler, dims, cfg)(iter(micro))
+            out[dtype, name] = (type(engine.optimizer).__name__, seen[0])
+    return out
+
+
+def test_fp32_gradient_accumulation_sums_bf16_micro_batches_in_fp32():
+    """Four micro-batches accumulated (each scaled by 1/4, exact in bf16) against the fp32 mean of
+    their gradients taken one at a time: train.grad_accum_dtype=fp32 (DeepSpeed's BF16_Optimizer)
+    is that mean to fp32 rounding; bf16 accumulation (DeepSpeed's default) rounds at every
+    addition, the control that shows the comparison can tell them apart."""
+    (grads,) = run_ranks(_accumulated_gradients, 1, timeout=300)
+    assert grads["fp32", "all"][0] == "BF16_Optimizer" and grads["bf16", "all"][0] != "BF16_Optimizer"
+    error = {}
+    for dtype in ("fp32", "bf16"):
+        mean = sum(grads[dtype, i][1].double() for i in range(4)) / 4
+        assert mean.abs().sum() > 0
+        error[dtype] = ((grads[dtype, "all"][1].double() - mean).norm() / mean.norm()).item()
+    assert error["fp32"] < 1e-6 and error["bf16"] > 1e-4, error
+
+
 # --- parallel layouts follow one rank -----------------------------------------------------------
 
 STEPS = 4

@@ -9,7 +9,7 @@ Model states (bytes per parameter held by the device, the ZeRO paper's counts, w
 | fp32 | 2 | 4 | 4 / dp | 8 / dp |
 | fp32 | 3 | 4 / dp | 4 / dp | 8 / dp |
 | bf16 | 0 | 2 | 2 + 4 (DeepSpeed's fp32 gradient copy) | 12 |
-| bf16 | 1 | 2 | 2 + 4 / dp | 12 / dp |
+| bf16 | 1 | 2 | 2 + 4 / dp (grad_accum_dtype=fp32: 2 + 4, the full fp32 accumulator) | 12 / dp |
 | bf16 | 2 | 2 | 2 / dp + 4 / dp | 12 / dp |
 | bf16 | 3 | 2 / dp | 2 / dp + 4 / dp | 12 / dp |
 
@@ -194,15 +194,17 @@ def bubble(pp: int, accumulation: int) -> float:
     return (pp - 1) / (accumulation + pp - 1)
 
 
-def state_bytes_per_parameter(precision: str, zero: int, dp: int) -> tuple[float, float, float]:
+def state_bytes_per_parameter(precision: str, zero: int, dp: int,
+                              grad_accum_dtype: str | None = None) -> tuple[float, float, float]:
     """(parameters, gradients, optimizer) bytes per parameter a device holds, as the table above."""
     if precision == "fp32":
         params, grads, optim = 4.0, 4.0, 8.0
         return (params / dp if zero >= 3 else params, grads / dp if zero >= 2 else grads, optim / dp if zero >= 1 else optim)
     params, low_grads, fp32_grads, optim = 2.0, 2.0, 4.0, 12.0
+    full_fp32_grads = zero == 0 or (zero == 1 and grad_accum_dtype == "fp32")  # BF16_Optimizer's accumulator
     return (
         params / dp if zero >= 3 else params,
-        (low_grads / dp if zero >= 2 else low_grads) + (fp32_grads / dp if zero >= 1 else fp32_grads),
+        (low_grads / dp if zero >= 2 else low_grads) + (fp32_grads if full_fp32_grads else fp32_grads / dp),
         optim / dp if zero >= 1 else optim,
     )
 
@@ -274,7 +276,7 @@ def _stage_estimate(cfg: Config, stage: Stage, *, tp: int, dp: int, micro_batch:
     b = 2 if precision == "bf16" else 4
     tokens = micro_batch * seq_len
     n_local = stage_parameters(cfg, stage, tp)
-    p_b, g_b, o_b = state_bytes_per_parameter(precision, zero, dp)
+    p_b, g_b, o_b = state_bytes_per_parameter(precision, zero, dp, t.grad_accum_dtype)
     per_layer = layer_activation_bytes_per_token(cfg, tp, b)
     shards = sequence_shards(cfg, tp)
     if stage.stages == 1:  # the whole model, one micro-batch at a time
