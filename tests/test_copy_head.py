@@ -10,7 +10,7 @@ from cplm_dist import vocab_parallel as vp
 from cplm_dist.config import CopyConfig, ModelConfig
 from cplm_dist.errors import ConfigError
 from cplm_dist.model.copy_head import CopyHead
-from cplm_dist.model.copy_lse import chunked_copy_lse, dense_copy_lse, masked_logsumexp
+from cplm_dist.model.copy_lse import candidate_mask, chunked_copy_lse, dense_copy_lse, masked_logsumexp
 from tests import reference
 
 B, T, D, V = 2, 9, 16, 7  # a small vocabulary, so that context tokens repeat and get pasted
@@ -275,20 +275,63 @@ def test_flex_gradients_through_its_lse_equal_the_dense_path(monkeypatch):
 
 
 def test_copy_impl_picks_its_path_and_flex_refuses_to_train_on_cpu():
-    """auto trains chunked on CPU; flex evaluates on CPU (the same terms) but training there is
-    refused with one line."""
+    """auto trains chunked on CPU (dense within one block); flex is for training only (evaluation
+    takes chunked), and training it on CPU is refused with one line."""
     h, ids, labels, _ = inputs()
-    auto, flex = make_head("joint", "next", 2, impl="auto"), make_head("joint", "next", 2, impl="flex")
     q = torch.zeros(1, 1, T, 8, requires_grad=True)
-    assert auto.lse_path(q, q) == "chunked" and make_head("gate", "next", 1, impl="auto", chunk_size=T).lse_path(q, q) == "dense"
+    assert make_head("joint", "next", 2, impl="auto").lse_path(q, q) == "chunked"
+    assert make_head("gate", "next", 1, impl="auto", chunk_size=T).lse_path(q, q) == "dense"
+    flex = make_head("joint", "next", 2, impl="flex")
     with torch.no_grad():
-        assert flex.lse_path(q, q) == "flex"
-        got, want = flex(h, ids, labels), auto(h, ids, labels)
-    for g, w in zip(got, want):
-        if w is not None:
-            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+        assert flex.lse_path(q, q) == "chunked"
     with pytest.raises(ConfigError, match=r"^copy\.impl=flex trains on CUDA only .*set copy\.impl=auto"):
         flex(h.requires_grad_(True), ids, labels)
+
+
+def test_auto_goes_on_chunked_when_the_flex_kernel_fails(caplog):
+    """copy.impl=auto whose first flex call fails (here a real failure: told that this CPU trains
+    flex, FlexAttention refuses its backward) warns once and trains with chunked's terms and
+    gradients, then does not try flex again."""
+    want = make_head("joint", "next", 2, impl="chunked")
+    auto = make_head("joint", "next", 2, impl="auto")
+    auto._flex_trains_on = lambda device: True
+    h, ids, labels, logits = inputs(seed=8)
+    results = []
+    for head, calls in ((want, 1), (auto, 2)):
+        for _ in range(calls):
+            x = h.clone().requires_grad_(True)
+            with caplog.at_level("WARNING", logger="cplm_dist.model.copy_head"):
+                terms = head(x, ids, labels)
+            vp.mixed_nll(logits, labels, terms, "joint").nll.sum().backward()
+            results.append((terms, x.grad))
+    warnings = [r.getMessage() for r in caplog.records if "FlexAttention kernel failed" in r.getMessage()]
+    assert len(warnings) == 1 and "does not support backward on CPU" in warnings[0], warnings
+    assert auto.last_path == "chunked" and auto._flex_failed
+    for terms, grad in results[1:]:
+        for a, b in zip(results[0][0], terms):
+            if a is not None:
+                torch.testing.assert_close(b, a)
+        torch.testing.assert_close(grad, results[0][1])
+
+
+def test_flex_block_masks_cover_every_candidate_and_evaluate_the_match_everywhere():
+    """The kernel skips the blocks a BlockMask leaves out and does not evaluate mask_mod inside
+    its full blocks, which CPU's unfused reference ignores: so the structure is checked here.
+    The candidate mask's visible blocks cover every candidate; the match mask has the same
+    blocks, none of them full (src == y is evaluated in each)."""
+    from cplm_dist.model.copy_lse import candidate_block_mask, match_block_mask
+
+    for Tq, Tk, limit in [(300, 300, -1), (140, 300, 159), (11, 11, 0), (1, 1, -1), (257, 257, 0)]:
+        full, _ = candidate_block_mask(Tq, Tk, limit, torch.device("cpu"))
+        match = match_block_mask(Tq, Tk, limit, torch.device("cpu"), lambda b, h, q_idx, kv_idx: kv_idx >= 0)
+        assert match.full_kv_num_blocks is None
+        assert torch.equal(match.to_dense(), full.to_dense())
+        bq, bk = full.BLOCK_SIZE
+        cand = candidate_mask(Tq, Tk, limit, 0, "cpu")  # [t, j] = j <= t + limit
+        padded = torch.zeros(-(-Tq // bq) * bq, -(-Tk // bk) * bk, dtype=torch.bool)
+        padded[:Tq, :Tk] = cand
+        holds = padded.unflatten(0, (-1, bq)).unflatten(2, (-1, bk)).any(dim=3).any(dim=1)  # (q blocks, kv blocks)
+        assert torch.equal(full.to_dense()[0, 0].bool(), holds), (Tq, Tk, limit)
 
 
 @pytest.mark.parametrize("mix,rope", [("gate", False), ("sentinel", True)])

@@ -71,6 +71,7 @@ class CopyHead(torch.nn.Module):
             self.sentinel = torch.nn.Parameter(torch.empty(cfg.num_heads, cfg.head_dim, device=device, dtype=dtype))
         self._arrange, self._terms = self.arrange, self.terms  # compiled by compile_pointwise
         self._flex_failed: str | None = None  # copy.impl=auto: why the flex kernel could not run here
+        self._flex_probed = False  # copy.impl=auto: the first flex call ran forward and backward once
         self.last_path: str | None = None  # the path the last forward took (lse_path), for the profiler
 
     def compile_pointwise(self, device: torch.device) -> bool:
@@ -156,17 +157,23 @@ class CopyHead(torch.nn.Module):
         return self._gather_terms(terms) if sp else terms
 
     def lse_path(self, q: torch.Tensor, k: torch.Tensor) -> str:
-        """Which of dense, chunked, flex computes (A, M) for these queries and keys (copy.impl)."""
-        impl = self.cfg.impl
-        if impl == "auto":
-            trains_on_cuda = q.device.type == "cuda" and torch.is_grad_enabled() and q.requires_grad
-            impl = "flex" if trains_on_cuda and self._flex_unavailable(q.device) is None else "chunked"
-        if impl == "flex" and q.device.type != "cuda" and torch.is_grad_enabled() and q.requires_grad:
+        """Which of dense, chunked, flex computes (A, M) for these queries and keys (copy.impl).
+        flex runs for training only: evaluation's changing shapes would recompile its kernel."""
+        impl, training = self.cfg.impl, torch.is_grad_enabled() and q.requires_grad
+        if impl == "flex" and training and q.device.type != "cuda":
             raise ConfigError(f"copy.impl=flex trains on CUDA only (FlexAttention has no {q.device.type} backward): "
                               "set copy.impl=auto (flex on CUDA, chunked elsewhere) or copy.impl=chunked")
-        if impl == "chunked" and k.shape[2] <= self.cfg.chunk_size:
+        if impl == "auto" and training and self._flex_trains_on(q.device) and self._flex_unavailable(q.device) is None:
+            return "flex"
+        if impl == "flex" and training:
+            return "flex"
+        if impl == "dense" or k.shape[2] <= self.cfg.chunk_size:
             return "dense"  # one block: the same peak memory, no recomputation
-        return impl
+        return "chunked"
+
+    @staticmethod
+    def _flex_trains_on(device: torch.device) -> bool:
+        return device.type == "cuda"  # torch has FlexAttention's backward on CUDA only
 
     def _flex_unavailable(self, device: torch.device) -> str | None:
         if self._flex_failed is None:
@@ -176,23 +183,35 @@ class CopyHead(torch.nn.Module):
         return self._flex_failed or None
 
     def log_sum_exps(self, q, k, src, labels, offset: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Per-head (A, M), (B, H, Tq) each, by the path `lse_path` picks."""
-        path = self.lse_path(q, k)
-        self.last_path = path
-        if path == "flex":
+        """Per-head (A, M), (B, H, Tq) each, by the path `lse_path` picks. With copy.impl=auto the
+        first flex call also runs a backward on copies of q and k, so that a kernel which cannot
+        be built, forward or backward, sends the run to the chunked path (warned once) instead of
+        stopping it."""
+        path = self.last_path = self.lse_path(q, k)
+        if path == "flex" and self.cfg.impl == "auto" and not self._flex_probed:
             try:
-                return flex_copy_lse(q, k, src, labels, self.shift, offset)
+                self._probe_flex(q, k, src, labels, offset)
+            except torch.OutOfMemoryError:
+                raise
             except Exception as e:  # noqa: BLE001 - any failure to build the kernel: auto goes on chunked
-                if self.cfg.impl != "auto":
-                    raise
                 first = (str(e).strip().splitlines() or [""])[0]
                 self._flex_failed = f"{type(e).__name__}: {first[:200]}"
                 log.warning("copy.impl=auto: the FlexAttention kernel failed (%s); the copy head goes on chunked",
                             self._flex_failed)
                 path = self.last_path = "chunked" if k.shape[2] > self.cfg.chunk_size else "dense"
+        if path == "flex":
+            return flex_copy_lse(q, k, src, labels, self.shift, offset)
         if path == "chunked":
             return chunked_copy_lse(q, k, src, labels, self.shift, self.cfg.chunk_size, offset)
         return dense_copy_lse(q, k, src, labels, self.shift, offset)
+
+    def _probe_flex(self, q, k, src, labels, offset: int) -> None:
+        """One forward and backward of the flex path on detached copies (the kernels are compiled
+        for these shapes and reused by the real call)."""
+        self._flex_probed = True
+        qp, kp = q.detach().requires_grad_(True), k.detach().requires_grad_(True)
+        outs = [x for x in flex_copy_lse(qp, kp, src, labels, self.shift, offset) if x is not None]
+        torch.autograd.grad(sum(x.masked_fill(~torch.isfinite(x), 0).sum() for x in outs), [qp, kp])
 
     def terms(self, a_heads: torch.Tensor, m_heads: torch.Tensor | None, h: torch.Tensor, q: torch.Tensor,
               seq_first: bool = False) -> CopyTerms:

@@ -175,18 +175,29 @@ def _compiled_flex_attention():
 
 
 @functools.lru_cache(maxsize=16)
-def _candidate_block_masks(Tq: int, Tk: int, limit: int, device: torch.device):
-    """(mask of C_t with its fully visible blocks marked so the kernel skips the mask there, the
-    same blocks all marked partial) for queries t = 0.. against keys j <= t + limit; the second
-    carries the match mask, which must be evaluated in every block."""
+def candidate_block_mask(Tq: int, Tk: int, limit: int, device: torch.device):
+    """(FlexAttention BlockMask of C_t for queries t = 0.. against keys j <= t + limit, its
+    visible blocks all marked partial as (kv_num_blocks, kv_indices)). The first lets the kernel
+    skip the mask inside fully visible blocks (A_t); the match mask (M_t) reuses the second, in
+    which the kernel evaluates its mask_mod in every block. Built once per shape."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     def candidates(b, h, q_idx, kv_idx):
         return kv_idx <= q_idx + limit
 
     full = create_block_mask(candidates, None, None, Tq, Tk, device=device)
-    partial = create_block_mask(candidates, None, None, Tq, Tk, device=device, separate_full_blocks=False)
-    return full, partial
+    visible = full.to_dense()  # (1, 1, q blocks, kv blocks): 1 where a block holds a candidate, partial or full
+    num = visible.sum(-1).to(torch.int32)
+    order = torch.argsort(visible, dim=-1, descending=True, stable=True).to(torch.int32)  # visible first, in order
+    return full, (num, order)
+
+
+def match_block_mask(Tq: int, Tk: int, limit: int, device: torch.device, mask_mod):
+    """The BlockMask for M_t: C_t's visible blocks, every one partial, with `mask_mod` inside."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    full, (num, order) = candidate_block_mask(Tq, Tk, limit, device)
+    return BlockMask.from_kv_blocks(num, order, BLOCK_SIZE=full.BLOCK_SIZE, mask_mod=mask_mod, seq_lengths=full.seq_lengths)
 
 
 def flex_copy_lse(q: torch.Tensor, k: torch.Tensor, src: torch.Tensor, labels: torch.Tensor | None,
@@ -194,14 +205,14 @@ def flex_copy_lse(q: torch.Tensor, k: torch.Tensor, src: torch.Tensor, labels: t
     """Per-head (A, M), as `chunked_copy_lse`'s arguments, from FlexAttention's LSE (module
     docstring); compiled: the fused kernel (default on CUDA) or FlexAttention's unfused eager
     reference (default elsewhere; forward only on CPU)."""
-    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+    from torch.nn.attention.flex_attention import flex_attention
 
     if compiled is None:
         compiled = q.device.type == "cuda"
     attend = _compiled_flex_attention() if compiled else flex_attention
     B, H, Tq, _ = q.shape
     limit = offset + shift
-    full, partial = _candidate_block_masks(Tq, k.shape[2], limit, q.device)
+    full, _ = candidate_block_mask(Tq, k.shape[2], limit, q.device)
     values = q.new_zeros(B, H, k.shape[2], FLEX_VALUE_DIM)
 
     def lse(block_mask):
@@ -216,9 +227,7 @@ def flex_copy_lse(q: torch.Tensor, k: torch.Tensor, src: torch.Tensor, labels: t
     def pasted_label(b, h, q_idx, kv_idx):  # j in C_t and j pastes y_t
         return (kv_idx <= q_idx + limit) & (src[b, kv_idx] == labels[b, q_idx])
 
-    match = BlockMask.from_kv_blocks(partial.kv_num_blocks, partial.kv_indices, BLOCK_SIZE=partial.BLOCK_SIZE,
-                                     mask_mod=pasted_label, seq_lengths=partial.seq_lengths)
-    return a, _lse_tensor(lse(match))
+    return a, _lse_tensor(lse(match_block_mask(Tq, k.shape[2], limit, q.device, pasted_label)))
 
 
 @functools.cache
