@@ -281,6 +281,10 @@ def test_copy_impl_picks_its_path_and_flex_refuses_to_train_on_cpu():
     q = torch.zeros(1, 1, T, 8, requires_grad=True)
     assert make_head("joint", "next", 2, impl="auto").lse_path(q, q) == "chunked"
     assert make_head("gate", "next", 1, impl="auto", chunk_size=T).lse_path(q, q) == "dense"
+    on_cuda = make_head("joint", "next", 2, impl="auto")
+    on_cuda._flex_trains_on = lambda device: True  # where FlexAttention trains: lengths in whole 128-blocks only
+    whole = torch.zeros(1, 1, 256, 8, requires_grad=True)
+    assert on_cuda.lse_path(whole, whole) == "flex" and on_cuda.lse_path(q, q) == "chunked"
     flex = make_head("joint", "next", 2, impl="flex")
     with torch.no_grad():
         assert flex.lse_path(q, q) == "chunked"
@@ -295,7 +299,9 @@ def test_auto_goes_on_chunked_when_the_flex_kernel_fails(caplog):
     want = make_head("joint", "next", 2, impl="chunked")
     auto = make_head("joint", "next", 2, impl="auto")
     auto._flex_trains_on = lambda device: True
-    h, ids, labels, logits = inputs(seed=8)
+    g = torch.Generator().manual_seed(8)
+    h, ids = torch.randn(B, 128, D, generator=g), torch.randint(0, V, (B, 128), generator=g)  # one whole flex block
+    labels, logits = torch.randint(0, V, (B, 128), generator=g), torch.randn(B, 128, V, generator=g)
     results = []
     for head, calls in ((want, 1), (auto, 2)):
         for _ in range(calls):

@@ -20,8 +20,9 @@ Three paths in cplm_dist.model.copy_lse compute the per-head (A, M), chosen by `
     linear in T for a fixed block. A sequence that fits in one block (T <= chunk_size) takes the
     dense path: the same peak memory, no recomputation;
   - flex: two fused FlexAttention kernels (one per log-sum-exp) on CUDA, memory linear in T;
-  - auto (default): flex for training on CUDA where Triton is installed, chunked otherwise. If
-    the kernel fails to build, the run warns once and goes on chunked.
+  - auto (default): flex for training on CUDA where Triton is installed and the lengths are
+    whole 128-blocks, chunked otherwise. If the kernel fails to build, the run warns once and
+    goes on chunked.
 
 Under train.compile the pointwise parts (the projections' layout, casts and RoPE, the heads'
 combination and the gate) run as compiled graphs (`compile_pointwise`); the log-sum-exps are compiled on their own
@@ -44,7 +45,8 @@ import torch
 
 from cplm_dist.config import CopyConfig, ModelConfig
 from cplm_dist.errors import ConfigError
-from cplm_dist.model.copy_lse import candidate_mask, chunked_copy_lse, dense_copy_lse, flex_copy_lse, masked_logsumexp
+from cplm_dist.model.copy_lse import (FLEX_BLOCK, candidate_mask, chunked_copy_lse, dense_copy_lse, flex_copy_lse,
+                                      masked_logsumexp)
 from cplm_dist.model.rotary import apply_rope, rope_tables
 from cplm_dist.model.sequence_parallel import ReplicatedLinear, active, gather_sequence, sum_grad_over
 from cplm_dist.vocab_parallel import NEG_INF, CopyTerms
@@ -163,7 +165,9 @@ class CopyHead(torch.nn.Module):
         if impl == "flex" and training and q.device.type != "cuda":
             raise ConfigError(f"copy.impl=flex trains on CUDA only (FlexAttention has no {q.device.type} backward): "
                               "set copy.impl=auto (flex on CUDA, chunked elsewhere) or copy.impl=chunked")
-        if impl == "auto" and training and self._flex_trains_on(q.device) and self._flex_unavailable(q.device) is None:
+        whole_blocks = q.shape[2] % FLEX_BLOCK == 0 and k.shape[2] % FLEX_BLOCK == 0  # no padded rows for mask_mod to index
+        if (impl == "auto" and training and whole_blocks and self._flex_trains_on(q.device)
+                and self._flex_unavailable(q.device) is None):
             return "flex"
         if impl == "flex" and training:
             return "flex"

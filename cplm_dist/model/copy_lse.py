@@ -164,6 +164,7 @@ def chunked_copy_lse(q: torch.Tensor, k: torch.Tensor, src: torch.Tensor, labels
 # --- flex: one fused kernel (CUDA) -------------------------------------------------------------
 
 FLEX_VALUE_DIM = 16  # width of the all-zero values: the kernel's attention output is never read
+FLEX_BLOCK = 128  # FlexAttention's default block; copy.impl=auto takes flex for lengths in whole blocks
 
 
 @functools.cache
