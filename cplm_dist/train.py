@@ -43,6 +43,7 @@ from cplm_dist.heartbeat import Heartbeat
 from cplm_dist.hf_llama import check_hf_dir, initialise_from_hf
 from cplm_dist.launch_env import LaunchEnv
 from cplm_dist.model import build_model
+from cplm_dist.model.copy_head import check_copy_impl
 from cplm_dist.model.pipeline import build_pipeline_model, stage_summary
 from cplm_dist.model.counting import parameter_count
 from cplm_dist.optim import parameters_finite
@@ -173,6 +174,7 @@ def run(argv, stop: StopRequest) -> int:
     resume = find_resume(cfg, args.resume, cfg.parallel.tp, dp, args.reshape)
     if cfg.model.init_from and resume[1] is None:
         check_hf_dir(cfg.model.init_from, cfg.model)
+    check_copy_impl(cfg.copy, torch.cuda.is_available())
     check_out_dir(cfg)
     samples = (t.train_steps * t.global_batch_size, t.eval_batches * t.micro_batch_size * dp, 0)
     tokenizer = check_data(cfg, samples)

@@ -445,6 +445,9 @@ def test_bad_input_one_line_exit_2_nothing_written(small_data, tmp_path):
         (argv(small_data, fresh, f"data.blend=[{{path: {tmp_path / 'missing'}}}]"), None,
          f"error: dataset {tmp_path / 'missing'}: {tmp_path / 'missing.idx'} is missing (rebuild it with "
          "tools/preprocess_data.py, or fix data.blend)"),
+        *([(argv(small_data, fresh, "copy.impl=flex"), None,
+             "error: copy.impl=flex trains on CUDA only (FlexAttention has no CPU backward): set copy.impl=auto "
+             "(flex on CUDA, chunked elsewhere) or copy.impl=chunked")] if not torch.cuda.is_available() else []),
         (argv(small_data, fresh) + ["--resume", str(tmp_path / "nothing-here")], None,
          f"error: --resume {tmp_path / 'nothing-here'}: no complete checkpoint in {tmp_path / 'nothing-here'}; "
          "give a run directory, its checkpoints/ directory or one step-* directory, or --resume auto for a new out_dir"),

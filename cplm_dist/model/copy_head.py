@@ -54,6 +54,16 @@ from cplm_dist.vocab_parallel import NEG_INF, CopyTerms
 log = logging.getLogger(__name__)
 
 
+def check_copy_impl(copy: CopyConfig, cuda: bool) -> None:
+    """Before a training run starts: copy.impl=flex needs CUDA (one line, exit 2, nothing written)."""
+    if copy.enabled and copy.impl == "flex" and not cuda:
+        raise ConfigError(FLEX_NEEDS_CUDA.format(device="CPU"))
+
+
+FLEX_NEEDS_CUDA = ("copy.impl=flex trains on CUDA only (FlexAttention has no {device} backward): set copy.impl=auto "
+                   "(flex on CUDA, chunked elsewhere) or copy.impl=chunked")
+
+
 class CopyHead(torch.nn.Module):
     def __init__(self, model_cfg: ModelConfig, cfg: CopyConfig, *, device=None, dtype=None, sp_group=None):
         """sp_group: the tp group under sequence parallelism (None: h holds every position)."""
@@ -163,8 +173,7 @@ class CopyHead(torch.nn.Module):
         flex runs for training only: evaluation's changing shapes would recompile its kernel."""
         impl, training = self.cfg.impl, torch.is_grad_enabled() and q.requires_grad
         if impl == "flex" and training and q.device.type != "cuda":
-            raise ConfigError(f"copy.impl=flex trains on CUDA only (FlexAttention has no {q.device.type} backward): "
-                              "set copy.impl=auto (flex on CUDA, chunked elsewhere) or copy.impl=chunked")
+            raise ConfigError(FLEX_NEEDS_CUDA.format(device=q.device.type))
         whole_blocks = q.shape[2] % FLEX_BLOCK == 0 and k.shape[2] % FLEX_BLOCK == 0  # no padded rows for mask_mod to index
         if (impl == "auto" and training and whole_blocks and self._flex_trains_on(q.device)
                 and self._flex_unavailable(q.device) is None):
