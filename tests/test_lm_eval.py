@@ -52,6 +52,10 @@ def _adapter_worker(run_dir):
                 ids = torch.randint(4, 500, (1, 17), device=adapter.device)
                 measure(model, ids[:, :-1], ids[:, 1:])
         out[size]["violations"] = guard.violations
+    sampled = [req("Items: p, q.", {"until": [], "max_gen_toks": 12, "do_sample": True, "temperature": 1.0})]
+    adapter = HarnessAdapter(model, tok, seed=3)
+    out["sampled"] = adapter.generate_until(sampled) + adapter.generate_until(sampled)  # the generator goes on
+    out["sampled_again"] = HarnessAdapter(model, tok, seed=3).generate_until(sampled)
     with HostTensorGuard() as guard:  # the guard itself: a prompt made on the host fails on a GPU model
         model.next_token_logprobs(torch.tensor([[5, 6, 7]]))
     out["control"] = guard.violations
@@ -82,6 +86,8 @@ def test_adapter_batched_equals_batch_one_and_the_model(trained):
     assert four["rolling"] == pytest.approx(one["rolling"], rel=1e-5)
     assert four["gen"] == one["gen"] and len(one["gen"]) == 4 and "." not in one["gen"][0]
     assert one["gen"][3] == one["gen"][1]  # do_sample=False decodes greedily whatever the temperature
+    # a sampled request asked again draws new tokens; the same seed draws the same ones
+    assert r["sampled"][0] != r["sampled"][1] and r["sampled_again"] == r["sampled"][:1], r["sampled"]
     assert one["violations"] == [] and four["violations"] == [], one["violations"] + four["violations"]
     assert r["control"] and "embedding" in r["control"][0]
 

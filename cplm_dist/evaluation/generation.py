@@ -53,8 +53,11 @@ def choose(logprobs: torch.Tensor, temperature: float, top_k: int, top_p: float,
 
 @torch.no_grad()
 def generate(model, prompt: torch.Tensor, max_new_tokens: int, *, temperature: float = 0.0, top_k: int = 0,
-             top_p: float = 1.0, eos_id: int | None = None, seed: int = 0, mark_copies: bool = False) -> Generation:
-    gen = torch.Generator().manual_seed(seed)
+             top_p: float = 1.0, eos_id: int | None = None, seed: int = 0, mark_copies: bool = False,
+             generator: torch.Generator | None = None) -> Generation:
+    """generator: a CPU generator that goes on across calls (repeated sampled requests then differ);
+    default: a fresh one seeded with `seed`."""
+    gen = generator if generator is not None else torch.Generator().manual_seed(seed)
     cached = hasattr(model, "decode")
     state = model.new_decode_state() if cached else None
     ids, feed = prompt, prompt

@@ -63,7 +63,7 @@ def evaluation_layout(saved_tp: int, world: int, tp: int | None) -> int:
 class CPLMHarnessModel(LM):
     def __init__(self, checkpoint: str | None = None, tp: int | str | None = None, dtype: str = "float32",
                  batch_size=1, max_length: int | str | None = None, device: str | None = None,
-                 pretrained: str | None = None, **_):
+                 pretrained: str | None = None, seed: int | str | None = None, **_):
         from cplm_dist.checkpoint import load_checkpoint_config, load_model
         from cplm_dist.data.gpt_data import tokenizer_for
         from cplm_dist.launch_env import LaunchEnv
@@ -90,7 +90,9 @@ class CPLMHarnessModel(LM):
         chosen = torch.device("cpu") if str(device) == "cpu" else None
         model, cfg, _ = load_model(checkpoint, device=chosen, dtype=DTYPES[dtype])
         self.adapter = HarnessAdapter(model, tokenizer_for(cfg), max_length=int(max_length) if max_length else None,
-                                      batch_size=size, progress=dims.is_first)
+                                      batch_size=size, progress=dims.is_first,
+                                      # sampling follows lm-eval's --seed (it seeds torch before building the model)
+                                      seed=torch.initial_seed() if seed is None else int(seed))
         self._device = self.adapter.device  # lm-eval's `device`
 
     @classmethod

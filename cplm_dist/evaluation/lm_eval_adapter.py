@@ -54,13 +54,17 @@ class HarnessAdapter:
     """Requests are objects with `.args`: (context, continuation), (text,), or (context, gen_kwargs).
     `batch_size` rows at most in one forward; `progress` shows a bar (rank 0 of a launch)."""
 
-    def __init__(self, model, tokenizer, max_length: int | None = None, batch_size: int = 1, progress: bool = False):
+    def __init__(self, model, tokenizer, max_length: int | None = None, batch_size: int = 1, progress: bool = False,
+                 seed: int = 0):
+        """seed: of the sampling generator, which goes on across generate_until batches (the tp
+        ranks of a replica draw the same tokens: they see the same requests in the same order)."""
         if batch_size < 1:
             raise ValueError(f"batch_size={batch_size}: need >= 1")
         self.model, self.tok = model, tokenizer
         self.max_length = max_length or model.model_cfg.max_seq_len
         self.batch_size, self.progress = batch_size, progress
         self.device = device_of(model)
+        self.generator = torch.Generator().manual_seed(seed)
 
     def _tensor(self, rows: list[list[int]]) -> torch.Tensor:
         """(B, longest) ids on the model's device, right-padded with end-of-document."""
@@ -189,7 +193,7 @@ class HarnessAdapter:
             for b in range(0, len(members), self.batch_size):
                 chunk = members[b:b + self.batch_size]
                 gen = generate(self.model, self._tensor([settings[i][0] for i in chunk]), max_new,
-                               temperature=temperature, eos_id=self.tok.eod)
+                               temperature=temperature, eos_id=self.tok.eod, generator=self.generator)
                 for row, i in enumerate(chunk):
                     tokens = gen.tokens[row].tolist()
                     if self.tok.eod in tokens:
