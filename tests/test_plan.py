@@ -360,3 +360,17 @@ def test_estimator_counts_the_full_fp32_accumulator_of_fp32_gradient_accumulatio
     layout = dict(tp=1, dp=8, micro_batch=2, seq_len=2048, zero=1)
     extra = estimate(fp32, **layout).gradients - estimate(default, **layout).gradients
     assert extra == pytest.approx(parameters_per_device(default, 1) * 4 * (1 - 1 / 8))
+
+
+def test_estimate_memory_refuses_zero_2_and_3_with_pipeline_stages(capsys):
+    """DeepSpeed's pipeline engine trains with ZeRO 0-1: the estimator does not print a layout that
+    training refuses (from --zero or from the config's zero_stage)."""
+    from tools.estimate_memory import main
+
+    for argv, zero in ((["--config", "cplm-7b", "--tp", "2", "--pp", "2", "--dp", "4", "--zero", "3"], 3),
+                       (["--config", "cplm-7b", "--pp", "2", "--dp", "4", "train.zero_stage=2"], 2)):
+        assert main(argv) == 2
+        assert capsys.readouterr().err.strip().splitlines()[-1] == (
+            f"error: ZeRO-{zero} with --pp 2: DeepSpeed's pipeline engine trains with ZeRO 0-1 only (training refuses "
+            "this layout); use --zero 1 or --pp 1")
+    assert main(["--config", "cplm-7b", "--tp", "2", "--pp", "2", "--dp", "4", "--zero", "1"]) == 0

@@ -46,6 +46,10 @@ def main(argv=None) -> int:
     pp = args.pp or cfg.parallel.pp
     if pp < 1 or pp > cfg.model.num_layers:
         raise UsageError(f"--pp {pp} must be between 1 and model.num_layers={cfg.model.num_layers}")
+    zero = cfg.train.zero_stage if args.zero is None else args.zero
+    if pp > 1 and zero > 1:
+        raise UsageError(f"ZeRO-{zero} with --pp {pp}: DeepSpeed's pipeline engine trains with ZeRO 0-1 only (training "
+                         "refuses this layout); use --zero 1 or --pp 1")
     if args.accumulation is not None and args.accumulation < 1:
         raise UsageError(f"--accumulation {args.accumulation} must be a positive integer")
     kw = {"zero": args.zero, "precision": args.precision,
@@ -56,7 +60,6 @@ def main(argv=None) -> int:
     stages = stage_estimates(cfg, tp=tp, dp=args.dp, micro_batch=micro, seq_len=seq, **kw)
     heaviest = max(range(len(stages)), key=lambda s: stages[s].total)
     est = stages[heaviest]
-    zero = cfg.train.zero_stage if args.zero is None else args.zero
     precision = args.precision or cfg.train.precision
     ckpt = cfg.train.activation_checkpointing if args.ckpt is None else args.ckpt == "on"
     accumulation = args.accumulation or max(1, cfg.train.global_batch_size // (micro * args.dp))
