@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from cplm_dist.config import load_config
+from cplm_dist.errors import UsageError
 from cplm_dist.profiling.memory import estimate, largest_micro_batch, layer_activation_bytes_per_token
 from tests.spawn import run_ranks
 
@@ -62,6 +63,21 @@ def test_profile_two_ranks_times_the_right_communication(tmp_path, tp):
         assert r["comm_tp_calls"] > 0 and r["comm_tp_mb"] > 0  # megatron's all-reduces
     else:
         assert r["comm_tp_calls"] == 0 and r["comm_dp_calls"] > 0 and r["comm_dp_mb"] > 0  # ZeRO-2's collectives
+
+
+def test_sweep_skips_points_the_config_refuses_and_refuses_a_grid_of_none():
+    """A grid crossing pp with ZeRO holds points training refuses (ZeRO-2 at pp = 2): those are
+    skipped with their one-line reason, the others kept; a grid with no valid point is refused."""
+    from tools.cplm_profile import parse_sweep, parser, sweep_points
+
+    args = parser().parse_intermixed_args(["--config", "tiny", "--sweep", "pp=1,2", "zero=1,2"])
+    valid, skipped = sweep_points(args, parse_sweep(args.sweep))
+    assert [p for p, _, _ in valid] == [{"pp": "1", "zero": "1"}, {"pp": "1", "zero": "2"}, {"pp": "2", "zero": "1"}]
+    assert [(p, r.split(":")[0]) for p, r in skipped] == [({"pp": "2", "zero": "2"}, "train.zero_stage=2 with parallel.pp=2")]
+    assert valid[2][2].parallel.pp == 2 and valid[1][2].train.zero_stage == 2
+    args = parser().parse_intermixed_args(["--config", "tiny", "--sweep", "pp=2", "zero=2,3"])
+    with pytest.raises(UsageError, match=r"^no valid sweep point: \{'pp': '2', 'zero': '2'\}: train\.zero_stage=2 with parallel\.pp=2"):
+        sweep_points(args, parse_sweep(args.sweep))
 
 
 def test_sweep_writes_csv_and_plots(tmp_path):

@@ -356,18 +356,36 @@ def parse_sweep(items: list[str]) -> dict[str, list[str]]:
     return grid
 
 
+def sweep_points(args, grid: dict[str, list[str]]) -> tuple[list[tuple[dict, list[str], Config]], list[tuple[dict, str]]]:
+    """The grid's points whose config is valid, as (point, overrides, config), and the others as
+    (point, the config's one-line reason): a grid may cross settings that exclude each other
+    (pp=2 with zero=2), and those points are skipped, not the sweep. All invalid: a UsageError."""
+    valid, skipped = [], []
+    for values in itertools.product(*grid.values()):
+        point = dict(zip(grid, values))
+        overrides = [f"{SWEEPABLE[k]}={v}" for k, v in point.items()]
+        if "seq" in point and point["seq"].isdigit():
+            overrides.append(f"model.max_seq_len={max(int(point['seq']), 1)}")
+        try:
+            valid.append((point, overrides, load_config(args.config, args.overrides + overrides)))
+        except UsageError as e:
+            skipped.append((point, str(e)))
+    if not valid:
+        point, reason = skipped[0]
+        raise UsageError(f"no valid sweep point: {point}: {reason}")
+    return valid, skipped
+
+
 def sweep(args) -> int:
     grid = parse_sweep(args.sweep)
+    points, skipped = sweep_points(args, grid)  # every point checked before any launch
+    for point, reason in skipped:
+        print(f"sweep point {point} skipped: {reason}", flush=True)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     csv_path = out / "sweep.csv"
     results = []
-    for values in itertools.product(*grid.values()):
-        point = dict(zip(grid, values))
-        overrides = [f"{SWEEPABLE[k]}={v}" for k, v in point.items()]
-        if "seq" in point:
-            overrides.append(f"model.max_seq_len={max(int(point['seq']), 1)}")
-        cfg = load_config(args.config, args.overrides + overrides)  # a bad point fails here, before any launch
+    for point, overrides, cfg in points:
         nproc = args.nproc or cfg.parallel.tp * cfg.parallel.pp
         with tempfile.TemporaryDirectory() as tmp:
             result_file = Path(tmp) / "point.json"
