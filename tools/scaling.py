@@ -220,8 +220,8 @@ def gains(rows: list[dict], fits: dict) -> dict:
     return out
 
 
-def write_outputs(points: list[dict], rows: list[dict], fits: dict, gain: dict, args, out: Path) -> str:
-    (out / "ladder.json").write_text(json.dumps(points, indent=2) + "\n")
+def write_outputs(rows: list[dict], fits: dict, gain: dict, args, out: Path) -> str:
+    """points.csv, fits.json, the plots and report.md (ladder.json, the plan, is written before training)."""
     keys = sorted({k for r in rows for k in r}, key=lambda k: (k.startswith("suite_"), k))
     with open(out / "points.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=keys)
@@ -313,7 +313,7 @@ def main(argv=None) -> int:
     evaluate_points(points, args, log)
     rows = collect(points)
     fits = fit_variants(rows, args)
-    report = write_outputs(points, rows, fits, gains(rows, fits), args, out)
+    report = write_outputs(rows, fits, gains(rows, fits), args, out)
     print(report)
     print(f"wrote {out / 'points.csv'}, {out / 'fits.json'}, {out / 'report.md'} and plots")
     return 0
