@@ -382,6 +382,28 @@ def mixed_log_probs(
 
 
 @torch.no_grad()
+def target_log_probs(shard: torch.Tensor, targets: torch.Tensor,
+                     tp_group: dist.ProcessGroup | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log p(target), whether the target is the argmax over the whole vocabulary), each [...],
+    from this rank's shard [..., V/tp] of log-probabilities, without gathering the vocabulary:
+    the target's entry from the rank that owns it (summed over tp), and the argmax from each
+    shard's maximum and its global index (the lowest index among equal maxima, as torch.argmax
+    of the gathered row). Targets outside the vocabulary (IGNORE_INDEX): 0 and False."""
+    start, end = vocab_range(shard.shape[-1], tp_group)
+    owned = (targets >= start) & (targets < end)
+    picked = shard.gather(-1, torch.where(owned, targets - start, torch.zeros_like(targets)).unsqueeze(-1)).squeeze(-1)
+    logp = torch.where(owned, picked.float(), torch.zeros_like(picked, dtype=torch.float32))
+    _all_reduce(logp, dist.ReduceOp.SUM, tp_group)
+    index = shard.argmax(dim=-1)  # the first maximum of this shard
+    best = shard.gather(-1, index.unsqueeze(-1)).squeeze(-1).float()
+    top = best.clone()
+    _all_reduce(top, dist.ReduceOp.MAX, tp_group)
+    first = torch.where(best == top, index + start, torch.full_like(index, torch.iinfo(index.dtype).max))
+    _all_reduce(first, dist.ReduceOp.MIN, tp_group)
+    return logp, first == targets
+
+
+@torch.no_grad()
 def gather_vocab(shard: torch.Tensor, tp_group: dist.ProcessGroup | None = None, dim: int = -1) -> torch.Tensor:
     """Vocabulary shards (V/tp along `dim`: the last for logits, 0 for an LM-head weight) -> the
     whole vocabulary on every rank (the only gather of the vocabulary; evaluation only)."""

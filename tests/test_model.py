@@ -75,12 +75,23 @@ def _model_worker(tp):
             continue  # a sequence-parallel model trains only
         logprobs = model.next_token_logprobs(ids)
         at_labels = logprobs[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
+        # CPLM.score: the same values at the targets, never gathering the vocabulary, 3 positions a
+        # block (rows=7 over 2 sequences); the argmax as targets must all be greedy; a continuation
+        # after a prefix's state
+        argmax = logprobs[:, :-1].argmax(-1)
+        prefix = model.new_decode_state()
+        first = model.score(ids[:, :10], ids[:, 1:11], prefix, rows=7)
+        rest = model.score(ids[:, 10:-1], ids[:, 11:], prefix, rows=7)
         results[name].update({
             "lm_nll": out.lm_nll,
             "numel": sum(p.numel() for p in model.parameters()),
             "logprob_sum": logprobs.exp().sum(-1),
             "logprob_at_labels": at_labels,
+            "greedy_at_labels": argmax == ids[:, 1:],
             "vocab_cols": logprobs.shape[-1],
+            "score": model.score(ids[:, :-1], ids[:, 1:], rows=7),
+            "score_of_argmax": model.score(ids[:, :-1], argmax, rows=7),
+            "score_continued": (torch.cat([first[0], rest[0]], 1), torch.cat([first[1], rest[1]], 1)),
         })
     return results
 
@@ -118,6 +129,20 @@ def test_next_token_logprobs_sum_to_one_and_reproduce_nll(runs, tp, variant):
     # two code paths: the training loss (A_t, M_t, vocab-parallel LSE) and the full distribution
     torch.testing.assert_close(-res["logprob_at_labels"], res["nll"][:, :-1], rtol=1e-5, atol=2e-5)
     assert (res["nll"][:, -1] == 0).all(), "the last position has no label and is ignored"
+
+
+@pytest.mark.parametrize("tp", TPS)
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_score_reads_the_distribution_at_the_targets_without_gathering_it(runs, tp, variant):
+    """CPLM.score (vocab-parallel target log-prob and argmax, in blocks of positions, fresh or
+    after a decode state) against the gathered distribution of tp = 1."""
+    one, res = runs[1][0][variant], runs[tp][0][variant]
+    for key in ("score", "score_continued"):
+        logp, greedy = res[key]
+        torch.testing.assert_close(logp, one["logprob_at_labels"], rtol=1e-5, atol=2e-5, msg=key)
+        assert torch.equal(greedy, one["greedy_at_labels"]), key
+    logp, greedy = res["score_of_argmax"]
+    assert greedy.all() and (logp < 0).all()
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))

@@ -3,9 +3,10 @@
     python tools/lm_eval_cplm.py --checkpoint runs/x --tasks cplm_local --batch-size 16
     lm_eval --model cplm --model_args checkpoint=runs/x --tasks cplm_local --include_path <tasks dir>
 
-`HarnessAdapter` answers the harness's three request types from the model's full next-token
-distribution (`next_token_logprobs`, so the copy head's mass counts) and from greedy generation
-with the KV cache. It does not need lm-eval (its answers are tested directly against the model);
+`HarnessAdapter` answers the harness's three request types from the model's mixed next-token
+distribution (so the copy head's mass counts), read at the targets by `CPLM.score` without ever
+gathering the vocabulary (a (B, T, V) fp32 tensor would be 6.4 GB at batch 16 x 2048 tokens and
+V = 49152), and from greedy generation with the KV cache. It does not need lm-eval (its answers are tested directly against the model);
 the harness's model class is cplm_dist/evaluation/harness_model.py. Batching (docs/evaluation.md):
 
 - loglikelihood: the options of one question (requests sharing a context) run the context once
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from cplm_dist.evaluation.generation import device_of, generate
+from cplm_dist.vocab_parallel import IGNORE_INDEX
 
 
 @dataclass
@@ -104,11 +106,24 @@ class HarnessAdapter:
         order = sorted(range(len(windows)), key=lambda i: -len(windows[i].inputs))
         for b in range(0, len(order), self.batch_size):
             batch = [windows[i] for i in order[b:b + self.batch_size]]
-            logprobs = self.model.next_token_logprobs(self._tensor([w.inputs for w in batch]))  # (B, T, V)
+            # each row's targets at its last len(targets) positions; the rest (and the padding) ignored
+            targets = self._targets([[IGNORE_INDEX] * (len(w.inputs) - len(w.targets)) + w.targets for w in batch])
+            logp, greedy = self.model.score(self._tensor([w.inputs for w in batch]), targets)  # (B, T) each
             for row, w in enumerate(batch):
                 end, n = len(w.inputs), len(w.targets)
-                self._add(totals[w.request], logprobs[row, end - n:end], w.targets)
+                self._add_scored(totals[w.request], logp[row, end - n:end], greedy[row, end - n:end])
             bar.update(len(batch))
+
+    def _targets(self, rows: list[list[int]]) -> torch.Tensor:
+        """(B, longest) target ids on the model's device, right-padded with IGNORE_INDEX."""
+        width = max(len(r) for r in rows)
+        return torch.tensor([r + [IGNORE_INDEX] * (width - len(r)) for r in rows], dtype=torch.long, device=self.device)
+
+    @staticmethod
+    def _add_scored(total: list, logp: torch.Tensor, greedy: torch.Tensor) -> None:
+        """total += the targets' log-probabilities; greedy while every target is the argmax."""
+        total[0] += float(logp.sum())
+        total[1] = total[1] and bool(greedy.all())
 
     def _add(self, total: list, logprobs: torch.Tensor, targets: list[int]) -> None:
         """total += log p(targets) from logprobs (n, V); greedy while every target is the argmax."""
@@ -136,9 +151,10 @@ class HarnessAdapter:
                     longer = [(g, req, cont) for g, req, cont in part if len(cont) > 1]
                     if longer:
                         rows = torch.tensor([g for g, _, _ in longer], dtype=torch.long, device=self.device)
-                        logprobs = self.model.decode(self._tensor([cont[:-1] for _, _, cont in longer]), state.select(rows))[0]
+                        logp, greedy = self.model.score(self._tensor([cont[:-1] for _, _, cont in longer]),
+                                                        self._targets([cont[1:] for _, _, cont in longer]), state.select(rows))
                         for row, (_, req, cont) in enumerate(longer):
-                            self._add(totals[req], logprobs[row, : len(cont) - 1], cont[1:])
+                            self._add_scored(totals[req], logp[row, : len(cont) - 1], greedy[row, : len(cont) - 1])
                     bar.update(len(part))
 
     # --- the harness's request types -------------------------------------------------------------

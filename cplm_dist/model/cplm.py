@@ -4,6 +4,7 @@ head, and the copy head beside it, mixed without gathering the vocabulary.
     model = build_model(cfg)                  # tp from the initialised parallel state
     out = model(input_ids, labels)            # TokenLoss: out.nll, out.lm_nll, out.copy_share (B, T)
     logp = model.next_token_logprobs(ids)     # (B, T, V) full mixed distribution (evaluation)
+    logp, greedy = model.score(ids, targets)  # (B, T) at the targets, the vocabulary never gathered
 
 Data flow of a forward, per tp rank:
     ids -> VocabParallelEmbedding (+ learned positions, gpt2) -> L x TransformerLayer -> norm -> h (B, T, D), replicated
@@ -45,6 +46,9 @@ from cplm_dist.model.sequence_parallel import gather_sequence
 from cplm_dist.model.sharding import mark_split
 
 log = logging.getLogger(__name__)
+
+
+SCORE_ROWS = 512  # CPLM.score: tokens whose V/tp log-probs exist at once (512 x 49152 fp32: 101 MB a tensor at tp = 1)
 
 
 @dataclass
@@ -232,22 +236,57 @@ class CPLM(LossHead, torch.nn.Module):
         last_only: the distributions of the last position only (B, 1, V), what generation reads
         (a prompt's (B, T, V) would be T times the memory)."""
         offset = state.length
-        h = self.hidden_states(input_ids, state)
-        state.ids = input_ids if state.ids is None else torch.cat([state.ids, input_ids], dim=1)
-        copy_lp, terms = None, None
-        if self.copy_head is not None:
-            q, k = self.copy_head.project(h, offset)
-            state.copy_k = k if state.copy_k is None else torch.cat([state.copy_k, k], dim=2)
+        h, q = self._extend(input_ids, state)
         if last_only:
             offset, h = offset + h.shape[1] - 1, h[:, -1:]
-            q = q[:, :, -1:] if self.copy_head is not None else None
+            q = q[:, :, -1:] if q is not None else None
+        shard, copy_part = self._shard_log_probs(h, q, offset, state)
+        gather = lambda t: vocab_parallel.gather_vocab(t, self.tp_group)[..., : self.vocab_size]  # noqa: E731
+        return gather(shard), (gather(copy_part) if with_copy_part and copy_part is not None else None)
+
+    @torch.no_grad()
+    def score(self, input_ids: torch.Tensor, targets: torch.Tensor, state: DecodeState | None = None,
+              rows: int = SCORE_ROWS) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log p(targets[:, t] | what precedes and input_ids[:, :t + 1]), whether targets[:, t] is
+        the mixture's most likely id), each (B, T), for `input_ids` (B, T) fed after what `state`
+        holds (none: a fresh sequence; the state is extended as by `decode`). What `decode`
+        computes, read at the targets without gathering the vocabulary, `rows` tokens at a time
+        (B x T x V floats never exist: about rows x V/tp at once). Targets of IGNORE_INDEX: 0, False."""
+        state = state if state is not None else self.new_decode_state()
+        offset = state.length
+        h, q = self._extend(input_ids, state)
+        block = max(1, rows // h.shape[0])
+        logps, greedy = [], []
+        for t0 in range(0, h.shape[1], block):
+            t1 = min(h.shape[1], t0 + block)
+            shard, _ = self._shard_log_probs(h[:, t0:t1], None if q is None else q[:, :, t0:t1], offset + t0, state)
+            lp, top = vocab_parallel.target_log_probs(shard, targets[:, t0:t1], self.tp_group)
+            logps.append(lp)
+            greedy.append(top)
+        return torch.cat(logps, dim=1), torch.cat(greedy, dim=1)
+
+    def _extend(self, input_ids: torch.Tensor, state: DecodeState) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run `input_ids` after `state` (its caches and ids extended): (final states h (B, T, D),
+        the copy head's queries (B, H_c, T, d_c) or None)."""
+        offset = state.length
+        h = self.hidden_states(input_ids, state)
+        state.ids = input_ids if state.ids is None else torch.cat([state.ids, input_ids], dim=1)
+        if self.copy_head is None:
+            return h, None
+        q, k = self.copy_head.project(h, offset)
+        state.copy_k = k if state.copy_k is None else torch.cat([state.copy_k, k], dim=2)
+        return h, q
+
+    def _shard_log_probs(self, h: torch.Tensor, q: torch.Tensor | None, offset: int, state: DecodeState):
+        """(this rank's vocabulary shard of the mixture's log-probs (B, T, V/tp), of the copy
+        component's log mass or None) for states h and copy queries q of positions offset..,
+        over the keys and ids `state` holds."""
         logits = self.lm_logits(h, self.tied)
+        copy_lp, terms = None, None
         if self.copy_head is not None:
             weights, src, terms = self.copy_head.weights_for(q, state.copy_k, state.ids, offset, h)
             copy_lp = vocab_parallel.scatter_copy_log_probs(weights, src, self.v_local, self.tp_group)
-        shard, copy_part = vocab_parallel.mixed_log_probs(logits, copy_lp, terms, self.copy_cfg.mix, self.tp_group)
-        gather = lambda t: vocab_parallel.gather_vocab(t, self.tp_group)[..., : self.vocab_size]  # noqa: E731
-        return gather(shard), (gather(copy_part) if with_copy_part and copy_part is not None else None)
+        return vocab_parallel.mixed_log_probs(logits, copy_lp, terms, self.copy_cfg.mix, self.tp_group)
 
 
 def build_model(cfg: Config, *, tp_group: dist.ProcessGroup | None = None, device=None, dtype=torch.float32,
