@@ -131,6 +131,17 @@ def finite_weighted_sum(outputs, seed=5):
     return total
 
 
+def assert_same_log_sum_exps(got_pair, want_pair, tol: float) -> None:
+    """(A, M) against the reference's: the same empty (-inf) rows, the rest within tol; M None alike."""
+    for want, got in zip(want_pair, got_pair):
+        if want is None:
+            assert got is None
+            continue
+        assert torch.equal(torch.isfinite(want), torch.isfinite(got)), "the same rows must be empty"
+        torch.testing.assert_close(got.masked_fill(~torch.isfinite(got), 0), want.masked_fill(~torch.isfinite(want), 0),
+                                   rtol=tol, atol=tol)
+
+
 @pytest.mark.parametrize("paste", ["next", "self"])
 @pytest.mark.parametrize("with_labels", [True, False])
 @pytest.mark.parametrize("chunk", [1, 3, 11, 64])
@@ -139,13 +150,7 @@ def test_chunked_log_sum_exps_equal_the_dense_path_in_float64(paste, with_labels
     shift = -1 if paste == "next" else 0
     dense = dense_copy_lse(q, k, src, labels, head.shift)
     chunked = chunked_copy_lse(q, k, src, labels, shift, chunk)
-    for want, got in zip(dense, chunked):
-        if want is None:
-            assert got is None
-            continue
-        assert torch.equal(torch.isfinite(want), torch.isfinite(got)), "the same rows must be empty"
-        torch.testing.assert_close(got.masked_fill(~torch.isfinite(got), 0), want.masked_fill(~torch.isfinite(want), 0),
-                                   rtol=1e-12, atol=1e-12)
+    assert_same_log_sum_exps(chunked, dense, tol=1e-12)
     if with_labels:
         assert torch.isinf(dense[1][1, :, 5]).all() and torch.isfinite(dense[1]).any()
     grads = [torch.autograd.grad(finite_weighted_sum(out), [q, k]) for out in (dense, chunked)]
@@ -247,13 +252,7 @@ def test_flex_log_sum_exps_equal_the_dense_path(paste, with_labels, T_, offset):
 
     dense = dense_copy_lse(q, k, src, labels, head.shift, offset)
     flex = flex_copy_lse(q, k, src, labels, head.shift, offset)
-    for want, got in zip(dense, flex):
-        if want is None:
-            assert got is None
-            continue
-        assert torch.equal(torch.isfinite(want), torch.isfinite(got)), "the same rows must be empty"
-        torch.testing.assert_close(got.masked_fill(~torch.isfinite(got), 0), want.masked_fill(~torch.isfinite(want), 0),
-                                   rtol=1e-5, atol=1e-5)
+    assert_same_log_sum_exps(flex, dense, tol=1e-5)
     assert torch.isfinite(dense[0]).any() and (labels is None or torch.isfinite(dense[1]).any())
 
 
