@@ -202,11 +202,21 @@ def test_tool_at_tp2_runs_one_replica_over_both_ranks(stock_cli, copied, tmp_pat
     assert acc == pytest.approx(_metrics(stock_cli[0])[("cplm_kv_mc", "acc,none")], abs=1e-9)
 
 
-def test_tool_refuses_unknown_tasks_and_bad_flags_before_loading_the_model(trained, tmp_path, capsys):
+def test_tool_refuses_unknown_tasks_and_bad_flags_before_loading_the_model(trained, tmp_path, capsys, monkeypatch):
     import torch.distributed as dist
 
     from cplm_dist_tools.lm_eval_cplm import main
 
+    # the launch of four ranks at tp 1 (the checkpoint's) has 4 replicas; at tp 2, 2
+    for env, args, message in (({"WORLD_SIZE": "4"}, ["--limit", "3"], "--limit 3 is below the 4 data-parallel replicas"),
+                               ({"WORLD_SIZE": "4"}, ["--limit", "1", "--model-args", "tp=2"], "--limit 1 is below the 2"),
+                               ({"WORLD_SIZE": "4"}, ["--limit", "2", "--model-args", "tp=3"], "tp=3 does not divide")):
+        with monkeypatch.context() as m:
+            for key, value in {"RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1", **env}.items():
+                m.setenv(key, value)
+            assert main(["--checkpoint", str(trained), "--tasks", "cplm_kv_mc", *args]) == 2, args
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and message in err and len(err.strip().splitlines()) == 1, err
     for args, message in ((["--tasks", "cplm_kv_mc", "no_such_task"], "unknown task(s) no_such_task"),
                           (["--tasks", "cplm_kv_mc", "--log-samples"], "--log-samples needs --output-path"),
                           (["--tasks", "cplm_kv_mc", "--batch-size", "0"], "--batch-size"),

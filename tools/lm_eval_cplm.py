@@ -55,6 +55,26 @@ def unknown_tasks(names: list[str], include_paths: list[str]) -> list[str]:
     return missing
 
 
+def check_limit_covers_replicas(args, saved_tp: int) -> None:
+    """An integer --limit below the launch's dp size leaves a replica without documents, which
+    then skips lm-eval's collectives and the run hangs: refused with one line before it starts."""
+    from cplm_dist.evaluation.harness_model import evaluation_layout
+    from cplm_dist.launch_env import LaunchEnv
+
+    if args.limit is None or args.limit < 1:
+        return  # none, or a fraction of each task
+    world = LaunchEnv.from_environ(mpi_rendezvous=False).world_size
+    asked = dict(kv.split("=", 1) for kv in (args.model_args or "").split(",") if "=" in kv).get("tp")
+    try:
+        tp = evaluation_layout(saved_tp, world, None if asked is None else int(asked))
+    except ValueError as e:
+        raise UsageError(f"--model-args tp: {e}") from None
+    if args.limit < world // tp:
+        raise UsageError(f"--limit {args.limit:g} is below the {world // tp} data-parallel replicas of this launch: a "
+                         "replica without documents stops lm-eval's collectives and the run hangs; use --limit >= "
+                         f"{world // tp} or fewer ranks")
+
+
 def lm_eval_argv(args, names: list[str]) -> list[str]:
     model_args = ",".join(a for a in (f"pretrained={args.checkpoint}", args.model_args) if a)  # names the output folder
     argv = ["lm_eval", "run", "--model", "cplm", "--model_args", model_args, "--tasks", ",".join(names),
@@ -88,7 +108,8 @@ def main(argv=None) -> int:
         raise UsageError("--log-samples needs --output-path (where the samples are written)")
     if args.limit is not None and args.limit <= 0:
         raise UsageError(f"--limit {args.limit}: need a positive count or fraction")
-    load_checkpoint_config(args.checkpoint)  # a bad checkpoint: one line, before anything loads
+    _, info = load_checkpoint_config(args.checkpoint)  # a bad checkpoint: one line, before anything loads
+    check_limit_covers_replicas(args, info["layout"]["tp"])
     names = [n for t in args.tasks for n in t.split(",") if n]
     include_paths = [str(TASKS_DIR)] + args.include_path
     missing = unknown_tasks(names, include_paths)
