@@ -58,13 +58,15 @@ def unknown_tasks(names: list[str], include_paths: list[str]) -> list[str]:
 def check_limit_covers_replicas(args, saved_tp: int) -> None:
     """An integer --limit below the launch's dp size leaves a replica without documents, which
     then skips lm-eval's collectives and the run hangs: refused with one line before it starts."""
+    from lm_eval.utils import simple_parse_args_string
+
     from cplm_dist.evaluation.harness_model import evaluation_layout
     from cplm_dist.launch_env import LaunchEnv
 
     if args.limit is None or args.limit < 1:
         return  # none, or a fraction of each task
     world = LaunchEnv.from_environ(mpi_rendezvous=False).world_size
-    asked = dict(kv.split("=", 1) for kv in (args.model_args or "").split(",") if "=" in kv).get("tp")
+    asked = simple_parse_args_string(args.model_args or "").get("tp")  # as the harness model will read it
     try:
         tp = evaluation_layout(saved_tp, world, None if asked is None else int(asked))
     except ValueError as e:

@@ -6,8 +6,9 @@
 `HarnessAdapter` answers the harness's three request types from the model's mixed next-token
 distribution (so the copy head's mass counts), read at the targets by `CPLM.score` without ever
 gathering the vocabulary (a (B, T, V) fp32 tensor would be 6.4 GB at batch 16 x 2048 tokens and
-V = 49152), and from greedy generation with the KV cache. It does not need lm-eval (its answers are tested directly against the model);
-the harness's model class is cplm_dist/evaluation/harness_model.py. Batching (docs/evaluation.md):
+V = 49152), and from greedy generation with the KV cache. It does not need lm-eval (its answers
+are tested directly against the model); the harness's model class is
+cplm_dist/evaluation/harness_model.py. Batching (docs/evaluation.md):
 
 - loglikelihood: the options of one question (requests sharing a context) run the context once
   and continue its KV cache, all options of a batch of questions in one forward; other requests
@@ -126,10 +127,9 @@ class HarnessAdapter:
         total[1] = total[1] and bool(greedy.all())
 
     def _add(self, total: list, logprobs: torch.Tensor, targets: list[int]) -> None:
-        """total += log p(targets) from logprobs (n, V); greedy while every target is the argmax."""
+        """`_add_scored` from a gathered distribution logprobs (n, V) and its targets."""
         t = torch.tensor(targets, dtype=torch.long, device=self.device)
-        total[0] += float(logprobs.gather(-1, t[:, None]).sum())
-        total[1] = total[1] and bool((logprobs.argmax(-1) == t).all())
+        self._add_scored(total, logprobs.gather(-1, t[:, None]).squeeze(-1), logprobs.argmax(-1) == t)
 
     def _score_shared(self, groups: list[tuple[list[int], list[tuple[int, list[int]]]]], totals: list[list], bar) -> None:
         """Questions whose options share a context: each context runs once (questions of equal

@@ -25,8 +25,8 @@ Three paths in cplm_dist.model.copy_lse compute the per-head (A, M), chosen by `
     goes on chunked.
 
 Under train.compile the pointwise parts (the projections' layout, casts and RoPE, the heads'
-combination and the gate) run as compiled graphs (`compile_pointwise`); the log-sum-exps are compiled on their own
-(flex) or stay eager (dense, chunked).
+combination and the gate) run as compiled graphs (`compile_pointwise`); the log-sum-exps are
+compiled on their own (flex) or stay eager (dense, chunked).
 
 Under sequence parallelism (`sp_group`, the tp group) a rank holds the final states of its own
 T/tp positions. It projects its own queries and keys, all-gathers the keys (B x T x H_c x d_c
@@ -54,14 +54,14 @@ from cplm_dist.vocab_parallel import NEG_INF, CopyTerms
 log = logging.getLogger(__name__)
 
 
+FLEX_NEEDS_CUDA = ("copy.impl=flex trains on CUDA only (FlexAttention has no {device} backward): set copy.impl=auto "
+                   "(flex on CUDA, chunked elsewhere) or copy.impl=chunked")
+
+
 def check_copy_impl(copy: CopyConfig, cuda: bool) -> None:
     """Before a training run starts: copy.impl=flex needs CUDA (one line, exit 2, nothing written)."""
     if copy.enabled and copy.impl == "flex" and not cuda:
         raise ConfigError(FLEX_NEEDS_CUDA.format(device="CPU"))
-
-
-FLEX_NEEDS_CUDA = ("copy.impl=flex trains on CUDA only (FlexAttention has no {device} backward): set copy.impl=auto "
-                   "(flex on CUDA, chunked elsewhere) or copy.impl=chunked")
 
 
 class CopyHead(torch.nn.Module):
@@ -211,7 +211,7 @@ class CopyHead(torch.nn.Module):
                 self._flex_failed = f"{type(e).__name__}: {first[:200]}"
                 log.warning("copy.impl=auto: the FlexAttention kernel failed (%s); the copy head goes on chunked",
                             self._flex_failed)
-                path = self.last_path = "chunked" if k.shape[2] > self.cfg.chunk_size else "dense"
+                path = self.last_path = self.lse_path(q, k)  # flex now unavailable: chunked or dense
         if path == "flex":
             return flex_copy_lse(q, k, src, labels, self.shift, offset)
         if path == "chunked":

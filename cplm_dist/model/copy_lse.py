@@ -241,6 +241,5 @@ def _lse_request() -> dict:
     return {"return_aux": AuxRequest(lse=True)}
 
 
-
 def _lse_tensor(aux) -> torch.Tensor:
     return aux if isinstance(aux, torch.Tensor) else aux.lse
