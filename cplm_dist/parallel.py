@@ -20,6 +20,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from cplm_dist.config import divisors
 from cplm_dist.errors import ConfigError
 from cplm_dist.launch_env import LaunchEnv
 from cplm_dist.megatron_compat import parallel_state
@@ -77,7 +78,7 @@ def evaluation_tp() -> int:
 
 def check_world(tp_size: int, world_size: int, pp_size: int = 1) -> None:
     if world_size % (tp_size * pp_size):
-        valid = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        valid = divisors(world_size)
         if pp_size == 1:
             raise ConfigError(f"parallel.tp={tp_size} does not divide WORLD_SIZE={world_size} "
                               f"(dp = world / tp must be whole; valid tp here: {valid})")

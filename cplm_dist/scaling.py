@@ -7,8 +7,8 @@ of loss against compute (tools/scaling.py drives the runs).
     fits = bootstrap(points, seeds)                     # intervals over seeds
 
 Shapes: depth L and width D from a fixed aspect ratio D / L, heads of `head_dim` (D a multiple of
-it), the MLP width the backbone's convention (gpt2: 4 D; llama: 8/3 D rounded up to a multiple of
-64, SwiGLU's usual), kv heads = heads. Among the (L, D) whose exact parameter count
+it), the MLP width the backbone's rule (cplm_dist.model.backbone: 4 D for a GELU MLP; 8/3 D rounded
+up to a multiple of 64 for SwiGLU, its usual), kv heads = heads. Among the (L, D) whose exact parameter count
 (cplm_dist.model.counting) is within `tolerance` of the target, the one closest to the aspect
 ratio; else the closest count.
 
@@ -32,20 +32,16 @@ from dataclasses import dataclass
 import numpy as np
 
 from cplm_dist.config import Config, apply_overrides, from_dict, to_dict
+from cplm_dist.model.backbone import BACKBONES
 from cplm_dist.model.counting import parameter_count
 from cplm_dist.profiling.throughput import flops_per_token
 
 
-def mlp_width(arch: str, hidden: int) -> int:
-    if arch == "gpt2":
-        return 4 * hidden
-    return 64 * math.ceil(8 * hidden / 3 / 64)
-
-
 def shape_fields(arch: str, layers: int, hidden: int, head_dim: int) -> dict[str, int]:
+    """model.* of a ladder point: heads of head_dim, kv heads = heads, the backbone's MLP width rule."""
     heads = hidden // head_dim
     return {"num_layers": layers, "hidden_size": hidden, "num_heads": heads, "num_kv_heads": heads,
-            "ffn_hidden_size": mlp_width(arch, hidden)}
+            "ffn_hidden_size": BACKBONES[arch].mlp_width(hidden)}
 
 
 def with_overrides(base: Config, overrides: list[str]) -> Config:

@@ -33,12 +33,14 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 def export(checkpoint: str, out: Path, dtype: str) -> Path:
     from cplm_dist.checkpoint import load_model, tokenizer_files
     from cplm_dist.hf_llama import write_hf_dir
+    from cplm_dist.model.backbone import backbone, hf_llama_backbones
     from cplm_dist.model.sharding import full_state_dict
 
     model, cfg, info = load_model(checkpoint)
-    if cfg.model.arch != "llama":
+    if not backbone(cfg.model).hf_llama:
         raise UsageError(f"{checkpoint} has model.arch={cfg.model.arch}: the export writes a Llama-shaped model "
-                         "(LlamaForCausalLM + the copy head); only model.arch=llama checkpoints export")
+                         f"(LlamaForCausalLM + the copy head); only model.arch={'/'.join(hf_llama_backbones())} "
+                         "checkpoints export")
     full = full_state_dict([model.state_dict()], model)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:

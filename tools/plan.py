@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 from cplm_dist.cli import config_parser, exit_on_usage_error, load_from_args
+from cplm_dist.config import divisors
 from cplm_dist.errors import UsageError
 from cplm_dist.model.counting import parameter_count
 from cplm_dist.profiling.planner import Cluster, Plan, plan
@@ -102,7 +103,7 @@ def write_run_config(path: Path, source: str, best: Plan, seq_len: int, global_b
 def max_pp(cfg, args) -> int:
     """The largest pipeline degree the planner tried: pp divides the GPUs and is at most the layers."""
     limit = min(args.gpus, cfg.model.num_layers, args.max_pp or args.gpus)
-    return max(d for d in range(1, limit + 1) if args.gpus % d == 0)
+    return max(d for d in divisors(args.gpus) if d <= limit)
 
 
 @exit_on_usage_error

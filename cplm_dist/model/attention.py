@@ -1,6 +1,6 @@
 """Grouped-query self-attention from megatron-core tensor-parallel linears and torch SDPA.
-Llama: RoPE, no biases. GPT-2 (model.arch=gpt2): biases on QKV and the output projection, no
-RoPE (positions are learned and added to the embedding).
+RoPE on q and k where the backbone's positions are rotary; biases on QKV and the output projection
+where its record has biases (cplm_dist.model.backbone).
 
 QKV is one ColumnParallelLinear whose rows are laid out per kv group, Megatron's way:
 [q_1 .. q_(nh/nkv), k, v] for each kv group, so an even split over tp hands every rank whole
@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from cplm_dist.config import ModelConfig
 from cplm_dist.megatron_compat import ModelParallelConfig, tensor_parallel
+from cplm_dist.model.backbone import backbone
 from cplm_dist.model.initialization import deferred_init
 from cplm_dist.model.rotary import apply_rope
 from cplm_dist.model.sequence_parallel import sum_grad_over
@@ -33,7 +34,7 @@ class Attention(torch.nn.Module):
         self.group = cfg.num_heads // cfg.num_kv_heads  # query heads per kv head
         self.sequence_parallel = mp.sequence_parallel and tp_size > 1
         qkv_out = (cfg.num_heads + 2 * cfg.num_kv_heads) * self.head_dim
-        bias = cfg.arch == "gpt2"
+        bias = backbone(cfg).bias
         self.qkv = tensor_parallel.ColumnParallelLinear(
             cfg.hidden_size, qkv_out, config=mp, init_method=deferred_init, bias=bias, gather_output=False,
             tp_group=tp_group,

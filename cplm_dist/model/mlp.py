@@ -1,4 +1,4 @@
-"""The MLPs as Column/Row parallel pairs: SwiGLU (llama) and GELU with biases (gpt2).
+"""The MLPs as Column/Row parallel pairs: SwiGLU, and GELU with biases (a backbone's `mlp`).
 
 SwiGLU's fc1 holds [gate; up] with stride 2, so each tp rank keeps matching halves of both and
 the product needs no communication; fc2's all-reduce ends the tensor-parallel region.
@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from cplm_dist.config import ModelConfig
 from cplm_dist.megatron_compat import ModelParallelConfig, tensor_parallel
 from cplm_dist.model.attention import OutputLinear
+from cplm_dist.model.backbone import backbone
 from cplm_dist.model.initialization import deferred_init
 from cplm_dist.model.sharding import mark_split
 
@@ -48,5 +49,9 @@ class GeluMLP(torch.nn.Module):
         return self.fc2(F.gelu(h, approximate="tanh"))
 
 
+MLPS = {"swiglu": SwiGLUMLP, "gelu": GeluMLP}
+
+
 def make_mlp(cfg: ModelConfig, mp: ModelParallelConfig, tp_group, tp_size: int) -> torch.nn.Module:
-    return (GeluMLP if cfg.arch == "gpt2" else SwiGLUMLP)(cfg, mp, tp_group, tp_size)
+    """The backbone's MLP (its record's `mlp`; a bias on each linear where the record has them)."""
+    return MLPS[backbone(cfg).mlp](cfg, mp, tp_group, tp_size)

@@ -1,4 +1,4 @@
-"""RMSNorm (llama) and LayerNorm with bias (gpt2), replicated on every tp rank, computed in
+"""RMSNorm and LayerNorm with bias (a backbone's `norm`), replicated on every tp rank, computed in
 float32 whatever the activation dtype.
 
 Under sequence parallelism each tp rank normalises its own positions only: `grad_group` (the tp
@@ -7,6 +7,7 @@ group) sums the weight's gradient (cplm_dist.model.sequence_parallel.sum_grad_ov
 
 import torch
 
+from cplm_dist.model.backbone import backbone
 from cplm_dist.model.sequence_parallel import sum_grad_over
 
 
@@ -36,7 +37,10 @@ class LayerNorm(torch.nn.Module):
         return torch.nn.functional.layer_norm(x.float(), x.shape[-1:], weight, bias, self.eps).to(x.dtype)
 
 
+NORMS = {"rmsnorm": RMSNorm, "layernorm": LayerNorm}
+
+
 def make_norm(cfg, *, device=None, dtype=None, grad_group=None) -> torch.nn.Module:
-    """The backbone's norm (model.arch): RMSNorm for llama, LayerNorm for gpt2."""
-    cls = LayerNorm if cfg.arch == "gpt2" else RMSNorm
+    """The backbone's norm (its record's `norm`) for a ModelConfig."""
+    cls = NORMS[backbone(cfg).norm]
     return cls(cfg.hidden_size, cfg.norm_eps, device=device, dtype=dtype, grad_group=grad_group)

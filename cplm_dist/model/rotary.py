@@ -1,7 +1,9 @@
-"""Positions: rotary embedding (RoPE, rotate-half convention, Llama / Megatron default) for the
-llama backbone, learned absolute positions for gpt2 (model.arch)."""
+"""Positions (a backbone's `positions`): rotary embedding (RoPE, rotate-half convention, Llama /
+Megatron default), or learned absolute positions added to the embedding (GPT-2's)."""
 
 import torch
+
+from cplm_dist.model.backbone import backbone
 
 
 def rope_tables(seq_len: int, dim: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -21,9 +23,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def layer_rope(cfg, length: int, offset: int = 0, device=None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """cos, sin for positions offset .. offset + length - 1 of the backbone's attention (llama);
-    (None, None) for gpt2, whose positions are learned and added to the embedding instead."""
-    if cfg.arch == "gpt2":
+    """cos, sin for positions offset .. offset + length - 1 of the backbone's attention; (None,
+    None) for a backbone whose positions are learned and added to the embedding instead."""
+    if backbone(cfg).positions != "rope":
         return None, None
     cos, sin = rope_tables(offset + length, cfg.head_dim, cfg.rope_theta, device=device)
     return cos[offset:], sin[offset:]

@@ -54,7 +54,7 @@ from __future__ import annotations
 import copy
 from dataclasses import asdict, dataclass
 
-from cplm_dist.config import Config, ConfigError, check_tp_divides
+from cplm_dist.config import Config, ConfigError, check_tp_divides, divisors
 from cplm_dist.model.counting import _copy_head, _layer_matrices
 from cplm_dist.profiling.communication import ring_factor, step_bytes
 from cplm_dist.profiling.memory import GIB, Stage, bubble, estimate, pipeline_stages
@@ -147,10 +147,6 @@ def pipeline_links(cluster: Cluster, *, tp: int, pp: int, dp: int) -> tuple[floa
     return bw(_within_nodes(dp_groups, gpn)), bw(_within_nodes(p2p_pairs, gpn)), bw(_within_nodes(tied_pairs, gpn))
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def predict(cfg: Config, cluster: Cluster, *, tp: int, zero: int, micro_batch: int, seq_len: int, global_batch: int,
             activation_checkpointing: bool, sequence_parallel: bool, pp: int = 1) -> Plan:
     """Memory and step time of one layout (the module docstring)."""
@@ -236,14 +232,14 @@ def _predict_pipeline(cfg: Config, cluster: Cluster, layout: dict, *, pp: int, m
 def layouts(cfg: Config, cluster: Cluster, *, seq_len: int, global_batch: int, max_micro_batch: int = 64):
     """Every layout the stack can run for this global batch: (tp, pp, zero, micro, ckpt, sp)."""
     t, L = cfg.train, cfg.model.num_layers
-    for tp in _divisors(cluster.gpus):
+    for tp in divisors(cluster.gpus):
         if tp > cluster.gpus_per_node:
             continue  # tp across nodes: every layer's collectives on the network
         try:
             check_tp_divides(cfg.model, tp)
         except ConfigError:
             continue
-        for pp in _divisors(cluster.gpus // tp):
+        for pp in divisors(cluster.gpus // tp):
             if pp > L or (pp > 1 and cfg.model.init_from):
                 continue  # config.validate_pipeline: a transformer layer a stage; init_from is pp = 1 only
             dp = cluster.gpus // (tp * pp)

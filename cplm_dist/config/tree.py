@@ -1,0 +1,210 @@
+"""The typed config tree: one dataclass a section, `Config` their root (loading:
+cplm_dist.config.loading, validation: cplm_dist.config.validation).
+
+Fields a resumed run may change carry the mark `resumable(...)` (dataclass field metadata);
+`RESUMABLE_CHANGES` lists them, derived from the marks. A resume refuses any other difference from
+the saved config (the model, the copy head, the data and its order, the precision, the seed):
+cplm_dist.checkpoint.manifest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+MixMode = Literal["gate", "joint", "sentinel"]
+PasteMode = Literal["next", "self"]
+CopyImpl = Literal["auto", "chunked", "dense", "flex"]
+OptimImpl = Literal["auto", "fused", "foreach"]
+LossImpl = Literal["dense", "chunked"]
+TokenizerBackend = Literal["sentencepiece", "huggingface"]
+Schedule = Literal["cosine", "wsd", "constant"]
+Precision = Literal["fp32", "bf16"]
+GradAccumDtype = Literal["fp32", "bf16"]
+Arch = Literal["llama", "gpt2"]  # the backbones: cplm_dist.model.backbone's records
+
+
+def resumable(default: Any = dataclasses.MISSING, *, default_factory: Any = dataclasses.MISSING) -> Any:
+    """A field a resumed run may change (the run's length, batch sizes, intervals, schedule, the
+    layout within the reshape rules, logging): listed in RESUMABLE_CHANGES."""
+    return field(default=default, default_factory=default_factory, metadata={"resumable": True})
+
+
+@dataclass
+class ModelConfig:
+    """The decoder: its backbone (cplm_dist.model.backbone) and shapes (the size table in docs/copy_head.md)."""
+
+    name: str = "tiny"
+    # the backbone: llama (RMSNorm, SwiGLU, RoPE, no biases) or gpt2 (LayerNorm with bias, GELU MLP,
+    # learned absolute positions, biases); the copy head and the loss are the same for both
+    arch: Arch = "llama"
+    num_layers: int = 2
+    hidden_size: int = 128
+    num_heads: int = 8
+    num_kv_heads: int = 4
+    ffn_hidden_size: int = 256
+    vocab_size: int = 512
+    max_seq_len: int = 2048
+    tie_embeddings: bool = True
+    init_from: str | None = resumable(None)  # a local HF LlamaForCausalLM directory: a fresh run starts from its weights (cplm_dist.hf_llama)
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+    # Output projections (attention out, MLP down) start at init_std / sqrt(2 * num_layers).
+    scaled_init: bool = True
+    # Megatron pads the vocabulary to a multiple of this times tp; padded ids never get mass.
+    make_vocab_size_divisible_by: int = 128
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+
+@dataclass
+class CopyConfig:
+    """The Copy-Paste head (docs/copy_head.md)."""
+
+    enabled: bool = True
+    num_heads: int = 1  # H_c
+    head_dim: int = 64  # d_c
+    paste: PasteMode = "next"
+    mix: MixMode = "gate"
+    rope: bool = False  # rotary position on the copy q/k
+    init_std: float = 0.02
+    gate_bias_init: float = 0.0  # gate mix: sigmoid(0) = half the mass to the LM head at init
+    # auto: flex (fused FlexAttention kernels) training on CUDA, chunked elsewhere; chunked: scores
+    # recomputed in backward per row block; dense: the reference (docs/copy_head.md)
+    impl: CopyImpl = "auto"
+    chunk_size: int = 256  # query rows per block of the chunked path
+
+
+@dataclass
+class LossConfig:
+    """How the LM side of the loss is computed (cplm_dist.vocab_parallel); the value is the same."""
+
+    impl: LossImpl = resumable("dense")  # chunked: logits made and differentiated `chunk_rows` rows at a time, none kept
+    chunk_rows: int = resumable(1024)  # rows (tokens) per block of the chunked path (1024 x 49152 fp32: 201 MB)
+
+
+@dataclass
+class BlendEntry:
+    """One Megatron indexed dataset (path prefix of its .bin/.idx) and its sampling weight."""
+
+    path: str
+    weight: float = 1.0
+
+
+@dataclass
+class DataConfig:
+    """Training data: a weighted blend of indexed datasets read through megatron-core's
+    GPTDataset / BlendedMegatronDatasetBuilder (cplm_dist.data)."""
+
+    blend: list[BlendEntry] = field(default_factory=list)
+    tokenizer: str | None = None  # a SentencePiece .model, or a Hugging Face tokenizer directory
+    tokenizer_backend: TokenizerBackend = "sentencepiece"
+    split: str = "98,2,0"  # train, valid, test weights of every dataset in the blend (Megatron's)
+    seq_length: int = 512
+    seed: int = 1234  # data order only, so matched runs can differ in init but not in data
+    cache_dir: str | None = resumable(None)  # megatron's index cache; default: <first dataset's dir>/index-cache
+    eod_mask_loss: bool = False  # do not train on predicting the token after an end-of-document
+    num_workers: int = resumable(2)  # DataLoader worker processes per rank
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = resumable(1)  # tensor-parallel size; dp = world_size / (tp x pp)
+    # Megatron sequence parallelism (tp > 1): norms, residuals and the copy head's queries on
+    # sequence shards between the tp regions (docs/parallelism.md); a no-op at tp = 1
+    sequence_parallel: bool = resumable(False)
+    # pipeline stages (DeepSpeed's 1F1B pipeline engine, docs/parallelism.md): the layers split by
+    # parameters over pp stages; dp = world_size / (tp x pp); needs train.zero_stage <= 1
+    pp: int = resumable(1)
+
+
+@dataclass
+class OptimConfig:
+    """AdamW and its learning-rate schedule (cplm_dist.optim)."""
+
+    lr: float = resumable(3e-4)
+    min_lr: float = resumable(3e-5)  # floor of the cosine / WSD decay
+    schedule: Schedule = resumable("cosine")
+    warmup_steps: int = resumable(100)
+    decay_fraction: float = resumable(0.2)  # wsd: the last fraction of train_steps decays to min_lr
+    weight_decay: float = resumable(0.1)
+    decay_embeddings: bool = False  # norms and biases are never decayed; embeddings only if true
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    clip_grad: float = resumable(1.0)  # global gradient-norm clipping (0 = off)
+    impl: OptimImpl = resumable("auto")  # AdamW's kernels: auto = fused on CUDA (one kernel per step), foreach on CPU
+
+
+@dataclass
+class TrainConfig:
+    """The run: batch arithmetic, precision, ZeRO, logging, evaluation and checkpoints."""
+
+    micro_batch_size: int = resumable(4)  # sequences per rank per forward
+    global_batch_size: int = resumable(32)  # sequences per optimizer step = micro x accumulation x dp
+    train_steps: int = resumable(1000)
+    precision: Precision = "bf16"
+    zero_stage: int = resumable(1)
+    activation_checkpointing: bool = resumable(False)  # recompute each transformer layer in backward
+    compile: bool = resumable(False)  # torch.compile each transformer layer (regional: one graph, reused by every layer)
+    # DeepSpeed ZeRO communication (docs/performance.md, "ZeRO settings"); null = on for CUDA, off on CPU/gloo
+    overlap_comm: bool | None = resumable(None)  # reduce (stage 1-2) / gather (stage 3) on a side stream during backward
+    contiguous_gradients: bool = resumable(True)  # copy gradients into one buffer as they are produced (less fragmentation)
+    reduce_bucket_size: int = resumable(500_000_000)  # elements per gradient reduction
+    allgather_bucket_size: int = resumable(500_000_000)  # elements per parameter all-gather after the step (stage 1-2)
+    stage3_prefetch_bucket_size: int = resumable(50_000_000)  # elements of upcoming parameters ZeRO-3 gathers ahead
+    # dtype gradients accumulate (over micro-batches) and are reduced in; null: the parameters'
+    # (DeepSpeed's default). fp32 with bf16 (ZeRO-1 only): DeepSpeed's BF16_Optimizer, as Megatron
+    # accumulates (docs/training.md, "Gradient accumulation in fp32")
+    grad_accum_dtype: GradAccumDtype | None = None
+    out_dir: str = resumable("runs/default")  # checkpoints/ and logs/ go here
+    log_interval: int = resumable(10)
+    eval_interval: int = resumable(200)  # validation loss every this many steps (and at the end)
+    eval_batches: int = resumable(10)  # micro-batches per rank in one validation pass
+    save_interval: int = resumable(500)
+    keep_last: int = resumable(3)  # checkpoints kept (older ones are deleted after a newer one is complete)
+    max_bad_steps: int = resumable(5)  # consecutive non-finite steps before the run stops
+    collective_timeout_minutes: float = resumable(10.0)  # a collective waiting longer ends the job (a hung or lost rank)
+    exit_at_step: int | None = resumable(None)  # save and exit once this step is done (a time-sliced job; Megatron's --exit-interval)
+    inject_nonfinite_at: list[int] = resumable(default_factory=list)  # fault injection (tests): NaN loss at these steps
+    tensorboard: bool = resumable(True)
+    wandb: bool = resumable(False)
+    wandb_project: str = resumable("cplm_dist")
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    copy: CopyConfig = field(default_factory=CopyConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    seed: int = 1234  # model initialisation
+
+
+def resumable_fields(cls: type = Config, prefix: str = "") -> tuple[str, ...]:
+    """The dotted names of the fields marked `resumable`, in the tree's order."""
+    hints = typing.get_type_hints(cls)
+    out: list[str] = []
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            out += resumable_fields(hints[f.name], f"{prefix}{f.name}.")
+        elif f.metadata.get("resumable"):
+            out.append(prefix + f.name)
+    return tuple(out)
+
+
+# Config fields a resumed run may change; any other difference from the saved config is refused.
+RESUMABLE_CHANGES = resumable_fields()
+
+
+def to_dict(cfg: Any) -> dict:
+    """The resolved tree as plain data (for checkpoints, logs and `--print-config`)."""
+    return dataclasses.asdict(cfg)

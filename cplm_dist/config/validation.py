@@ -1,0 +1,197 @@
+"""Validating a config: cross-field checks on the tree, each failure one line naming the field,
+the value and the fix (a `ConfigError`, exit code 2 at the entry points).
+
+`validate` runs at load (cplm_dist.config.loading.load_config); what depends on the launch (the
+world size, hence dp) is checked when the world is known: `batch_layout` here, the tp x pp grid
+in cplm_dist.parallel.
+"""
+
+from __future__ import annotations
+
+from cplm_dist.config.tree import Config, ModelConfig
+from cplm_dist.errors import ConfigError
+from cplm_dist.model.backbone import backbone, hf_llama_backbones
+
+
+def divisors(n: int) -> list[int]:
+    """1 .. n, those that divide n: the valid values a message names (tp, pp, heads)."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def validate(cfg: Config) -> None:
+    """Cross-field checks; each failure is one line naming the field, the value and the fix."""
+    m, c, tp = cfg.model, cfg.copy, cfg.parallel.tp
+    positive = {
+        "model.num_layers": m.num_layers, "model.hidden_size": m.hidden_size,
+        "model.num_heads": m.num_heads, "model.num_kv_heads": m.num_kv_heads,
+        "model.ffn_hidden_size": m.ffn_hidden_size, "model.vocab_size": m.vocab_size,
+        "model.max_seq_len": m.max_seq_len, "model.make_vocab_size_divisible_by": m.make_vocab_size_divisible_by,
+        "copy.num_heads": c.num_heads, "copy.head_dim": c.head_dim, "copy.chunk_size": c.chunk_size,
+        "parallel.tp": tp, "parallel.pp": cfg.parallel.pp,
+    }
+    for name, value in positive.items():
+        if value < 1:
+            raise ConfigError(f"{name}={value} must be a positive integer")
+    for name, value in {"model.norm_eps": m.norm_eps, "model.init_std": m.init_std,
+                        "model.rope_theta": m.rope_theta, "copy.init_std": c.init_std}.items():
+        if not value > 0:
+            raise ConfigError(f"{name}={value} must be > 0")
+    if m.hidden_size % m.num_heads:
+        raise ConfigError(
+            f"model.hidden_size={m.hidden_size} must be divisible by model.num_heads={m.num_heads} "
+            f"(valid head counts: {divisors(m.hidden_size)[:12]}...)"
+        )
+    if m.head_dim % 2:
+        raise ConfigError(f"model.hidden_size/num_heads = {m.head_dim} must be even for rotary embeddings")
+    if c.rope and c.head_dim % 2:
+        raise ConfigError(f"copy.head_dim={c.head_dim} must be even when copy.rope=true")
+    if m.num_heads % m.num_kv_heads:
+        raise ConfigError(
+            f"model.num_kv_heads={m.num_kv_heads} must divide model.num_heads={m.num_heads} "
+            f"(valid: {divisors(m.num_heads)})"
+        )
+    validate_data(cfg)
+    validate_train(cfg)
+    check_tp_divides(m, tp)
+    validate_pipeline(cfg)
+    if m.init_from and not backbone(m).hf_llama:
+        raise ConfigError(f"model.init_from reads a HF Llama, which model.arch={m.arch} is not: drop model.init_from "
+                          f"or use model.arch={hf_llama_backbones()[0]}")
+    if cfg.parallel.sequence_parallel and tp > 1 and cfg.data.seq_length % tp:
+        raise ConfigError(
+            f"data.seq_length={cfg.data.seq_length} is not divisible by parallel.tp={tp}, which "
+            f"parallel.sequence_parallel=true needs (each tp rank holds seq_length/tp positions): "
+            f"make seq_length a multiple of {tp} or set parallel.sequence_parallel=false")
+
+
+def validate_pipeline(cfg: Config) -> None:
+    """What DeepSpeed's pipeline engine needs at parallel.pp > 1."""
+    pp, t = cfg.parallel.pp, cfg.train
+    if pp == 1:
+        return
+    if cfg.model.num_layers < pp:
+        raise ConfigError(f"parallel.pp={pp} exceeds model.num_layers={cfg.model.num_layers}: every stage needs a "
+                          f"transformer layer; use parallel.pp <= {cfg.model.num_layers}")
+    if t.zero_stage > 1:
+        raise ConfigError(f"train.zero_stage={t.zero_stage} with parallel.pp={pp}: DeepSpeed's pipeline engine accumulates "
+                          "gradients across micro-batches itself, which ZeRO-2/3 would shard away; use train.zero_stage=1 "
+                          "(it shards the optimizer states over dp)")
+    if cfg.model.init_from:
+        raise ConfigError(f"model.init_from with parallel.pp={pp}: starting from a HF Llama is wired for pp=1 only; "
+                          "drop model.init_from or train at parallel.pp=1")
+    if t.precision == "bf16" and t.zero_stage == 0:
+        raise ConfigError(f"train.precision=bf16 with train.zero_stage=0 at parallel.pp={pp}: DeepSpeed's bf16 optimizer "
+                          "would clip with a norm that misses later stages' replicated parameters; use train.zero_stage=1")
+
+
+def check_tp_divides(m: ModelConfig, tp: int) -> None:
+    """The heads, kv heads and MLP width split evenly over `tp` ranks (training, and loading a
+    checkpoint at another tp)."""
+    for name, value in (("model.num_heads", m.num_heads), ("model.num_kv_heads", m.num_kv_heads),
+                        ("model.ffn_hidden_size", m.ffn_hidden_size)):
+        if value % tp:
+            valid = [d for d in divisors(m.num_kv_heads) if m.ffn_hidden_size % d == 0]
+            raise ConfigError(f"{name}={value} is not divisible by parallel.tp={tp} (valid tp for this model: {valid})")
+
+
+def parse_split(split: str) -> list[float]:
+    """Megatron's split string "98,2,0" -> normalised [train, valid, test] fractions."""
+    try:
+        parts = [float(p) for p in split.split(",")]
+    except ValueError:
+        parts = []
+    if not 1 <= len(parts) <= 3 or any(p < 0 for p in parts) or sum(parts) <= 0:
+        raise ConfigError(f"data.split={split!r} must be up to three non-negative weights, e.g. '98,2,0'")
+    parts += [0.0] * (3 - len(parts))
+    return [p / sum(parts) for p in parts]
+
+
+def validate_data(cfg: Config) -> None:
+    d = cfg.data
+    if d.seq_length < 1:
+        raise ConfigError(f"data.seq_length={d.seq_length} must be a positive integer")
+    if d.seq_length > cfg.model.max_seq_len:
+        raise ConfigError(
+            f"data.seq_length={d.seq_length} exceeds model.max_seq_len={cfg.model.max_seq_len}: "
+            "lower one or raise the other"
+        )
+    if d.num_workers < 0:
+        raise ConfigError(f"data.num_workers={d.num_workers} must be >= 0")
+    for i, entry in enumerate(d.blend):
+        if not entry.weight > 0:
+            raise ConfigError(f"data.blend[{i}].weight={entry.weight} must be > 0 (drop the entry instead)")
+    parse_split(d.split)
+
+
+def validate_train(cfg: Config) -> None:
+    t, o = cfg.train, cfg.optim
+    for name, value in {"train.micro_batch_size": t.micro_batch_size, "train.global_batch_size": t.global_batch_size,
+                        "train.train_steps": t.train_steps, "train.log_interval": t.log_interval,
+                        "train.eval_interval": t.eval_interval, "train.eval_batches": t.eval_batches,
+                        "train.save_interval": t.save_interval, "train.keep_last": t.keep_last,
+                        "train.max_bad_steps": t.max_bad_steps}.items():
+        if value < 1:
+            raise ConfigError(f"{name}={value} must be a positive integer")
+    for name, value in (("train.reduce_bucket_size", t.reduce_bucket_size),
+                        ("train.allgather_bucket_size", t.allgather_bucket_size),
+                        ("train.stage3_prefetch_bucket_size", t.stage3_prefetch_bucket_size)):
+        if value < 1:
+            raise ConfigError(f"{name}={value} must be a positive number of elements (DeepSpeed's default: 5e8, 5e8, 5e7)")
+    if t.zero_stage not in (0, 1, 2, 3):
+        raise ConfigError(f"train.zero_stage={t.zero_stage} is not valid: choose one of [0, 1, 2, 3]")
+    if cfg.loss.chunk_rows < 1:
+        raise ConfigError(f"loss.chunk_rows={cfg.loss.chunk_rows} must be a positive integer")
+    if cfg.loss.impl == "chunked" and t.zero_stage == 3:
+        raise ConfigError("loss.impl=chunked with train.zero_stage=3: ZeRO-3 gathers the LM-head weight only inside "
+                          "its module's forward, which the chunked loss bypasses; use loss.impl=dense or zero_stage<=2")
+    if t.global_batch_size % t.micro_batch_size:
+        raise ConfigError(
+            f"train.global_batch_size={t.global_batch_size} is not a multiple of train.micro_batch_size={t.micro_batch_size}"
+        )
+    if not 0 < o.lr or not 0 <= o.min_lr <= o.lr:
+        raise ConfigError(f"optim.lr={o.lr} and optim.min_lr={o.min_lr} must satisfy 0 <= min_lr <= lr, lr > 0")
+    if o.warmup_steps < 0 or o.warmup_steps > t.train_steps:
+        raise ConfigError(f"optim.warmup_steps={o.warmup_steps} must be between 0 and train.train_steps={t.train_steps}")
+    if not 0 <= o.decay_fraction <= 1:
+        raise ConfigError(f"optim.decay_fraction={o.decay_fraction} must be within [0, 1]")
+    if o.weight_decay < 0 or o.clip_grad < 0:
+        raise ConfigError("optim.weight_decay and optim.clip_grad must be >= 0")
+    for name, value in (("optim.beta1", o.beta1), ("optim.beta2", o.beta2)):
+        if not 0 <= value < 1:
+            raise ConfigError(f"{name}={value} must be within [0, 1) (e.g. 0.9, 0.95)")
+    if not o.eps > 0:
+        raise ConfigError(f"optim.eps={o.eps} must be > 0 (e.g. 1e-8)")
+    if not t.collective_timeout_minutes > 0:
+        raise ConfigError(f"train.collective_timeout_minutes={t.collective_timeout_minutes} must be > 0")
+    if not str(t.out_dir).strip():
+        raise ConfigError("train.out_dir is empty: name the directory the run writes to")
+    decay_start = t.train_steps - int(round(o.decay_fraction * t.train_steps))
+    if o.schedule == "wsd" and o.warmup_steps > decay_start:
+        raise ConfigError(f"optim.warmup_steps={o.warmup_steps} overlaps the WSD decay, which starts at step {decay_start} "
+                          f"(optim.decay_fraction={o.decay_fraction} of train.train_steps={t.train_steps}): "
+                          "lower one of them")
+    if t.precision == "fp32" and t.grad_accum_dtype == "bf16":
+        raise ConfigError("train.grad_accum_dtype=bf16 with train.precision=fp32: fp32 parameters accumulate fp32 "
+                          "gradients; drop train.grad_accum_dtype or train in train.precision=bf16")
+    if t.precision == "bf16" and t.grad_accum_dtype == "fp32" and t.zero_stage != 1:
+        raise ConfigError(f"train.grad_accum_dtype=fp32 with train.precision=bf16 at train.zero_stage={t.zero_stage}: "
+                          "DeepSpeed accumulates bf16 gradients in fp32 only in its ZeRO-1 bf16 optimizer; use "
+                          "train.zero_stage=1 or drop train.grad_accum_dtype")
+    if t.precision == "bf16" and t.zero_stage == 0 and cfg.parallel.tp > 1 and o.clip_grad > 0:
+        raise ConfigError("train.precision=bf16 with train.zero_stage=0 at parallel.tp>1 and optim.clip_grad>0: DeepSpeed's "
+                          "bf16 stage-0 optimizer clips with a norm that misses the other tp ranks' shards; use "
+                          "train.zero_stage=1 (it also shards the optimizer states)")
+
+
+def batch_layout(cfg: Config, dp_size: int) -> int:
+    """Gradient-accumulation steps from micro x accumulation x dp = global, or a ConfigError with the numbers."""
+    t = cfg.train
+    per_step = t.micro_batch_size * dp_size
+    if t.global_batch_size % per_step:
+        lower = (t.global_batch_size // per_step) * per_step
+        valid = [v for v in (lower, lower + per_step) if v > 0]
+        raise ConfigError(
+            f"train.global_batch_size={t.global_batch_size} is not micro_batch_size={t.micro_batch_size} x "
+            f"dp={dp_size} (={per_step}) x an integer accumulation: use one of {valid} or change micro_batch_size"
+        )
+    return t.global_batch_size // per_step
