@@ -36,7 +36,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from cplm_dist.config import Config, check_tp_divides, from_dict, to_dict
+from cplm_dist.config import RESUMABLE_CHANGES, Config, check_tp_divides, from_dict, to_dict
 from cplm_dist.errors import ConfigError, UsageError
 from cplm_dist.files import sha256_file, write_text_atomic
 from cplm_dist.megatron_compat import import_deepspeed
@@ -47,20 +47,6 @@ COMPLETE = "complete.json"
 FORMAT = 1  # complete.json's layout; bumped when it changes
 
 log = logging.getLogger(__name__)
-
-# Config fields a resumed run may change; any other difference from the saved config is refused
-# (the model, the copy head, the data and its order, the precision, the seed).
-RESUMABLE_CHANGES = (
-    "train.train_steps", "train.micro_batch_size", "train.global_batch_size", "train.activation_checkpointing",
-    "train.out_dir", "train.log_interval", "train.eval_interval", "train.eval_batches", "train.save_interval",
-    "train.keep_last", "train.max_bad_steps", "train.exit_at_step", "train.inject_nonfinite_at", "train.tensorboard",
-    "train.wandb", "train.wandb_project", "train.collective_timeout_minutes", "train.compile", "train.overlap_comm",
-    "train.contiguous_gradients", "train.reduce_bucket_size", "train.allgather_bucket_size",
-    "train.stage3_prefetch_bucket_size", "optim.impl", "loss.impl", "loss.chunk_rows", "model.init_from",
-    "train.zero_stage", "parallel.tp", "parallel.pp", "parallel.sequence_parallel", "optim.lr", "optim.min_lr", "optim.schedule", "optim.warmup_steps",
-    "optim.decay_fraction", "optim.weight_decay", "optim.clip_grad", "data.num_workers", "data.cache_dir",
-)
-
 
 class CheckpointError(UsageError):
     """A checkpoint that cannot be resumed from or loaded (missing, incomplete, another layout)."""
@@ -649,7 +635,7 @@ def _load_states(file: Path, module: bool = True) -> dict:
 def _pipeline_shards(step_dir: Path, manifest: dict, cfg: Config, saved_tp: int) -> list[dict]:
     """Each saved tp rank's weights under their CPLM names, from a pipeline checkpoint's layer
     files (`layer_XX-model_YY-model_states.pt`, one per pipeline layer and tp rank)."""
-    from cplm_dist.model.pipeline import checkpoint_layer_names
+    from cplm_dist.model.stages import checkpoint_layer_names
 
     names = checkpoint_layer_names(cfg)
     files = {(i, r): step_dir / f"layer_{i:02d}-model_{r:02d}-model_states.pt" for i in names for r in range(saved_tp)}

@@ -12,10 +12,10 @@ import subprocess
 from pathlib import Path
 
 from cplm_dist.errors import UsageError
+from cplm_dist.mixes import MIXES
 
 REPO = Path(__file__).resolve().parent.parent
-VARIANTS = {"off": ["copy.enabled=false"], "gate": ["copy.mix=gate"], "joint": ["copy.mix=joint"],
-            "sentinel": ["copy.mix=sentinel"]}
+VARIANTS = {"off": ["copy.enabled=false"], **{name: [f"copy.mix={name}"] for name in MIXES}}  # copy off, then each mix
 COPY_TASKS = ("induction", "mqar", "spamlang")
 
 

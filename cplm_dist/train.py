@@ -44,7 +44,8 @@ from cplm_dist.hf_llama import check_hf_dir, initialise_from_hf
 from cplm_dist.launch_env import LaunchEnv
 from cplm_dist.model import build_model
 from cplm_dist.model.copy_head import check_copy_impl
-from cplm_dist.model.pipeline import build_pipeline_model, stage_summary
+from cplm_dist.model.pipeline import build_pipeline_model
+from cplm_dist.model.stages import stage_summary
 from cplm_dist.model.counting import parameter_count
 from cplm_dist.optim import parameters_finite
 from cplm_dist.parallel import ParallelDims, check_world, default_device, destroy_distributed, init_distributed, synchronize

@@ -10,7 +10,7 @@ The pieces, in the order a loss uses them (docs/copy_head.md):
    `chunked_target_logit_and_lse` (loss.impl=chunked) computes the same two numbers from the
    hidden states and the LM-head shard, block of rows by block of rows, recomputing each block's
    logits in backward: no [N, V/tp] tensor is kept.
-2. `MIXES`                 each mix defined once, as the log-weights of its two components:
+2. `mix_weights`           each mix's two log-weights (its record in cplm_dist.mixes), and `mixture`:
        log p(w) = logaddexp(lm + log softmax_V(z)_w,  copy + log copy_mass_w)
    where copy_mass_w = sum_{j in C_t, src_j = w} exp(s_tj) (M_t at w = y_t). The per-row loss and
    the full distribution are both this one line; the copy side's share of the mass is 1 - exp(lm).
@@ -30,16 +30,15 @@ float64 reference in tests/reference.py that the tests compare against at tp = 1
 from __future__ import annotations
 
 import math
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from cplm_dist.megatron_compat import VocabParallelCrossEntropy
+from cplm_dist.mixes import MIXES, NEG_INF, MixWeights
 
 IGNORE_INDEX = -100  # a label that is not trained on (Megatron's and torch's convention)
-NEG_INF = float("-inf")
 
 
 class CopyTerms(NamedTuple):
@@ -104,6 +103,10 @@ class _TargetLogitAndLSE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, labels, tp_group, inplace):
+        # megatron-core on first use only: the arithmetic that imports this module (padding, the
+        # parameter counts, the memory estimator) runs without it
+        from cplm_dist.megatron_compat import VocabParallelCrossEntropy
+
         # Half-precision logits are computed in fp32 (a new buffer); fp32/fp64 ones are worked on in
         # place when the caller allows it, else on a copy.
         if logits.dtype in (torch.float16, torch.bfloat16):
@@ -233,35 +236,8 @@ def chunked_target_logit_and_lse(
 
 
 # ---------------------------------------------------------------------------------------------
-# 2. the mixtures, each defined once by its two log-weights
+# 2. the mixtures: each mix's two log-weights (cplm_dist.mixes), one formula
 # ---------------------------------------------------------------------------------------------
-
-
-class MixWeights(NamedTuple):
-    lm: torch.Tensor  # log weight of softmax_V(z): log g (gate, sentinel), LSE_V - log Z (joint)
-    copy: torch.Tensor  # log weight of the copy mass: log(1 - g) - A (gate), -S (sentinel), -log Z (joint)
-
-
-def _gate(lse, copy_all, gate, has_cand) -> MixWeights:
-    """g = sigmoid(gate); an empty candidate set forces g = 1 (and no copy mass)."""
-    safe_all = torch.where(has_cand, copy_all, torch.zeros_like(copy_all))
-    return MixWeights(torch.where(has_cand, F.logsigmoid(gate), torch.zeros_like(gate)),
-                      torch.where(has_cand, F.logsigmoid(-gate) - safe_all, torch.full_like(gate, NEG_INF)))
-
-
-def _joint(lse, copy_all, gate, has_cand) -> MixWeights:
-    """One softmax over vocabulary entries and context positions: Z = exp(LSE_V) + exp(A)."""
-    log_z = torch.logaddexp(lse, copy_all)
-    return MixWeights(lse - log_z, -log_z)
-
-
-def _sentinel(lse, copy_all, gate, has_cand) -> MixWeights:
-    """The sentinel (score `gate`) joins the copy softmax, S = logaddexp(sentinel, A); its share is g."""
-    s = torch.logaddexp(gate, copy_all)
-    return MixWeights(gate - s, -s)
-
-
-MIXES: dict[str, Callable[..., MixWeights]] = {"gate": _gate, "joint": _joint, "sentinel": _sentinel}
 
 
 def mix_weights(lse: torch.Tensor, copy: CopyTerms, mix: str) -> MixWeights:
@@ -270,7 +246,7 @@ def mix_weights(lse: torch.Tensor, copy: CopyTerms, mix: str) -> MixWeights:
         raise ValueError(f"mix={mix!r} is not one of {list(MIXES)}")
     copy_all = copy.copy_all.to(lse.dtype)
     gate = None if copy.gate is None else copy.gate.to(lse.dtype)
-    return MIXES[mix](lse, copy_all, gate, torch.isfinite(copy_all))
+    return MIXES[mix].log_weights(lse, copy_all, gate, torch.isfinite(copy_all))
 
 
 def mixture(w: MixWeights, lm_log_softmax: torch.Tensor, copy_log_mass: torch.Tensor) -> torch.Tensor:

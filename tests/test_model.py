@@ -203,7 +203,7 @@ def test_pipeline_partition_is_the_balanced_one():
     import itertools
     import random
 
-    from cplm_dist.model.pipeline import partition
+    from cplm_dist.model.stages import partition
 
     rng = random.Random(0)
     for _ in range(200):
@@ -220,7 +220,7 @@ def test_pipeline_partition_is_the_balanced_one():
 
 
 def test_pipeline_stages_of_the_shipped_sizes():
-    from cplm_dist.model.pipeline import stage_bounds, stage_transformer_layers
+    from cplm_dist.model.stages import stage_bounds, stage_transformer_layers
 
     for name, pp in (("cplm-1.7b", 2), ("cplm-70b", 8), ("tiny", 2)):
         cfg = load_config(name, [])

@@ -15,7 +15,7 @@ import pytest
 
 from cplm_dist.config import load_config
 from cplm_dist.model.counting import parameters_per_device, tensor_sizes_per_device
-from cplm_dist.model.pipeline import layer_parameters, partition
+from cplm_dist.model.stages import layer_parameters, partition
 from cplm_dist.profiling.communication import step_bytes
 from cplm_dist.profiling.memory import (Stage, bubble, estimate, layer_activation_bytes_per_token, pipeline_stages,
                                         stage_estimates, state_bytes_per_parameter)

@@ -6,11 +6,15 @@ over the candidates C_t of the paste mode (`next`: j < t pastes x_{j+1}; `self`:
 x_j), summarised per token by two log-sum-exps, never a T x V tensor:
     A_t = logsumexp_{j in C_t} s_tj,   M_t = logsumexp_{j in C_t, src_j = y_t} s_tj.
 
-Several heads are combined into one (A_t, M_t) so that the loss interface stays per-token:
-  - gate: the heads' copy distributions are averaged, p_copy = mean_h softmax(s_h); returned as
-    A_t = 0 and M_t = log mean_h exp(M_h - A_h) (so M - A = log p_copy(y)), A_t = -inf if C_t empty;
-  - joint, sentinel: the heads' candidates join one pool with weight 1/H_c each:
+Several heads are combined into one (A_t, M_t) so that the loss interface stays per-token, as the
+mix's record says (cplm_dist.mixes, `average_heads`):
+  - averaged (gate): the heads' copy distributions are averaged, p_copy = mean_h softmax(s_h);
+    returned as A_t = 0 and M_t = log mean_h exp(M_h - A_h) (so M - A = log p_copy(y)), A_t = -inf
+    if C_t empty;
+  - pooled (joint, sentinel): the heads' candidates join one pool with weight 1/H_c each:
     A_t = log mean_h exp(A_h), M_t = log mean_h exp(M_h), and the sentinel score likewise.
+The mix's own parameters (a gate's linear, the sentinel keys) and its per-token gate term are the
+record's too.
 With one head both reduce to the formulas above.
 
 Three paths in cplm_dist.model.copy_lse compute the per-head (A, M), chosen by `copy.impl`:
@@ -45,6 +49,7 @@ import torch
 
 from cplm_dist.config import CopyConfig, ModelConfig
 from cplm_dist.errors import ConfigError
+from cplm_dist.mixes import MIXES
 from cplm_dist.model.copy_lse import (FLEX_BLOCK, candidate_mask, chunked_copy_lse, dense_copy_lse, flex_copy_lse,
                                       masked_logsumexp)
 from cplm_dist.model.rotary import apply_rope, rope_tables
@@ -73,13 +78,14 @@ class CopyHead(torch.nn.Module):
         self.heads, self.head_dim = cfg.num_heads, cfg.head_dim
         self.rope_theta = model_cfg.rope_theta
         self.shift = -1 if cfg.paste == "next" else 0  # C_t = {j <= t + shift}: next j < t, self j <= t
-        self.average_heads = cfg.mix == "gate"  # each head its own copy distribution, averaged; else pooled
+        self.mix = MIXES[cfg.mix]
+        self.average_heads = self.mix.average_heads  # each head its own copy distribution, averaged; else pooled
         width = cfg.num_heads * cfg.head_dim
         self.q = ReplicatedLinear(model_cfg.hidden_size, width, bias=False, device=device, dtype=dtype, grad_group=self.sp_group)
         self.k = ReplicatedLinear(model_cfg.hidden_size, width, bias=False, device=device, dtype=dtype, grad_group=self.sp_group)
-        if cfg.mix == "gate":
+        if self.mix.gate == "hidden":  # the mix's own parameters (cplm_dist.mixes: Mix.own_parameters)
             self.gate = ReplicatedLinear(model_cfg.hidden_size, 1, bias=True, device=device, dtype=dtype, grad_group=self.sp_group)
-        elif cfg.mix == "sentinel":
+        elif self.mix.gate == "sentinel":
             self.sentinel = torch.nn.Parameter(torch.empty(cfg.num_heads, cfg.head_dim, device=device, dtype=dtype))
         self._arrange, self._terms = self.arrange, self.terms  # compiled by compile_pointwise
         self._flex_failed: str | None = None  # copy.impl=auto: why the flex kernel could not run here
@@ -126,12 +132,12 @@ class CopyHead(torch.nn.Module):
         return q, k
 
     def gate_logit(self, h: torch.Tensor, q: torch.Tensor, seq_first: bool = False) -> torch.Tensor | None:
-        """(B, T): the gate logit (gate mix), the sentinel score (sentinel mix), None (joint);
-        h as `project` takes it."""
-        if self.cfg.mix == "gate":
+        """(B, T): the mix's gate term (cplm_dist.mixes, Mix.gate): the gate logit from h, the
+        sentinel score from q, or None; h as `project` takes it."""
+        if self.mix.gate == "hidden":
             gate = self.gate(h).squeeze(-1).float()
             return gate.t() if seq_first else gate
-        if self.cfg.mix == "sentinel":
+        if self.mix.gate == "sentinel":
             sentinel = sum_grad_over(self.sentinel, self.sp_group).float()
             sent = torch.einsum("bhtd,hd->bht", q, sentinel) / math.sqrt(self.head_dim)  # (B, H, T)
             return torch.logsumexp(sent, dim=1) - math.log(self.heads)

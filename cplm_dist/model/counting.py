@@ -8,23 +8,31 @@ large configs can be trusted without building them.
 
 from __future__ import annotations
 
+import math
+
 from cplm_dist.config import Config
+from cplm_dist.model.backbone import backbone
+from cplm_dist.mixes import MIXES
 from cplm_dist.vocab_parallel import padded_vocab_size
 
 
 def layer_tensors(cfg: Config) -> list[tuple[int, bool, bool]]:
     """(elements over all tp ranks, split over tp, a weight matrix) of each parameter tensor of
-    one transformer layer, in module order: llama's norm, QKV, out, norm, SwiGLU fc1 [gate; up],
-    fc2; gpt2's the same with LayerNorm biases, linear biases and a GELU fc1 (model.arch)."""
-    m = cfg.model
+    one transformer layer, in module order, from the backbone's features: norm, QKV, attention out,
+    norm, MLP fc1 (a gated MLP's [gate; up]) and fc2; with biases, each linear's bias after its
+    weight (split with a column-parallel linear, replicated with a row-parallel one)."""
+    m, b = cfg.model, backbone(cfg.model)
     D, hd, F = m.hidden_size, m.head_dim, m.ffn_hidden_size
+    norm = [(n, False, False) for n in b.norm_tensors(D)]
+
+    def column(rows: int) -> list[tuple[int, bool, bool]]:  # D -> rows, split by rows
+        return [(rows * D, True, True)] + ([(rows, True, False)] if b.bias else [])
+
+    def row(cols: int) -> list[tuple[int, bool, bool]]:  # cols -> D, split by cols
+        return [(cols * D, True, True)] + ([(D, False, False)] if b.bias else [])
+
     qkv = (m.num_heads + 2 * m.num_kv_heads) * hd
-    if m.arch == "gpt2":
-        norm = [(D, False, False), (D, False, False)]
-        return (norm + [(D * qkv, True, True), (qkv, True, False), (m.num_heads * hd * D, True, True), (D, False, False)]
-                + norm + [(F * D, True, True), (F, True, False), (F * D, True, True), (D, False, False)])
-    return [(D, False, False), (D * qkv, True, True), (m.num_heads * hd * D, True, True),
-            (D, False, False), (2 * F * D, True, True), (F * D, True, True)]
+    return norm + column(qkv) + row(m.num_heads * hd) + norm + column(F * (2 if b.gated_mlp else 1)) + row(F)
 
 
 def _layer_matrices(cfg: Config) -> int:
@@ -33,22 +41,29 @@ def _layer_matrices(cfg: Config) -> int:
 
 
 def _norm_tensors(cfg: Config) -> list[int]:
-    """The final norm's tensors: RMSNorm's weight, or LayerNorm's weight and bias (gpt2)."""
-    return [cfg.model.hidden_size] * (2 if cfg.model.arch == "gpt2" else 1)
+    """The final norm's tensors (the backbone's norm: a weight, and LayerNorm's bias)."""
+    return backbone(cfg.model).norm_tensors(cfg.model.hidden_size)
 
 
 def _positions(cfg: Config) -> int:
-    """gpt2's learned absolute positions (replicated on every tp rank); llama has none (RoPE)."""
-    return cfg.model.max_seq_len * cfg.model.hidden_size if cfg.model.arch == "gpt2" else 0
+    """Learned absolute positions (replicated on every tp rank); none with rotary positions."""
+    return cfg.model.max_seq_len * cfg.model.hidden_size if backbone(cfg.model).positions == "learned" else 0
+
+
+def _copy_mix_tensors(cfg: Config) -> list[tuple[int, bool]]:
+    """(elements, multiplies the hidden state) of each parameter the mix adds to the copy head."""
+    c = cfg.copy
+    return [(math.prod(shape), matmul) for _, shape, matmul in MIXES[c.mix].own_parameters(cfg.model.hidden_size, c.num_heads, c.head_dim)]
 
 
 def _copy_head(cfg: Config) -> tuple[int, int]:
-    """(matrix parameters: q, k and the gate's weight; vectors: the gate's bias or the sentinel keys)."""
+    """(matrix parameters: q, k and what of the mix multiplies h (a gate's weight); the others: a
+    gate's bias, the sentinel keys)."""
     c, D = cfg.copy, cfg.model.hidden_size
     if not c.enabled:
         return 0, 0
-    width = c.num_heads * c.head_dim
-    return 2 * D * width + (D if c.mix == "gate" else 0), {"gate": 1, "sentinel": width, "joint": 0}[c.mix]
+    own = _copy_mix_tensors(cfg)
+    return 2 * D * c.num_heads * c.head_dim + sum(n for n, matmul in own if matmul), sum(n for n, matmul in own if not matmul)
 
 
 def parameter_count(cfg: Config, *, padded: bool = False) -> dict[str, int]:
@@ -82,9 +97,9 @@ def parameters_per_device(cfg: Config, tp: int) -> float:
 
 
 def replicated_parameters(cfg: Config) -> int:
-    """Parameters every tp rank holds whole: the norms, the copy head, and for gpt2 the output
-    projections' biases and the learned positions (under sequence parallelism, the ones whose
-    gradients are summed over tp)."""
+    """Parameters every tp rank holds whole: the norms, the copy head, and where the backbone has
+    them the row-parallel linears' biases and learned positions (under sequence parallelism, the
+    ones whose gradients are summed over tp)."""
     per_layer = sum(n for n, split, _ in layer_tensors(cfg) if not split)
     return cfg.model.num_layers * per_layer + sum(_norm_tensors(cfg)) + _positions(cfg) + sum(_copy_head(cfg))
 
@@ -97,20 +112,18 @@ def matmul_parameters(cfg: Config) -> int:
     return m.num_layers * _layer_matrices(cfg) + m.vocab_size * m.hidden_size + _copy_head(cfg)[0]
 
 
-def tensor_sizes_per_device(cfg: Config, tp: int, pp: int = 1, stage: int = 0) -> list[int]:
+def tensor_sizes_per_device(cfg: Config, tp: int, *, layers: int | None = None, first: bool = True,
+                            last: bool = True) -> list[int]:
     """Elements of each parameter tensor one tp rank holds, in module order (they sum to
-    `parameters_per_device` at pp = 1): what ZeRO-3's persistence threshold is applied to, tensor
-    by tensor. With pipeline stages, those of `stage` (cplm_dist.model.pipeline): the embedding on
-    the first, the final norm, LM head and copy head on the last, which under tied embeddings
-    holds the embedding's shard too."""
-    from cplm_dist.model.pipeline import stage_transformer_layers
-
+    `parameters_per_device` for the whole model): what ZeRO-3's persistence threshold is applied
+    to, tensor by tensor. A pipeline stage (cplm_dist.model.stages.stage_tensor_sizes) holds
+    `layers` transformer layers, the embedding if `first`, and if `last` the final norm, LM head
+    and copy head, and under tied embeddings (not first) the embedding's shard too."""
     m, c = cfg.model, cfg.copy
     D = m.hidden_size
     vocab_rows = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp) // tp
     layer = [n // tp if split else n for n, split, _ in layer_tensors(cfg)]
-    first, last = stage == 0, stage == pp - 1
-    layers = m.num_layers if pp == 1 else stage_transformer_layers(cfg, pp)[stage]
+    layers = m.num_layers if layers is None else layers
     sizes = [vocab_rows * D] + ([_positions(cfg)] if _positions(cfg) else []) if first else []
     sizes += layer * layers
     if last:
@@ -118,5 +131,5 @@ def tensor_sizes_per_device(cfg: Config, tp: int, pp: int = 1, stage: int = 0) -
         sizes += _norm_tensors(cfg) + ([] if m.tie_embeddings else [vocab_rows * D])
         if c.enabled:
             width = c.num_heads * c.head_dim
-            sizes += [width * D, width * D] + {"gate": [D, 1], "sentinel": [width], "joint": []}[c.mix]
+            sizes += [width * D, width * D] + [n for n, _ in _copy_mix_tensors(cfg)]
     return sizes

@@ -27,7 +27,6 @@ into a plain CPLM (cplm_dist.checkpoint.load_model).
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
 
 import torch
 import torch.utils.checkpoint
@@ -37,14 +36,14 @@ from cplm_dist.megatron_compat import import_deepspeed, tensor_parallel
 from cplm_dist.model.block import TransformerLayer
 from cplm_dist.model.compiled import compile_layers
 from cplm_dist.model.copy_head import CopyHead
-from cplm_dist.model.counting import parameter_count
 from cplm_dist.model.cplm import LossHead, megatron_config, vocabulary_shard
 from cplm_dist.model.initialization import deferred_init, init_parameters
 from cplm_dist.model.norm import make_norm
 from cplm_dist.model.rotary import LearnedPositions, layer_rope
 from cplm_dist.model.sharding import mark_split
+from cplm_dist.model.stages import pipeline_layers, stage_bounds
 from cplm_dist.parallel import ParallelDims
-from cplm_dist.vocab_parallel import IGNORE_INDEX, padded_vocab_size
+from cplm_dist.vocab_parallel import IGNORE_INDEX
 
 
 
@@ -122,80 +121,6 @@ class HeadStage(LossHead, torch.nn.Module):
         return torch.stack(list(out))  # (3, B, T): nll, lm_nll, copy_share
 
 
-@dataclass(frozen=True)
-class PipelineLayer:
-    """One entry of the pipeline's layer list (the module docstring's table)."""
-
-    kind: str  # embedding | layer | tied (the embedding's copy on the last stage) | head
-    prefix: str  # its parameters' names in CPLM: prefix + the module's own names
-    weight: int  # parameters it counts for the stage split (over tp; the LM head's V x D with the head)
-    saved: bool  # DeepSpeed writes a layer_XX file for it (not for the tied copy)
-
-
-def pipeline_layers(cfg: Config) -> list[PipelineLayer]:
-    """The pipeline's layers in order, in one place: DeepSpeed's specs, the stage split, its
-    summary and the checkpoint's layer files all read them."""
-    m, D = cfg.model, cfg.model.hidden_size
-    vocab = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, cfg.parallel.tp)
-    parts = parameter_count(cfg)
-    layers = [PipelineLayer("embedding", "", vocab * D + parts["positions"], True)]
-    layers += [PipelineLayer("layer", f"layers.{i}.", parts["layers"] // m.num_layers, True) for i in range(m.num_layers)]
-    if m.tie_embeddings:
-        layers.append(PipelineLayer("tied", "", 0, False))
-    return layers + [PipelineLayer("head", "", vocab * D + parts["final_norm"] + parts["copy_head"], True)]
-
-
-def layer_parameters(cfg: Config) -> list[int]:
-    """The weights `partition` balances: the layers' without the tied copy (it travels with the head)."""
-    return [layer.weight for layer in pipeline_layers(cfg) if layer.kind != "tied"]
-
-
-def partition(weights: list[int], stages: int) -> list[int]:
-    """Stage boundaries (stages + 1 indices into the layers; stage s runs [b[s], b[s+1])): each
-    stage at least one transformer layer, the first layer (embedding) on stage 0 and the last
-    (head) on the last stage, minimising the largest stage's weight (ties: earlier stages lighter)."""
-    n = len(weights)
-    prefix = [0]
-    for w in weights:
-        prefix.append(prefix[-1] + w)
-
-    def fits(limit: int) -> list[int] | None:
-        bounds, start = [0], 0
-        for s in range(stages - 1):
-            # the furthest end for this stage under `limit`, leaving one layer for each later stage
-            # and never cutting the head (index n-1) off the layers before it
-            end = start + 1 + (s == 0)
-            while end + 1 <= n - (stages - 1 - s) - 1 and prefix[end + 1] - prefix[start] <= limit:
-                end += 1
-            if prefix[end] - prefix[start] > limit:
-                return None
-            bounds.append(end)
-            start = end
-        return bounds + [n] if prefix[n] - prefix[start] <= limit else None
-
-    lo, hi = max(weights), prefix[n]
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if fits(mid) is None:
-            lo = mid + 1
-        else:
-            hi = mid
-    return fits(lo)
-
-
-def stage_bounds(cfg: Config, pp: int) -> list[int]:
-    """The pipeline's stage boundaries over `pipeline_layers` (`partition` of `layer_parameters`;
-    the tied copy, just before the head, on the head's stage)."""
-    bounds = partition(layer_parameters(cfg), pp)
-    return bounds[:-1] + [bounds[-1] + 1] if cfg.model.tie_embeddings else bounds
-
-
-def stage_transformer_layers(cfg: Config, pp: int) -> list[int]:
-    """How many transformer layers each stage runs."""
-    bounds, layers = stage_bounds(cfg, pp), pipeline_layers(cfg)
-    return [sum(layer.kind == "layer" for layer in layers[bounds[s]:bounds[s + 1]]) for s in range(pp)]
-
-
 def layer_specs(cfg: Config, dims: ParallelDims, device, dtype) -> list:
     """DeepSpeed's specs of `pipeline_layers`."""
     from deepspeed.pipe import LayerSpec, TiedLayerSpec
@@ -214,13 +139,6 @@ def layer_specs(cfg: Config, dims: ParallelDims, device, dtype) -> list:
         else:
             specs.append(LayerSpec(HeadStage, cfg, dims.tp_group, device, dtype))
     return specs
-
-
-def stage_summary(cfg: Config, pp: int) -> str:
-    """One line: each stage's layers and parameters (over tp), as `partition` balanced them."""
-    weights, bounds = [layer.weight for layer in pipeline_layers(cfg)], stage_bounds(cfg, pp)
-    return "; ".join(f"stage {s}: layers [{bounds[s]}, {bounds[s + 1]}) {sum(weights[bounds[s]:bounds[s + 1]]) / 1e6:.1f}M"
-                     for s in range(pp))
 
 
 class PipelineStages:
@@ -302,9 +220,3 @@ def build_pipeline_model(cfg: Config, dims: ParallelDims, device=None, dtype=tor
         raise ValueError(f"parallel.pp={cfg.parallel.pp} but the pipeline group has {dims.pp_size} ranks")
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     return pipeline_module_class()(cfg, dims, device, dtype)
-
-
-def checkpoint_layer_names(cfg: Config) -> dict[int, str]:
-    """{pipeline layer index: its CPLM name prefix} of the layers DeepSpeed saves as
-    layer_XX-model_YY-model_states.pt."""
-    return {i: layer.prefix for i, layer in enumerate(pipeline_layers(cfg)) if layer.saved}

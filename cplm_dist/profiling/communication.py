@@ -52,7 +52,9 @@ from __future__ import annotations
 from collections import defaultdict
 
 from cplm_dist.config import Config
-from cplm_dist.model.counting import _copy_head, replicated_parameters, tensor_sizes_per_device
+from cplm_dist.mixes import MIXES
+from cplm_dist.model.counting import _copy_head, replicated_parameters
+from cplm_dist.model.stages import pipeline_stages, stage_tensor_sizes
 from cplm_dist.vocab_parallel import padded_vocab_size
 
 ZERO3_PERSISTENCE_THRESHOLD = 100_000  # DeepSpeed's stage3_param_persistence_threshold default
@@ -62,7 +64,7 @@ ZERO3_REUSE_DISTANCE = 1_000_000_000  # DeepSpeed's stage3_max_reuse_distance de
 def _copy_terms(cfg: Config) -> int:
     """Per-token floats the copy head all-gathers under sequence parallelism: A_t, M_t, and the
     gate logit or sentinel score."""
-    return 2 + (cfg.copy.mix in ("gate", "sentinel"))
+    return 2 + (MIXES[cfg.copy.mix].gate is not None)
 
 
 def tp_bytes_per_micro_batch(cfg: Config, *, tp: int, tokens: int, act_bytes: int, activation_checkpointing: bool,
@@ -111,7 +113,7 @@ def dp_bytes_per_step(cfg: Config, *, tp: int, dp: int, zero: int, accumulation:
     """{collective: bytes} of one optimizer step on the dp group (of pipeline `stage`'s parameters)."""
     if dp == 1:
         return {}
-    sizes = tensor_sizes_per_device(cfg, tp, pp, stage)
+    sizes = stage_tensor_sizes(cfg, tp, pp, stage)
     p = sum(sizes) * param_bytes
     if zero == 0:
         return {"all_reduce": p}
@@ -131,14 +133,12 @@ def step_bytes(cfg: Config, *, tp: int, dp: int, zero: int, micro_batch: int, ac
                stage: int = 0) -> dict[str, float]:
     """{"<group>/<collective>": bytes} one rank moves in an optimizer step (the module docstring);
     with pipeline stages (pp > 1), a rank of `stage`."""
-    from cplm_dist.model.pipeline import stage_transformer_layers
-
     b = 2 if precision == "bf16" else 4
     sp = sequence_parallel and tp > 1
     tokens = micro_batch * seq_len
     out: dict[str, float] = defaultdict(float)
     first, last = stage == 0, stage == pp - 1
-    layers = None if pp == 1 else stage_transformer_layers(cfg, pp)[stage]
+    layers = None if pp == 1 else pipeline_stages(cfg, pp, tp)[stage].layers
     per_micro = tp_bytes_per_micro_batch(cfg, tp=tp, tokens=tokens, act_bytes=b, activation_checkpointing=activation_checkpointing,
                                          sequence_parallel=sp, layers=layers, first=first, last=last)
     for name, size in per_micro.items():

@@ -16,24 +16,21 @@ Model states (bytes per parameter held by the device, the ZeRO paper's counts, w
 where a device holds P_tp = (tp-split parameters) / tp + replicated parameters.
 
 Activations saved for backward, per token, per transformer layer, counted from what our block's
-autograd graph keeps (b = bytes per activation element; a test measures it with
-saved-tensor hooks and must agree exactly):
+autograd graph keeps, by the backbone's features (cplm_dist.model.backbone; b = bytes per
+activation element; a test measures each shipped backbone with saved-tensor hooks and must agree
+exactly):
 
-    norms     2 x (4 D + 4 + 4 D + b D)           fp32 input and normalised copies, 1/rms, output
-    attention b (nh + 2 nkv) hd                     the fused QKV output (V is a view of it)
-              + b (2 nh + nkv) hd + 4 nh            rotated q, k; the SDPA output; its log-sum-exp
-    MLP       b (2 F + F + F)                       fc1 output, SiLU(gate), SiLU(gate) * up
+    norms     2 x (4 D + 4 + 4 D + b D)     RMSNorm: fp32 input and normalised copies, 1/rms, output
+              2 x (4 D + 8 + b D)           LayerNorm: fp32 input, mean and 1/std, output
+    attention b (nh + 2 nkv) hd             the fused QKV output (q, k, v are views of it)
+              + b (nh + nkv) hd             rotary positions: the rotated q, k
+              + b nh hd [nkv < nh]          learned positions: q made contiguous when heads share kv
+              + b nh hd + 4 nh              the SDPA output and its log-sum-exp
+    MLP       b (2 F + F + F)               SwiGLU: fc1 output, SiLU(gate), SiLU(gate) * up
+              b (F + F)                     GELU: fc1 output, GELU output
 
-(nh, nkv = heads per tp rank; in bf16 each norm also keeps an fp32 copy of its weight, 8 D bytes
-per layer, not counted). The gpt2 backbone (model.arch=gpt2) keeps instead:
-
-    norms     2 x (4 D + 8 + b D)                   LayerNorm's fp32 input, mean and 1/std, output
-    attention b (nh + 2 nkv) hd                     the fused QKV output (q, k, v are views of it:
-              + b nh hd [nkv < nh]                  no RoPE), q made contiguous when heads share kv,
-              + b nh hd + 4 nh                      the SDPA output and its log-sum-exp
-    MLP       b (F + F)                             fc1 output, GELU output
-
-(in bf16 its LayerNorms keep fp32 copies of weight and bias, 16 D bytes per layer, not counted). With activation checkpointing a layer keeps only its input
+(nh, nkv = heads per tp rank; in bf16 each norm also keeps an fp32 copy of each of its tensors, 4 D
+bytes a tensor per layer, not counted). With activation checkpointing a layer keeps only its input
 (b D per token) and one layer's activations exist at a time, during its recomputation.
 
 Sequence parallelism (parallel.sequence_parallel, tp > 1) keeps the norms' tensors for T/tp
@@ -97,12 +94,12 @@ p = 1 every figure is the single-stage one above.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 
 from cplm_dist.config import Config
+from cplm_dist.model.backbone import backbone
 from cplm_dist.model.copy_lse import FLEX_VALUE_DIM
-from cplm_dist.model.counting import parameters_per_device, tensor_sizes_per_device
-from cplm_dist.model.pipeline import stage_transformer_layers
+from cplm_dist.model.stages import Stage, pipeline_stages, stage_parameters
 from cplm_dist.vocab_parallel import padded_vocab_size
 
 GIB = 1024**3
@@ -138,52 +135,6 @@ class MemoryEstimate:
                 "total": self.total}
 
 
-@dataclass(frozen=True)
-class Stage:
-    """One pipeline stage's share of the model (pp = 1: the whole model, one stage)."""
-    index: int
-    stages: int
-    layers: int  # transformer layers
-    first: bool  # holds the embedding; its input is the ids
-    last: bool  # holds the final norm, the LM head (or the tied embedding copy) and the copy head
-
-
-def _at_tp(cfg: Config, tp: int | None) -> Config:
-    """`cfg` with parallel.tp = tp: the stage split pads the vocabulary for the tp it runs at."""
-    return cfg if tp is None or tp == cfg.parallel.tp else replace(cfg, parallel=replace(cfg.parallel, tp=tp))
-
-
-_STAGE_LAYERS: dict[tuple[str, int], list[int]] = {}  # the planner asks for the same split many times
-
-
-def _stage_layers(cfg: Config, pp: int) -> list[int]:
-    key = (repr(cfg.model) + repr(cfg.copy) + str(cfg.parallel.tp), pp)
-    if key not in _STAGE_LAYERS:
-        _STAGE_LAYERS[key] = stage_transformer_layers(cfg, pp)
-    return _STAGE_LAYERS[key]
-
-
-def pipeline_stages(cfg: Config, pp: int, tp: int | None = None) -> list[Stage]:
-    """The stages CPLMPipe builds (cplm_dist.model.pipeline.stage_transformer_layers: `partition`
-    of `layer_parameters`, the tied copy with the head), the vocabulary padded for `tp`."""
-    L = cfg.model.num_layers
-    if pp == 1:
-        return [Stage(0, 1, L, True, True)]
-    if pp > L:
-        raise ValueError(f"pp={pp} exceeds model.num_layers={L}: every stage needs a transformer layer")
-    cfg = _at_tp(cfg, tp)
-    layers = _stage_layers(cfg, pp)
-    return [Stage(s, pp, n, s == 0, s == pp - 1) for s, n in enumerate(layers)]
-
-
-def stage_parameters(cfg: Config, stage: Stage, tp: int) -> float:
-    """Parameters one rank of `stage` holds (before ZeRO-3 sharding), padded vocabulary included:
-    counting.tensor_sizes_per_device's of the stage (the tied embedding on the first and last)."""
-    if stage.stages == 1:
-        return parameters_per_device(cfg, tp)
-    return sum(tensor_sizes_per_device(_at_tp(cfg, tp), tp, stage.stages, stage.index))
-
-
 def in_flight(stage: Stage, accumulation: int) -> int:
     """Micro-batches whose activations stage s holds at once under 1F1B: min(p - s, m)."""
     return min(stage.stages - stage.index, accumulation)
@@ -214,18 +165,28 @@ def sequence_shards(cfg: Config, tp: int) -> int:
     return tp if cfg.parallel.sequence_parallel and tp > 1 else 1
 
 
+# per token, what one norm saves for backward (b bytes an activation): RMSNorm its fp32 input and
+# normalised copies, 1/rms and its output; LayerNorm its fp32 input, mean and 1/std and its output
+NORM_SAVED = {"rmsnorm": lambda D, b: 4 * D + 4 + 4 * D + b * D, "layernorm": lambda D, b: 4 * D + 8 + b * D}
+# per token, b x this x ffn/tp bytes the MLP saves: SwiGLU fc1's [gate; up], SiLU(gate) and the
+# product; GELU fc1's output and the GELU
+MLP_SAVED = {"swiglu": 4, "gelu": 2}
+
+
 def layer_activation_bytes_per_token(cfg: Config, tp: int, act_bytes: int) -> float:
-    m, b = cfg.model, act_bytes
+    """What one transformer layer saves for backward per token, from its backbone's features (the
+    module docstring's counts)."""
+    m, b, bb = cfg.model, act_bytes, backbone(cfg.model)
     D, F, hd = m.hidden_size, m.ffn_hidden_size // tp, m.head_dim
     nh, nkv = m.num_heads // tp, m.num_kv_heads // tp
-    if m.arch == "gpt2":
-        norms = 2 * (4 * D + 8 + b * D) / sequence_shards(cfg, tp)
-        attention = b * (nh + 2 * nkv) * hd + b * nh * hd * (2 if nkv < nh else 1) + 4 * nh
-        return norms + attention + b * 2 * F
-    norms = 2 * (4 * D + 4 + 4 * D + b * D) / sequence_shards(cfg, tp)
-    attention = b * (nh + 2 * nkv) * hd + b * (2 * nh + nkv) * hd + 4 * nh
-    mlp = b * 4 * F
-    return norms + attention + mlp
+    norms = 2 * NORM_SAVED[bb.norm](D, b) / sequence_shards(cfg, tp)
+    attention = b * (nh + 2 * nkv) * hd  # the fused QKV output
+    if bb.positions == "rope":
+        attention += b * (nh + nkv) * hd  # rotated q and k
+    elif nkv < nh:
+        attention += b * nh * hd  # q made contiguous for SDPA when heads share kv
+    attention += b * nh * hd + 4 * nh  # the SDPA output and its log-sum-exp
+    return norms + attention + b * MLP_SAVED[bb.mlp] * F
 
 
 def copy_head_bytes(cfg: Config, micro_batch: int, seq_len: int, tp: int = 1) -> float:
