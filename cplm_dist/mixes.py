@@ -3,7 +3,7 @@
 | field | what | read by |
 |---|---|---|
 | log_weights | the log-weights of the two components, log p(w) = logaddexp(lm + log softmax_V(z)_w, copy + log copy_mass_w) | cplm_dist.vocab_parallel (the loss and the full distribution) |
-| gate | the per-token third term: "hidden" (a gate logit, a linear of h), "sentinel" (q . k_s), None | the copy head (its parameters and that term), profiling.communication (floats it gathers) |
+| gate | the per-token third term: "hidden" (a gate logit, a linear of h), "query" (the sentinel score q . k_s), None | the copy head (its parameters and that term), profiling.communication (floats it gathers) |
 | own_parameters | what the mix adds to the copy head beside q and k | the copy head, cplm_dist.model.counting |
 | average_heads | heads normalised one by one and their copy distributions averaged; else pooled | the copy head |
 
@@ -51,7 +51,7 @@ def _sentinel(lse, copy_all, gate, has_cand) -> MixWeights:
 class Mix:
     name: str
     log_weights: Callable[..., MixWeights]  # (LSE_V, A_t, the gate term or None, A_t finite) -> MixWeights
-    gate: str | None  # "hidden": g from a linear of h (bias included); "sentinel": the score q . k_s / sqrt(d_c); None
+    gate: str | None  # "hidden": g from a linear of h (bias included); "query": the sentinel score q . k_s / sqrt(d_c); None
     average_heads: bool  # each head its own copy distribution, averaged (else the heads' candidates pool)
 
     def own_parameters(self, hidden: int, heads: int, head_dim: int) -> list[tuple[str, tuple[int, ...], bool]]:
@@ -59,7 +59,7 @@ class Mix:
         parameters the mix adds to the copy head beside q and k, in module order."""
         if self.gate == "hidden":
             return [("gate.weight", (1, hidden), True), ("gate.bias", (1,), False)]
-        if self.gate == "sentinel":
+        if self.gate == "query":
             return [("sentinel", (heads, head_dim), False)]
         return []
 
@@ -67,5 +67,5 @@ class Mix:
 MIXES: dict[str, Mix] = {
     "gate": Mix("gate", _gate, gate="hidden", average_heads=True),
     "joint": Mix("joint", _joint, gate=None, average_heads=False),
-    "sentinel": Mix("sentinel", _sentinel, gate="sentinel", average_heads=False),
+    "sentinel": Mix("sentinel", _sentinel, gate="query", average_heads=False),
 }

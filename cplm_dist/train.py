@@ -38,19 +38,16 @@ from cplm_dist.cli import config_parser, exit_on_usage_error, load_from_args
 from cplm_dist.config import Config, batch_layout
 from cplm_dist.data.gpt_data import build_datasets, check_data
 from cplm_dist.data.loader import ResumableLoader
-from cplm_dist.engine import build_engine
 from cplm_dist.heartbeat import Heartbeat
 from cplm_dist.hf_llama import check_hf_dir, initialise_from_hf
 from cplm_dist.launch_env import LaunchEnv
-from cplm_dist.model import build_model
 from cplm_dist.model.copy_head import check_copy_impl
-from cplm_dist.model.pipeline import build_pipeline_model
-from cplm_dist.model.stages import stage_summary
 from cplm_dist.model.counting import parameter_count
+from cplm_dist.model.stages import stage_summary
 from cplm_dist.optim import parameters_finite
 from cplm_dist.parallel import ParallelDims, check_world, default_device, destroy_distributed, init_distributed, synchronize
 from cplm_dist.run_log import RunLog
-from cplm_dist.train_step import TrainStep
+from cplm_dist.train_step import build_train_step, build_training_model
 from cplm_dist.vocab_parallel import IGNORE_INDEX
 
 EXIT_BAD_STEPS = 3
@@ -206,14 +203,14 @@ def train(cfg: Config, dims: ParallelDims, accumulation: int, resume: tuple, sam
 
     # 4. model, 5. DeepSpeed engine (ZeRO over dp, our AdamW and schedule), the step -------------
     stop.enter("building the model and the DeepSpeed engine")
-    model = build_pipeline_model(cfg, dims, device=device) if dims.pp_size > 1 else build_model(cfg, device=device)
+    model = build_training_model(cfg, dims, device)
     if cfg.model.init_from and resume[1] is None:  # a fresh run from a HF Llama; a resume reads its checkpoint
         stop.enter(f"loading {cfg.model.init_from}")
         initialise_from_hf(model, cfg.model.init_from, dims.tp_rank, dims.tp_size)
     ckpt = Checkpointer(Path(t.out_dir) / "checkpoints", cfg, dims)
     resume = ckpt.newest_intact(*resume) if resume[1] is not None else resume
-    engine, optimizer, scheduler = build_engine(model, cfg, dims, load_universal=ckpt.loads_universal(*resume))
-    train_step = TrainStep(engine, optimizer, scheduler, dims, cfg)
+    train_step = build_train_step(cfg, dims, device, model, load_universal=ckpt.loads_universal(*resume))
+    engine = train_step.engine
 
     # 6. data: megatron's blended GPTDatasets, our resumable loader -------------------------------
     stop.enter("indexing the data")

@@ -1,7 +1,7 @@
 """One optimizer step: the function training runs and the profiler measures, so that the
-profiler cannot time something training does not do.
+profiler cannot time something training does not do; and how both build it.
 
-    step = TrainStep(engine, optimizer, scheduler, dims, cfg)     # from cplm_dist.engine.build_engine
+    step = build_train_step(cfg, dims, device)   # the model (build_training_model), DeepSpeed's engine, the step
     result = step(batches)            # next(batches) -> {"input_ids": (micro, T), "labels": (micro, T)}
 
 A step reads `accumulation` micro-batches. Each micro-batch's loss is its summed per-token loss
@@ -30,6 +30,9 @@ import torch
 import torch.distributed as dist
 
 from cplm_dist.config import Config
+from cplm_dist.engine import build_engine
+from cplm_dist.model.cplm import build_model
+from cplm_dist.model.pipeline import build_pipeline_model
 from cplm_dist.optim import grad_norm
 from cplm_dist.parallel import ParallelDims, synchronize
 from cplm_dist.vocab_parallel import IGNORE_INDEX
@@ -131,3 +134,24 @@ class TrainStep:
         skipped = self.optimizer.skipped_last or engine.skipped_steps > skipped_before
         return StepResult(float(loss), float(extra["lm_loss"]), float(extra["copy_share"]),
                           float(norm) if norm is not None else float("nan"), lr, skipped, wait[0])
+
+
+def build_training_model(cfg: Config, dims: ParallelDims, device: torch.device) -> torch.nn.Module:
+    """The module a run hands DeepSpeed: this rank's pipeline stage at parallel.pp > 1 (a
+    PipelineModule), else the whole CPLM; activation checkpointing and compile as cfg.train says
+    (cplm_dist.model.parallelize)."""
+    if dims.pp_size > 1:
+        return build_pipeline_model(cfg, dims, device=device)
+    return build_model(cfg, tp_group=dims.tp_group, device=device)
+
+
+def build_train_step(cfg: Config, dims: ParallelDims, device: torch.device, model: torch.nn.Module | None = None, *,
+                     load_universal: bool = False) -> TrainStep:
+    """Training's step for `model` (default: `build_training_model`'s, from cfg.seed): DeepSpeed's
+    engine with our optimizer and schedule around it. cplm-train and the profiler both build it
+    here. `load_universal`: the engine will resume from a universal checkpoint (a reshape)."""
+    if model is None:
+        torch.manual_seed(cfg.seed)
+        model = build_training_model(cfg, dims, device)
+    engine, optimizer, scheduler = build_engine(model, cfg, dims, load_universal=load_universal)
+    return TrainStep(engine, optimizer, scheduler, dims, cfg)

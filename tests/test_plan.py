@@ -44,7 +44,7 @@ def _config(overrides):
 def _measured_volumes_worker():
     from cplm_dist.parallel import default_device, init_distributed
     from cplm_dist.profiling.measure import measure
-    from cplm_dist_tools.cplm_profile import build
+    from cplm_dist.train_step import build_train_step as build
 
     dims = init_distributed(2)
     device = default_device()
@@ -106,7 +106,7 @@ def _measured_pipeline_volumes_worker():
     from cplm_dist.megatron_compat import parallel_state
     from cplm_dist.parallel import default_device, init_distributed
     from cplm_dist.profiling.measure import measure
-    from cplm_dist_tools.cplm_profile import build
+    from cplm_dist.train_step import build_train_step as build
 
     out = []
     for tp, pp, dp, overrides in [c[:4] for c in PP_CASES]:

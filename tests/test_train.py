@@ -320,7 +320,7 @@ def _profiler_step_losses(args, steps):
     from cplm_dist.data.gpt_data import build_datasets
     from cplm_dist.data.loader import ResumableLoader
     from cplm_dist.parallel import default_device, init_distributed
-    from cplm_dist_tools.cplm_profile import build
+    from cplm_dist.train_step import build_train_step as build
 
     cfg = load_from_args(config_parser("").parse_intermixed_args(args))
     t = cfg.train

@@ -29,15 +29,16 @@ WAYS = ("gathered", "score")
 
 def measure(args, way: str) -> dict:
     from cplm_dist.config import load_config
-    from cplm_dist.model.cplm import CPLM
+    from cplm_dist.model import build_model
     from cplm_dist.parallel import init_distributed
     from cplm_dist.profiling.measure import PeakMeter, current_memory_bytes, release_freed_memory_on_cpu
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     dims = init_distributed(1)
-    cfg = load_config(args.config, [f"model.num_layers={args.layers}", f"model.max_seq_len={max(args.seq_len, 2)}"])
+    cfg = load_config(args.config, [f"model.num_layers={args.layers}", f"model.max_seq_len={max(args.seq_len, 2)}", "seed=0"])
     device = torch.device(args.device)
-    model = CPLM(cfg.model, cfg.copy, dims.tp_group, seed=0, device=device).eval()
+    model = build_model(cfg, tp_group=dims.tp_group, device=device, activation_checkpointing=False, compile_layers=False,
+                        sequence_parallel=False).eval()
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg.model.vocab_size, (args.batch, args.seq_len + 1), generator=g).to(device)
     inputs, targets = ids[:, :-1], ids[:, 1:]

@@ -1,28 +1,50 @@
 """One pre-norm transformer layer: x + attn(norm(x)), then x + mlp(norm(x)); the norm and MLP
-are the backbone's (model.arch: RMSNorm + SwiGLU for llama, LayerNorm + GELU for gpt2).
+are the backbone's (its record's `norm` and `mlp`, cplm_dist.model.backbone).
 
 Under sequence parallelism x is this rank's (T/tp, B, D) positions: norms and residuals run on
-them, the attention and MLP linears gather and scatter the sequence (megatron-core)."""
+them, the attention and MLP linears gather and scatter the sequence (megatron-core).
+
+How a layer runs in training is set after it is built (cplm_dist.model.parallelize), the same for
+the whole model and a pipeline stage: `recompute` (activation checkpointing: only the input is kept,
+the layer runs again in backward) and `compiled` (its `block` compiled). Decoding with a KV cache
+always runs the eager block (the cache changes shape every token).
+"""
+
+from __future__ import annotations
 
 import torch
+import torch.utils.checkpoint
 
-from cplm_dist.config import ModelConfig
-from cplm_dist.megatron_compat import ModelParallelConfig
 from cplm_dist.model.attention import Attention
 from cplm_dist.model.mlp import make_mlp
 from cplm_dist.model.norm import make_norm
+from cplm_dist.model.parts import PartSpec
 
 
 class TransformerLayer(torch.nn.Module):
-    def __init__(self, cfg: ModelConfig, mp: ModelParallelConfig, tp_group, tp_size: int, device=None):
+    def __init__(self, spec: PartSpec):
         super().__init__()
-        grad_group = tp_group if mp.sequence_parallel else None  # norms see this rank's positions only
-        self.attn_norm = make_norm(cfg, device=device, dtype=mp.params_dtype, grad_group=grad_group)
-        self.attention = Attention(cfg, mp, tp_group, tp_size)
-        self.mlp_norm = make_norm(cfg, device=device, dtype=mp.params_dtype, grad_group=grad_group)
-        self.mlp = make_mlp(cfg, mp, tp_group, tp_size)
+        m, mp = spec.model, spec.megatron
+        # norms see this rank's positions only under sequence parallelism (their gradients summed over tp)
+        self.attn_norm = make_norm(m, device=spec.device, dtype=mp.params_dtype, grad_group=spec.sp_group)
+        self.attention = Attention(m, mp, spec.tp_group, spec.tp_size)
+        self.mlp_norm = make_norm(m, device=spec.device, dtype=mp.params_dtype, grad_group=spec.sp_group)
+        self.mlp = make_mlp(m, mp, spec.tp_group, spec.tp_size)
+        self.recompute = False  # activation checkpointing in training (parallelize)
+        self.compiled = None  # torch.compile'd `block`, run in training and evaluation without a cache (parallelize)
+
+    def block(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
+              cache: dict | None = None) -> torch.Tensor:
+        x = x + self.attention(self.attn_norm(x), cos, sin, cache)
+        return x + self.mlp(self.mlp_norm(x))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
                 cache: dict | None = None) -> torch.Tensor:
-        x = x + self.attention(self.attn_norm(x), cos, sin, cache)
-        return x + self.mlp(self.mlp_norm(x))
+        """x (B, T, D) or sequence parallel (T/tp, B, D); cos/sin for all T positions (None:
+        learned positions); `cache` (decoding) extended in place."""
+        if cache is not None:
+            return self.block(x, cos, sin, cache)
+        block = self.compiled if self.compiled is not None else self.block
+        if self.recompute and self.training and torch.is_grad_enabled():
+            return torch.utils.checkpoint.checkpoint(block, x, cos, sin, use_reentrant=False)
+        return block(x, cos, sin)

@@ -1,10 +1,12 @@
-"""Regional compilation (train.compile): torch.compile on each transformer layer, not the whole model.
+"""Where torch.compile can work (train.compile): regional compilation, each transformer layer's
+block on its own (cplm_dist.model.parallelize), not the whole model.
 
 Every layer runs the same code, so dynamo traces one graph and every layer reuses it (parameters
 are graph inputs): compile time is one layer's, whatever the depth, and the fused norms, RoPE and
-SwiGLU are what the layers gain. The embedding, LM head, loss and copy head stay eager (the loss
-is a custom autograd Function over the vocabulary shards). Decoding with a KV cache always runs
-the eager layers (the cache changes shape every token).
+SwiGLU are what the layers gain. The embedding, LM head and loss stay eager (the loss is a custom
+autograd Function over the vocabulary shards); the copy head compiles its pointwise parts
+(CopyHead.compile_pointwise). Decoding with a KV cache always runs the eager layers (the cache
+changes shape every token).
 
 Where compilation cannot work (no C++ compiler for CPU code, no Triton for CUDA, dynamo not
 supported on this Python), the run warns once and trains eager.
@@ -12,13 +14,10 @@ supported on this Python), the run warns once and trains eager.
 
 from __future__ import annotations
 
-import logging
 import os
 import shutil
 
 import torch
-
-log = logging.getLogger(__name__)
 
 
 def unavailable_reason(device: torch.device) -> str | None:
@@ -31,13 +30,3 @@ def unavailable_reason(device: torch.device) -> str | None:
         return None if has_triton() else "Triton is not installed (pip install triton)"
     compiler = os.environ.get("CXX", "g++")
     return None if shutil.which(compiler) else f"no C++ compiler ({compiler}) for CPU kernels (apt install g++, or set CXX)"
-
-
-def compile_layers(layers: torch.nn.ModuleList, device: torch.device) -> list | None:
-    """Compiled callables for `layers` (a plain list, so the state dict keeps one copy of each
-    parameter), or None with one warning where compilation is unavailable."""
-    reason = unavailable_reason(device)
-    if reason:
-        log.warning("train.compile=true but %s: training runs the layers eager", reason)
-        return None
-    return [torch.compile(layer) for layer in layers]

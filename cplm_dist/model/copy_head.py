@@ -50,6 +50,7 @@ import torch
 from cplm_dist.config import CopyConfig, ModelConfig
 from cplm_dist.errors import ConfigError
 from cplm_dist.mixes import MIXES
+from cplm_dist.model.compiled import unavailable_reason
 from cplm_dist.model.copy_lse import (FLEX_BLOCK, candidate_mask, chunked_copy_lse, dense_copy_lse, flex_copy_lse,
                                       masked_logsumexp)
 from cplm_dist.model.rotary import apply_rope, rope_tables
@@ -85,7 +86,7 @@ class CopyHead(torch.nn.Module):
         self.k = ReplicatedLinear(model_cfg.hidden_size, width, bias=False, device=device, dtype=dtype, grad_group=self.sp_group)
         if self.mix.gate == "hidden":  # the mix's own parameters (cplm_dist.mixes: Mix.own_parameters)
             self.gate = ReplicatedLinear(model_cfg.hidden_size, 1, bias=True, device=device, dtype=dtype, grad_group=self.sp_group)
-        elif self.mix.gate == "sentinel":
+        elif self.mix.gate == "query":
             self.sentinel = torch.nn.Parameter(torch.empty(cfg.num_heads, cfg.head_dim, device=device, dtype=dtype))
         self._arrange, self._terms = self.arrange, self.terms  # compiled by compile_pointwise
         self._flex_failed: str | None = None  # copy.impl=auto: why the flex kernel could not run here
@@ -97,8 +98,6 @@ class CopyHead(torch.nn.Module):
         per-token combination of heads and the gate) as compiled graphs. False, with one warning,
         where compilation is unavailable, and under sequence parallelism, whose weight gradients
         are summed over tp inside the graph."""
-        from cplm_dist.model.compiled import unavailable_reason
-
         reason = unavailable_reason(device) or ("sequence parallelism is on" if self.sp_group is not None else None)
         if reason:
             log.warning("train.compile=true but %s: the copy head runs eager", reason)
@@ -137,7 +136,7 @@ class CopyHead(torch.nn.Module):
         if self.mix.gate == "hidden":
             gate = self.gate(h).squeeze(-1).float()
             return gate.t() if seq_first else gate
-        if self.mix.gate == "sentinel":
+        if self.mix.gate == "query":
             sentinel = sum_grad_over(self.sentinel, self.sp_group).float()
             sent = torch.einsum("bhtd,hd->bht", q, sentinel) / math.sqrt(self.head_dim)  # (B, H, T)
             return torch.logsumexp(sent, dim=1) - math.log(self.heads)
@@ -196,8 +195,6 @@ class CopyHead(torch.nn.Module):
 
     def _flex_unavailable(self, device: torch.device) -> str | None:
         if self._flex_failed is None:
-            from cplm_dist.model.compiled import unavailable_reason
-
             self._flex_failed = unavailable_reason(device) or ""
         return self._flex_failed or None
 

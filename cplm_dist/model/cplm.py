@@ -1,5 +1,6 @@
-"""The Copy-Paste LM: a Llama-style decoder from megatron-core tp layers, its vocab-parallel LM
-head, and the copy head beside it, mixed without gathering the vocabulary.
+"""The Copy-Paste LM: a decoder from megatron-core tp layers, its vocab-parallel LM head, and the
+copy head beside it, mixed without gathering the vocabulary. It is its parts in a row
+(cplm_dist.model.parts): the embedding, the transformer layers, the head.
 
     model = build_model(cfg)                  # tp from the initialised parallel state
     out = model(input_ids, labels)            # TokenLoss: out.nll, out.lm_nll, out.copy_share (B, T)
@@ -21,29 +22,26 @@ and the loss, replicated over tp as without it, comes back as (B, T).
 Copy on or off, the loss is the same function (copy off: no copy terms), so the matched baseline
 shares every line of loss code except the copy terms. The model never calls torch.distributed
 itself: collectives live in the megatron layers and in cplm_dist.vocab_parallel, on the tp group
-handed in. It is built from the model and copy sections and explicit flags, not the whole config.
+handed in. It is built from the model, copy and loss sections and explicit flags (`build_model`).
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
-import torch.utils.checkpoint
 
 from cplm_dist import vocab_parallel
-from cplm_dist.config import Config, CopyConfig, LossConfig, ModelConfig
-from cplm_dist.megatron_compat import ModelParallelConfig, parallel_state, tensor_parallel
-from cplm_dist.model.compiled import compile_layers as compile_each_layer
+from cplm_dist.config import Config, ModelConfig
+from cplm_dist.megatron_compat import parallel_state
 from cplm_dist.model.block import TransformerLayer
-from cplm_dist.model.copy_head import CopyHead
-from cplm_dist.model.initialization import deferred_init, init_parameters
-from cplm_dist.model.norm import make_norm
-from cplm_dist.model.rotary import LearnedPositions, layer_rope
-from cplm_dist.model.sequence_parallel import gather_sequence
-from cplm_dist.model.sharding import mark_split
+from cplm_dist.model.initialization import init_parameters
+from cplm_dist.model.parallelize import parallelize
+from cplm_dist.model.parts import Embedding, Head, PartSpec
+from cplm_dist.model.rotary import layer_rope
 
 log = logging.getLogger(__name__)
 
@@ -72,110 +70,27 @@ class DecodeState:
                            ids=pick(self.ids), copy_k=pick(self.copy_k))
 
 
-def megatron_config(tp_size: int, device: torch.device, dtype: torch.dtype,
-                    sequence_parallel: bool = False) -> ModelParallelConfig:
-    return ModelParallelConfig(
-        tensor_model_parallel_size=tp_size,
-        use_cpu_initialization=device.type == "cpu",
-        perform_initialization=False,  # cplm_dist.model.initialization fills weights, tp-independently
-        params_dtype=dtype,
-        sequence_parallel=sequence_parallel and tp_size > 1,
-        gradient_accumulation_fusion=False,
-    )
+class ModelParts(NamedTuple):
+    """The parts a CPLM is made of. Not registered as modules themselves: their modules are the
+    model's own, under the names they have in their parts (so the state-dict keys are theirs)."""
+
+    embed: Embedding
+    head: Head
 
 
-class LossHead:
-    """The model's last part over the final-norm states h: the LM head's vocabulary shard, the copy
-    head and the mixed per-token loss. Shared by CPLM and the pipeline's last stage
-    (cplm_dist.model.pipeline), which hold the same attributes: copy_cfg, loss_cfg, tp_group,
-    lm_head, copy_head, real_local, v_local, sequence_parallel. `tied`: the
-    embedding's weight when the LM head shares it, else None (the LM head's own weight)."""
-
-    def lm_logits(self, h: torch.Tensor, tied: torch.Tensor | None = None) -> torch.Tensor:
-        """This rank's vocabulary shard of the LM logits (B, T, V/tp); padded ids at -inf."""
-        logits, _ = self.lm_head(h, weight=tied)  # (B, T, V/tp)
-        if self.real_local < self.v_local:
-            logits[..., self.real_local :] = float("-inf")
-        return logits
-
-    def token_loss(self, h: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tensor,
-                   tied: torch.Tensor | None = None) -> vocab_parallel.TokenLoss:
-        """Per-token loss terms (B, T) of final-norm states h (sequence parallel: this rank's
-        (T/tp, B, D) positions), input_ids and labels (B, T)."""
-        copy = self.copy_head(h, input_ids, labels) if self.copy_head is not None else None
-        sp = self.sequence_parallel
-        token_labels = labels.t().contiguous() if sp else labels  # the loss in the trunk's layout: (T, B) sequence parallel
-        if self.loss_cfg.impl == "chunked":
-            weight = tied if tied is not None else self.lm_head.weight
-            if sp:  # the whole sequence; backward reduce-scatters the partial dL/dh
-                h = gather_sequence(h, self.tp_group, sum_grad=True)
-            z_y, lse = vocab_parallel.chunked_target_logit_and_lse(h, weight, token_labels, self.tp_group, real_local=self.real_local,
-                                                                   rows=self.loss_cfg.chunk_rows, sum_grad_h=not sp)
-            out = vocab_parallel.mixed_nll_from_lm(z_y, lse, token_labels, copy, self.copy_cfg.mix)
-        else:
-            out = vocab_parallel.mixed_nll(self.lm_logits(h, tied), token_labels, copy, self.copy_cfg.mix, self.tp_group, inplace=True)
-        return vocab_parallel.TokenLoss(*(t.t() for t in out)) if sp else out
-
-
-def vocabulary_shard(model_cfg: ModelConfig, tp_group) -> tuple[int, int, int]:
-    """(padded vocabulary, this rank's shard width, its columns before Megatron's padding)."""
-    tp_rank, tp_size = vocab_parallel.tp_rank_size(tp_group)
-    padded = vocab_parallel.padded_vocab_size(model_cfg.vocab_size, model_cfg.make_vocab_size_divisible_by, tp_size)
-    v_local = padded // tp_size
-    start, _ = vocab_parallel.vocab_range(v_local, tp_group)
-    return padded, v_local, max(0, min(v_local, model_cfg.vocab_size - start))
-
-
-class CPLM(LossHead, torch.nn.Module):
-    def __init__(self, model_cfg: ModelConfig, copy_cfg: CopyConfig, tp_group: dist.ProcessGroup | None, *,
-                 seed: int, activation_checkpointing: bool = False, compile_layers: bool = False,
-                 loss_cfg: LossConfig | None = None, sequence_parallel: bool = False, device=None,
-                 dtype=torch.float32):
-        """copy_cfg.enabled=False builds the matched baseline (no copy head). activation_checkpointing:
-        recompute each transformer layer in backward instead of keeping its activations;
-        compile_layers: training runs torch.compile'd layers (cplm_dist.model.compiled); loss_cfg:
-        dense (default) or chunked LM-side loss (the same value); sequence_parallel: Megatron's
-        sequence parallelism at tp > 1 (training only: the same parameters, so a checkpoint
-        evaluates without it)."""
+class CPLM(torch.nn.Module):
+    def __init__(self, embed: Embedding, layers: list[TransformerLayer], head: Head, model_cfg: ModelConfig):
+        """The parts in a row; `build_model` builds them (the matched baseline without a copy head:
+        copy.enabled=false)."""
         super().__init__()
-        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        self.model_cfg, self.copy_cfg, self.tp_group = model_cfg, copy_cfg, tp_group
-        self.loss_cfg = loss_cfg or LossConfig()
-        self.tp_rank, self.tp_size = vocab_parallel.tp_rank_size(tp_group)
-        m = model_cfg
-        self.vocab_size = m.vocab_size
-        self.padded_vocab_size, self.v_local, self.real_local = vocabulary_shard(m, tp_group)
-
-        mp = megatron_config(self.tp_size, device, dtype, sequence_parallel)
-        self.sequence_parallel = mp.sequence_parallel
-        sp_group = tp_group if self.sequence_parallel else None
-        self.embedding = tensor_parallel.VocabParallelEmbedding(
-            self.padded_vocab_size, m.hidden_size, init_method=deferred_init, config=mp, tp_group=tp_group,
-            reduce_scatter_embeddings=self.sequence_parallel,
-        )
-        self.position_embedding = (LearnedPositions(m.max_seq_len, m.hidden_size, device=device, dtype=dtype, sp_group=sp_group)
-                                   if m.arch == "gpt2" else None)
-        self.layers = torch.nn.ModuleList(
-            TransformerLayer(m, mp, tp_group, self.tp_size, device=device) for _ in range(m.num_layers)
-        )
-        self.final_norm = make_norm(m, device=device, dtype=dtype, grad_group=sp_group)
-        self.lm_head = tensor_parallel.ColumnParallelLinear(
-            m.hidden_size, self.padded_vocab_size, config=mp, init_method=deferred_init, bias=False,
-            gather_output=False, skip_weight_param_allocation=m.tie_embeddings, tp_group=tp_group,
-        )
-        for p in (self.embedding.weight, self.lm_head.weight):
-            if p is not None:
-                mark_split(p, dim=0)
-                p.full_rows = m.vocab_size  # rows past it are padding (initialised to zero)
-        self.copy_head = CopyHead(m, copy_cfg, device=device, dtype=dtype, sp_group=sp_group) if copy_cfg.enabled else None
-        self.activation_checkpointing = activation_checkpointing
-        self.to(device)
-        init_parameters(self, model_cfg, copy_cfg, seed, self.tp_rank, self.tp_size)
-        self.compiled_layers = compile_each_layer(self.layers, device) if compile_layers else None
-        if self.compiled_layers is not None and self.copy_head is not None:
-            self.copy_head.compile_pointwise(device)
+        self.model_cfg, self.copy_cfg, self.loss_cfg, self.tp_group = model_cfg, head.copy_cfg, head.loss_cfg, head.tp_group
+        self.tp_rank, self.tp_size = vocab_parallel.tp_rank_size(head.tp_group)
+        self.vocab_size = model_cfg.vocab_size
+        self.sequence_parallel = head.sequence_parallel
+        self.embedding, self.position_embedding = embed.embedding, embed.position_embedding
+        self.layers = torch.nn.ModuleList(layers)
+        self.final_norm, self.lm_head, self.copy_head = head.final_norm, head.lm_head, head.copy_head
+        self.parts = ModelParts(embed, head)
 
     # --- shared trunk --------------------------------------------------------------------------
 
@@ -192,17 +107,9 @@ class CPLM(LossHead, torch.nn.Module):
         if offset + T > self.model_cfg.max_seq_len:
             raise ValueError(f"sequence length {offset + T} exceeds model.max_seq_len={self.model_cfg.max_seq_len}")
         cos, sin = layer_rope(self.model_cfg, T, offset, device=input_ids.device)
-        x = self.embedding(input_ids)  # (B, T, D)
-        if self.position_embedding is not None:
-            x = self.position_embedding(x, offset)
-        layers = self.compiled_layers if self.compiled_layers is not None and state is None else self.layers
-        for i, layer in enumerate(layers):
-            if state is not None:
-                x = layer(x, cos, sin, state.layers[i])
-            elif self.activation_checkpointing and self.training and torch.is_grad_enabled():
-                x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, use_reentrant=False)
-            else:
-                x = layer(x, cos, sin)
+        x = self.parts.embed(input_ids, offset)  # (B, T, D)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, state.layers[i] if state is not None else None)
         return self.final_norm(x)
 
     @property
@@ -216,7 +123,11 @@ class CPLM(LossHead, torch.nn.Module):
         """input_ids (B, T); labels (B, T) global ids, -100 to ignore; default: the next input id."""
         if labels is None:
             labels = torch.cat([input_ids[:, 1:], torch.full_like(input_ids[:, :1], vocab_parallel.IGNORE_INDEX)], 1)
-        return self.token_loss(self.hidden_states(input_ids), input_ids, labels, self.tied)
+        return self.parts.head.token_loss(self.hidden_states(input_ids), input_ids, labels, self.tied)
+
+    def lm_logits(self, h: torch.Tensor, tied: torch.Tensor | None = None) -> torch.Tensor:
+        """This rank's vocabulary shard of the LM logits (B, T, V/tp) of final-norm states h."""
+        return self.parts.head.lm_logits(h, tied)
 
     # --- evaluation ----------------------------------------------------------------------------
 
@@ -285,16 +196,19 @@ class CPLM(LossHead, torch.nn.Module):
         copy_lp, terms = None, None
         if self.copy_head is not None:
             weights, src, terms = self.copy_head.weights_for(q, state.copy_k, state.ids, offset, h)
-            copy_lp = vocab_parallel.scatter_copy_log_probs(weights, src, self.v_local, self.tp_group)
+            copy_lp = vocab_parallel.scatter_copy_log_probs(weights, src, self.parts.head.v_local, self.tp_group)
         return vocab_parallel.mixed_log_probs(logits, copy_lp, terms, self.copy_cfg.mix, self.tp_group)
 
 
 def build_model(cfg: Config, *, tp_group: dist.ProcessGroup | None = None, device=None, dtype=torch.float32,
                 activation_checkpointing: bool | None = None, compile_layers: bool | None = None,
                 sequence_parallel: bool | None = None) -> CPLM:
-    """The model for this rank from cfg.model, cfg.copy and cfg.seed, its tp group taken from the
-    initialised parallel state; activation checkpointing, compilation and sequence parallelism as
-    cfg.train and cfg.parallel say unless given."""
+    """The model for this rank from cfg.model, cfg.copy, cfg.loss and cfg.seed, its tp group taken
+    from the initialised parallel state unless given: its parts built, initialised from the seed
+    (the same weights at every tp), then activation checkpointing and compilation applied as
+    cfg.train says unless given (cplm_dist.model.parallelize); sequence parallelism as
+    cfg.parallel says unless given (training only: the same parameters, so a checkpoint evaluates
+    without it)."""
     if tp_group is None:
         if not parallel_state.model_parallel_is_initialized():
             raise RuntimeError("build_model needs the parallel groups: call cplm_dist.parallel.init_distributed first")
@@ -306,12 +220,13 @@ def build_model(cfg: Config, *, tp_group: dist.ProcessGroup | None = None, devic
     note = vocab_parallel.vocab_padding_note(m.vocab_size, m.make_vocab_size_divisible_by, tp)
     if note and dist.get_rank() == 0:
         log.warning(note)
-    if activation_checkpointing is None:
-        activation_checkpointing = cfg.train.activation_checkpointing
-    if compile_layers is None:
-        compile_layers = cfg.train.compile
-    if sequence_parallel is None:
-        sequence_parallel = cfg.parallel.sequence_parallel
-    return CPLM(m, cfg.copy, tp_group, seed=cfg.seed, activation_checkpointing=activation_checkpointing,
-                compile_layers=compile_layers, loss_cfg=cfg.loss, sequence_parallel=sequence_parallel,
-                device=device, dtype=dtype)
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    spec = PartSpec.of(cfg, tp_group, device, dtype, sequence_parallel)
+    model = CPLM(Embedding(spec), [TransformerLayer(spec) for _ in range(m.num_layers)], Head(spec), m).to(device)
+    init_parameters(model, m, cfg.copy, cfg.seed, model.tp_rank, model.tp_size)
+    t = cfg.train
+    return parallelize(model, device=device,
+                       activation_checkpointing=t.activation_checkpointing if activation_checkpointing is None else activation_checkpointing,
+                       compile=t.compile if compile_layers is None else compile_layers)
