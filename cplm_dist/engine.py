@@ -12,7 +12,7 @@ our parallel groups, and `deepspeed.initialize` with our optimizer and schedule.
 | train.contiguous_gradients, reduce_bucket_size, allgather_bucket_size, stage3_prefetch_bucket_size | zero_optimization.* (same names) |
 | train.precision | bf16.enabled |
 | train.grad_accum_dtype (null: unset) | data_types.grad_accum_dtype (fp32 with bf16 at ZeRO-1: DeepSpeed's BF16_Optimizer) |
-| `--reshape` to another layout, ZeRO > 0 | checkpoint.load_universal |
+| `--reshape` to another layout, ZeRO > 0 | checkpoint.load_universal (cplm_dist.checkpoint.reshape) |
 | parallel.pp > 1, sequence_parallel | pipeline.pipe_partitioned, grad_partitioned (off under sp: activations already sharded) |
 
 At parallel.pp > 1 the model is a `PipelineModule` (cplm_dist.model.pipeline) and DeepSpeed builds
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from cplm_dist.checkpoint import use_safe_loading
+from cplm_dist.checkpoint.safe_io import use_safe_loading
 from cplm_dist.config import Config, batch_layout
 from cplm_dist.megatron_compat import import_deepspeed
 from cplm_dist.optim import build_optimizer, build_scheduler, grad_norm
@@ -94,7 +94,7 @@ def deepspeed_config(cfg: Config, dims: ParallelDims, load_universal: bool = Fal
         # fp32 accumulation is reduced over dp in fp32 too (DeepSpeed would cast it back to bf16 to reduce)
         **({"data_types": {"grad_accum_dtype": t.grad_accum_dtype}, "communication_data_type": t.grad_accum_dtype}
            if t.grad_accum_dtype else {}),
-        "checkpoint": {"load_universal": load_universal},  # resuming from another layout (cplm_dist.reshape)
+        "checkpoint": {"load_universal": load_universal},  # resuming from another layout (cplm_dist.checkpoint.reshape)
         "fp16": {"enabled": False},
         "zero_allow_untested_optimizer": True,  # our AdamW subclass, not DeepSpeed's fused/CPU Adam
         "steps_per_print": 1 << 30,  # our logger reports progress

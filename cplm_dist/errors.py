@@ -15,3 +15,7 @@ class ConfigError(UsageError):
 
 class DataError(UsageError):
     """A missing, empty, malformed or mismatched data file or tokenizer."""
+
+
+class CheckpointError(UsageError):
+    """A checkpoint that cannot be resumed from or loaded (missing, incomplete, damaged, another layout)."""

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from cplm_dist.checkpoint import Checkpointer, check_out_dir, find_resume
+from cplm_dist.checkpoint import Checkpointer, Manifest, check_out_dir, find_resume
 from cplm_dist.cli import config_parser, exit_on_usage_error, load_from_args
 from cplm_dist.config import Config, batch_layout
 from cplm_dist.data.gpt_data import build_datasets, check_data
@@ -170,7 +170,7 @@ def run(argv, stop: StopRequest) -> int:
     dp = world // (cfg.parallel.tp * cfg.parallel.pp)
     accumulation = batch_layout(cfg, dp)
     resume = find_resume(cfg, args.resume, cfg.parallel.tp, dp, args.reshape)
-    if cfg.model.init_from and resume[1] is None:
+    if cfg.model.init_from and resume is None:
         check_hf_dir(cfg.model.init_from, cfg.model)
     check_copy_impl(cfg.copy, torch.cuda.is_available())
     check_out_dir(cfg)
@@ -195,7 +195,7 @@ def run(argv, stop: StopRequest) -> int:
         destroy_distributed()
 
 
-def train(cfg: Config, dims: ParallelDims, accumulation: int, resume: tuple, samples: tuple, tokenizer,
+def train(cfg: Config, dims: ParallelDims, accumulation: int, resume: Manifest | None, samples: tuple, tokenizer,
           stop: StopRequest, reshape: bool = False) -> int:
     t = cfg.train
     device = default_device()
@@ -204,12 +204,12 @@ def train(cfg: Config, dims: ParallelDims, accumulation: int, resume: tuple, sam
     # 4. model, 5. DeepSpeed engine (ZeRO over dp, our AdamW and schedule), the step -------------
     stop.enter("building the model and the DeepSpeed engine")
     model = build_training_model(cfg, dims, device)
-    if cfg.model.init_from and resume[1] is None:  # a fresh run from a HF Llama; a resume reads its checkpoint
+    if cfg.model.init_from and resume is None:  # a fresh run from a HF Llama; a resume reads its checkpoint
         stop.enter(f"loading {cfg.model.init_from}")
         initialise_from_hf(model, cfg.model.init_from, dims.tp_rank, dims.tp_size)
     ckpt = Checkpointer(Path(t.out_dir) / "checkpoints", cfg, dims)
-    resume = ckpt.newest_intact(*resume) if resume[1] is not None else resume
-    train_step = build_train_step(cfg, dims, device, model, load_universal=ckpt.loads_universal(*resume))
+    resume = ckpt.newest_intact(resume) if resume is not None else None
+    train_step = build_train_step(cfg, dims, device, model, load_universal=ckpt.loads_universal(resume))
     engine = train_step.engine
 
     # 6. data: megatron's blended GPTDatasets, our resumable loader -------------------------------
@@ -220,13 +220,13 @@ def train(cfg: Config, dims: ParallelDims, accumulation: int, resume: tuple, sam
 
     # 7. resume: weights, optimizer, schedule (DeepSpeed) + step, data position, RNG (ours) -------
     step, skipped_total, skipped_in_a_row = 0, 0, 0
-    if resume[1] is not None:
-        stop.enter(f"loading checkpoint {resume[0] / resume[1]}")
-        state = ckpt.load(engine, *resume, reshape=reshape)
+    if resume is not None:
+        stop.enter(f"loading checkpoint {resume.step_dir}")
+        state = ckpt.load(engine, resume, reshape=reshape)
         step, skipped_total = state["step"], state["bad_steps_total"]
         loader.load_state_dict(state["loader"])
     log = RunLog(cfg, dims, device, step)
-    log.info(banner(cfg, dims, accumulation, resume[1]))
+    log.info(banner(cfg, dims, accumulation, resume.tag if resume is not None else None))
 
     def save(reason: str) -> Path:
         path, written = ckpt.save(engine, step, loader.consumed_samples,

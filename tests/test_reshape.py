@@ -1,4 +1,4 @@
-"""Reshape on resume (cplm_dist.reshape): one run saved at tp=2 x dp=2 ZeRO-1 continues at other
+"""Reshape on resume (cplm_dist.checkpoint.reshape): one run saved at tp=2 x dp=2 ZeRO-1 continues at other
 tp, dp and ZeRO stages and follows the uninterrupted run; the AdamW moments after a reshape equal
 the saved ones; an impossible reshape is one line."""
 
@@ -86,19 +86,19 @@ def _optimizer_state(source, out_dir, tp, dp, zero):
     joined, ZeRO partitions gathered), after loading `source` at tp x dp ZeRO-`zero`."""
     import deepspeed
 
-    from cplm_dist.checkpoint import Checkpointer, layout_change, load_checkpoint_config
+    from cplm_dist.checkpoint import Checkpointer, read_checkpoint
     from cplm_dist.engine import build_engine
     from cplm_dist.model import build_model
     from cplm_dist.model.sharding import gather_full, spec_of
     from cplm_dist.parallel import init_distributed
 
-    cfg, info = load_checkpoint_config(source)
+    cfg, manifest = read_checkpoint(source)
     cfg.parallel.tp, cfg.train.zero_stage, cfg.train.out_dir = tp, zero, str(out_dir)
     cfg.train.micro_batch_size = cfg.train.global_batch_size // dp
     dims = init_distributed(tp)
-    reshaped = bool(layout_change(info["root"], info["tag"], cfg, tp, dp))
-    engine, optimizer, _ = build_engine(build_model(cfg), cfg, dims, load_universal=reshaped and zero > 0)
-    Checkpointer(out_dir, cfg, dims).load(engine, info["root"], info["tag"], reshape=True)
+    checkpointer = Checkpointer(out_dir, cfg, dims)
+    engine, optimizer, _ = build_engine(build_model(cfg), cfg, dims, load_universal=checkpointer.loads_universal(manifest))
+    checkpointer.load(engine, manifest, reshape=True)
     if zero in (1, 2):  # ZeRO-1/2 link the moments to the parameters at their first step
         engine.optimizer._lazy_init_hp_params_optimizer_state()
     state = {}

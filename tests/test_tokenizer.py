@@ -54,15 +54,16 @@ def test_huggingface_backend_from_local_directory(tmp_path):
     assert (tok.eod, tok.pad, tok.vocab_size) == (1, 2, 400)
     assert tok.decode(tok.encode(TRICKY)) == TRICKY
     # a checkpoint carries it (tokenizer.json and its config), and loads it from the copy
-    from cplm_dist.checkpoint import _self_contained, carry_tokenizer
+    from cplm_dist.checkpoint import Layout, Manifest, _self_contained, carry_tokenizer, tokenizer_files
 
     cfg = load_config("tiny", [f"data.tokenizer={tmp_path}", "data.tokenizer_backend=huggingface"])
     step = tmp_path / "run" / "checkpoints" / "step-00000001"
     step.mkdir(parents=True)
     carry_tokenizer(cfg, step)
     assert sorted(p.name for p in step.iterdir()) == ["tokenizer.json", "tokenizer_config.json"]
+    manifest = Manifest(step, 1, Layout(1, 1, 1, 0), {}, {}, tokenizer_files=tuple(tokenizer_files(cfg)))
     cfg.data.tokenizer = "elsewhere/tokenizer"
-    carried = load_tokenizer(_self_contained(cfg, {}, step).data.tokenizer, "huggingface")
+    carried = load_tokenizer(_self_contained(cfg, manifest).data.tokenizer, "huggingface")
     assert carried.encode(TRICKY) == tok.encode(TRICKY) and carried.eod == tok.eod
 
 

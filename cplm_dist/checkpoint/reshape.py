@@ -13,12 +13,13 @@ tp- and dp-independent fp32 weight and moments,
    checkpoints hold a plain torch AdamW state per tp rank, which that converter does not read
    (it reads ZeRO optimizer shards only): `_zero0_to_universal` writes the same files from them
    with our shard layout (cplm_dist.model.sharding).
-2. **From universal**. ZeRO 1-3 engines load it themselves (`checkpoint.load_universal` in their
+2. **From universal** (`load_reshaped`, every rank). ZeRO 1-3 engines load it themselves (`checkpoint.load_universal` in their
    DeepSpeed config, cplm_dist.engine): every rank cuts its tp shard and its ZeRO partition.
    A ZeRO-0 engine has no such loader (its optimizer is our AdamW), so `load_zero0` takes each
    parameter's shard with our layout and sets the weights, moments and step itself.
 
-The schedule, the loader position and the counters are not sharded: they come from the saved
+Which layouts may reshape is checked before any process starts (manifest.check_reshape). The
+schedule, the loader position and the counters are not sharded: they come from the saved
 tp rank 0's model states (DeepSpeed keeps them there) and are global (the loader position is
 the number of samples consumed by all ranks), so a new dp reads on where the old one stopped.
 """
@@ -28,23 +29,28 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import logging
 import os
 import re
 import shutil
+import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
-from cplm_dist.config import Config, ConfigError, check_tp_divides
-from cplm_dist.errors import UsageError
+from cplm_dist.checkpoint.manifest import Manifest, ReshapeError
+from cplm_dist.checkpoint.safe_io import (load_states, model_states_file, model_states_name, os_error, safe_load,
+                                          weights_only_torch_load)
+from cplm_dist.config import Config
+from cplm_dist.errors import CheckpointError
 from cplm_dist.megatron_compat import import_deepspeed
 from cplm_dist.model.sharding import full_shape, join_shards, spec_of, take_shard
+from cplm_dist.optim import parameter_groups
+
+log = logging.getLogger(__name__)
 
 UNIVERSAL_INFO = "universal_checkpoint_info"  # the key DeepSpeed's converter reads from the model states
-
-
-class ReshapeError(UsageError):
-    """A checkpoint that cannot continue at the asked layout."""
 
 
 def universal_info(model: torch.nn.Module) -> dict:
@@ -76,30 +82,15 @@ def universal_info(model: torch.nn.Module) -> dict:
     return info
 
 
-def check_reshape(saved: dict, cfg: Config, tp: int, dp: int, path) -> None:
-    """One line when the saved run cannot continue at this layout (before any process starts)."""
-    if saved.get("pp", 1) != 1 or cfg.parallel.pp != 1:
-        raise ReshapeError(f"{path} was saved at tp={saved['tp']} pp={saved.get('pp', 1)} dp={saved['dp']} ZeRO-"
-                           f"{saved['zero_stage']}: reshaping to or from pipeline stages (parallel.pp > 1) is not "
-                           "supported; resume with the saved layout")
-    try:
-        check_tp_divides(cfg.model, tp)
-    except ConfigError as e:
-        raise ReshapeError(f"{path} (saved at tp={saved['tp']}) cannot continue at tp={tp}: {e}") from None
-    for stage, where in ((saved["zero_stage"], "saved"), (cfg.train.zero_stage, "asked")):
-        if stage == 0 and cfg.train.precision != "fp32":
-            raise ReshapeError(f"{path}: reshaping a {where} ZeRO-0 layout is supported in fp32 only (under bf16 "
-                               "DeepSpeed wraps the optimizer at ZeRO-0): reshape with train.zero_stage>=1")
-
-
-def to_universal(step_dir: Path, out: Path, model: torch.nn.Module, cfg: Config, saved: dict) -> None:
-    """Write the universal form of `step_dir` (saved with layout `saved`) into `out` (removed
-    first): DeepSpeed's converter under ZeRO 1-3, ours for ZeRO-0. Rank 0 only."""
+def to_universal(source: Manifest, out: Path, model: torch.nn.Module, cfg: Config) -> None:
+    """Write the universal form of the checkpoint `source` into `out` (removed first):
+    DeepSpeed's converter under ZeRO 1-3, ours for ZeRO-0. Rank 0 only."""
+    step_dir, saved = source.step_dir, source.layout
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
-    if saved["zero_stage"] == 0:
-        _zero0_to_universal(step_dir, out, model, cfg, saved["tp"])
-        _readable_by_every_stage(out, cfg, saved["tp"])
+    if saved.zero_stage == 0:
+        _zero0_to_universal(step_dir, out, model, cfg, saved.tp)
+        _readable_by_every_stage(out, cfg, saved.tp)
         return
     import_deepspeed()
     from deepspeed.checkpoint import ds_to_universal
@@ -110,7 +101,7 @@ def to_universal(step_dir: Path, out: Path, model: torch.nn.Module, cfg: Config,
     with quiet[0], quiet[1], trusted_torch_load(universal_info(model)):
         ds_to_universal.main(args)
     (out.parent / "latest_universal").unlink(missing_ok=True)  # the converter's pointer; we name `out` ourselves
-    _readable_by_every_stage(out, cfg, saved["tp"])
+    _readable_by_every_stage(out, cfg, saved.tp)
 
 
 def _readable_by_every_stage(out: Path, cfg: Config, saved_tp: int) -> None:
@@ -120,8 +111,6 @@ def _readable_by_every_stage(out: Path, cfg: Config, saved_tp: int) -> None:
     parameter; the ZeRO-3 loader wants the step and groups inside `optimizer_state_dict`, and
     the model states under ZeRO-3's file name. Both are written, so any stage loads any."""
     import deepspeed
-
-    from cplm_dist.checkpoint import safe_load
 
     path = out / "zero" / "optimizer_state.pt"
     sd = safe_load(path, map_location="cpu")
@@ -139,7 +128,7 @@ def _readable_by_every_stage(out: Path, cfg: Config, saved_tp: int) -> None:
         if (folder / "exp_avg.pt").is_file() and not (folder / "step.pt").is_file():
             torch.save(step, folder / "step.pt")
     for r in range(saved_tp):
-        names = [out / f"mp_rank_{r:02d}_model_states.pt", out / f"zero_pp_rank_0_mp_rank_{r:02d}_model_states.pt"]
+        names = [out / model_states_name(r), out / model_states_name(r, zero3=True)]
         have = next(p for p in names if p.is_file())
         for p in names:
             if not p.exists():
@@ -148,12 +137,10 @@ def _readable_by_every_stage(out: Path, cfg: Config, saved_tp: int) -> None:
 
 def trusted_torch_load(info: dict | None = None):
     """While DeepSpeed's converter and universal loader run, their torch.load reads through the
-    checkpoint allow-list (cplm_dist.checkpoint.weights_only_torch_load). megatron-core's layers
+    checkpoint allow-list (safe_io.weights_only_torch_load). megatron-core's layers
     save an `_extra_state` of None in the module states, which the converter would copy as a weight
     (None.float()): those entries are left out of what it reads. `info`: the layout for model
     states saved without one (by cplm_dist before reshaping existed)."""
-    from cplm_dist.checkpoint import weights_only_torch_load
-
     def clean(obj):
         if isinstance(obj, dict) and isinstance(obj.get("module"), dict):
             obj["module"] = {k: v for k, v in obj["module"].items() if v is not None}
@@ -167,12 +154,9 @@ def trusted_torch_load(info: dict | None = None):
 def _zero0_to_universal(step_dir: Path, out: Path, model: torch.nn.Module, cfg: Config, saved_tp: int) -> None:
     """Universal files from a ZeRO-0 checkpoint: every tp rank's weights and torch AdamW state
     (indexed in parameter-group order, which does not depend on tp) joined by our layout."""
-    from cplm_dist.checkpoint import _load_states, model_states_file
-    from cplm_dist.optim import parameter_groups
-
     from deepspeed.checkpoint import constants as c
 
-    states = [_load_states(model_states_file(step_dir, r)) for r in range(saved_tp)]
+    states = [load_states(model_states_file(step_dir, r)) for r in range(saved_tp)]
     by_id = {id(p): n for n, p in model.named_parameters()}
     order = [by_id[id(p)] for g in parameter_groups(model, cfg) for p in g["params"]]
     params = dict(model.named_parameters())
@@ -198,7 +182,7 @@ def _zero0_to_universal(step_dir: Path, out: Path, model: torch.nn.Module, cfg: 
     torch.save({"param_groups": groups, "ds_version": deepspeed.__version__, "clip_grad": cfg.optim.clip_grad},
                out / "zero" / "optimizer_state.pt")
     for r in range(saved_tp):  # the schedule and our client state, read from the model states
-        shutil.copy2(model_states_file(step_dir, r), out / f"mp_rank_{r:02d}_model_states.pt")
+        shutil.copy2(model_states_file(step_dir, r), out / model_states_name(r))
 
 
 def how_to_split(spec) -> dict:
@@ -222,8 +206,6 @@ def load_zero0(universal: Path, model: torch.nn.Module, optimizer: torch.optim.O
     """This rank's tp shard of every parameter's universal fp32 weight and moments into a ZeRO-0
     run's model and AdamW, and the schedule (our loader: DeepSpeed's needs a ZeRO optimizer).
     Returns the saved client state."""
-    from cplm_dist.checkpoint import safe_load
-
     with torch.no_grad():
         for name, param in model.named_parameters():
             spec, folder = spec_of(param), universal / "zero" / name
@@ -244,8 +226,55 @@ def load_zero0(universal: Path, model: torch.nn.Module, optimizer: torch.optim.O
                 step = safe_load(folder / "step.pt", map_location="cpu")
                 optimizer.state[param] = {"step": torch.as_tensor(float(step), dtype=torch.float32),
                                           "exp_avg": shard("exp_avg"), "exp_avg_sq": shard("exp_avg_sq")}
-    states = safe_load(next(universal.glob("*mp_rank_00_model_states.pt")), map_location="cpu")
+    states = safe_load(model_states_file(universal, 0), map_location="cpu")
     scheduler.load_state_dict(states["lr_scheduler"])
     for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
         group["lr"] = lr
     return states
+
+
+def load_reshaped(engine, source: Manifest, cfg: Config, dims) -> dict:
+    """Load `source`, saved at another layout, into `engine`: rank 0 writes its universal form
+    into out_dir/.reshape-<tag>; every rank loads its part (DeepSpeed's universal loader under
+    ZeRO > 0, `load_zero0` at ZeRO-0); the transient copy is removed. Returns the client state."""
+    saved, tmp = source.layout, Path(cfg.train.out_dir) / f".reshape-{source.tag}"
+    error, start = None, time.perf_counter()
+    if dims.rank == 0:
+        error = os_error(lambda: to_universal(source, tmp, engine.module, cfg), tmp.parent)
+    gathered = [None] * dims.world_size
+    dist.all_gather_object(gathered, error)
+    try:
+        if gathered[0]:
+            raise CheckpointError(f"converting {source.step_dir} (tp={saved.tp}, dp={saved.dp}, ZeRO-{saved.zero_stage}) "
+                                  f"for this layout failed: {gathered[0]}")
+        client_state = _load_universal(engine, tmp, cfg, dims, source)
+    finally:
+        dist.barrier()
+        if dims.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+    log.info(f"reshaped {source.step_dir} from tp={saved.tp} dp={saved.dp} ZeRO-{saved.zero_stage} to "
+             f"tp={dims.tp_size} dp={dims.dp_size} ZeRO-{cfg.train.zero_stage} in {time.perf_counter() - start:.1f}s")
+    return client_state
+
+
+def _load_universal(engine, universal: Path, cfg: Config, dims, source: Manifest) -> dict:
+    # the config's optimizer settings per group (DeepSpeed's ZeRO-3 loader gives every group the
+    # first group's, weight decay included); the learning rate is the schedule's
+    settings = [{k: v for k, v in g.items() if k not in ("params", "lr", "initial_lr")} for g in engine.optimizer.param_groups]
+    if cfg.train.zero_stage > 0:
+        with trusted_torch_load():
+            path, client_state = engine.load_checkpoint(str(universal.parent), tag=universal.name, load_optimizer_states=True,
+                                                        load_lr_scheduler_states=True)
+        if path is None:
+            raise CheckpointError(f"DeepSpeed could not load the universal form of {source.step_dir}")
+    else:
+        client_state = load_zero0(universal, engine.module, engine.optimizer, engine.lr_scheduler, dims.tp_rank, dims.tp_size)
+    for group, kept, lr in zip(engine.optimizer.param_groups, settings, engine.lr_scheduler.get_last_lr()):
+        group.update(kept, lr=lr)
+    # DeepSpeed's ZeRO-3 loader hands every group one and the same step tensor, which AdamW would
+    # then advance once per group and step
+    base = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    for state in base.state.values():
+        if torch.is_tensor(state.get("step")):
+            state["step"] = state["step"].clone()
+    return client_state

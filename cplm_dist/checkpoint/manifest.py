@@ -1,0 +1,355 @@
+"""The checkpoint format: where checkpoints live, what a complete one's manifest says, which
+layouts can read it, and what a resume may change.
+
+    <out_dir>/checkpoints/step-00000100/   DeepSpeed's files from every rank, the tokenizer, complete.json
+    <out_dir>/checkpoints/latest           the tag of the newest complete checkpoint
+
+complete.json, format 2 (`Manifest`), is what a reader needs without unpickling anything:
+
+    format            2
+    step, time        the step it holds, when it was written
+    layout            {tp, pp, dp, zero_stage}
+    cwd               the directory training ran in (relative data paths resolve from it)
+    consumed_samples  the loader position (all ranks' samples), and consumed_tokens
+    config            the resolved config
+    versions          of cplm_dist, torch, deepspeed, megatron-core
+    files             {name: {bytes, sha256}} of every file the save wrote (the tokenizer's too)
+    tokenizer_files   the names of the tokenizer files it carries
+
+Format 1 (cplm_dist before format 2) had no tokenizer_files, and its older variants no layout.pp
+and no cwd: `upgrade` makes it format 2 as it is read, the one place that knows format 1.
+
+Anywhere a user names a checkpoint, a run directory, its checkpoints/ directory or one step-*
+directory will do (`resolve_checkpoint`). A resume reads its manifest once (`find_resume`) and
+hands the `Manifest` on.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from dataclasses import asdict, dataclass, field
+from importlib import metadata
+from pathlib import Path
+
+from cplm_dist.config import RESUMABLE_CHANGES, Config, check_tp_divides, to_dict
+from cplm_dist.errors import CheckpointError, ConfigError, UsageError
+from cplm_dist.files import sha256_file, write_text_atomic
+
+LATEST = "latest"
+COMPLETE = "complete.json"
+FORMAT = 2  # complete.json's layout; bumped when it changes, with an `upgrade` from the one before
+
+log = logging.getLogger(__name__)
+
+# The tokenizer travels inside each checkpoint (a few hundred KB to a few MB, hashed in the
+# manifest like the weights), so evaluation finds it from any directory and after a copy.
+CARRIED_TOKENIZER = {"sentencepiece": ("tokenizer.model",),
+                     "huggingface": ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")}
+
+
+class ReshapeError(CheckpointError):
+    """A checkpoint that cannot continue at the asked layout."""
+
+
+# --- names and resolution -------------------------------------------------------------------------
+
+
+def tag_for(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def complete_tags(root: Path) -> list[str]:
+    """Tags of the complete checkpoints under `root`, oldest first."""
+    return sorted(p.name for p in root.glob("step-*") if (p / COMPLETE).is_file())
+
+
+def latest_tag(root: Path) -> str | None:
+    """The newest complete checkpoint's tag under `root` (None: there is none). `latest` names it;
+    when `latest` is missing, unreadable or names something incomplete, the complete checkpoints
+    are scanned instead (with a warning): a lost pointer never makes a run start over."""
+    pointer = root / LATEST
+    tags = complete_tags(root)
+    try:
+        tag = pointer.read_text(encoding="ascii").strip() if pointer.is_file() else None
+    except (OSError, UnicodeDecodeError):
+        tag = "<unreadable>"
+    if tag is not None and tag in tags:
+        return tag
+    if tags and (tag is not None or pointer.exists()):
+        log.warning(f"{pointer} names {tag!r}, not a complete checkpoint: using the newest complete checkpoint, {tags[-1]}")
+    elif tags:
+        log.warning(f"{pointer} is missing: using the newest complete checkpoint, {tags[-1]}")
+    return tags[-1] if tags else None
+
+
+def resolve_checkpoint(path: str | Path) -> tuple[Path, str]:
+    """(checkpoints root, tag) for a run dir, a checkpoints dir, or a step directory."""
+    p = Path(path)
+    if (p / COMPLETE).is_file():
+        return p.parent, p.name
+    root = p / "checkpoints" if (p / "checkpoints").is_dir() else p
+    tag = latest_tag(root) if root.is_dir() else None
+    if tag is None:
+        raise CheckpointError(f"{path}: no complete checkpoint there (a run directory, its checkpoints/, or a step-* directory)")
+    return root, tag
+
+
+# --- the tokenizer a checkpoint carries -------------------------------------------------------------
+
+
+def tokenizer_files(cfg: Config) -> dict[str, Path]:
+    """{name a copy takes: the file} of the run's tokenizer, those that exist: a SentencePiece
+    model, or a Hugging Face tokenizer.json (a file, or in a folder) with the config beside it."""
+    source = Path(cfg.data.tokenizer) if cfg.data.tokenizer else None
+    names = CARRIED_TOKENIZER.get(cfg.data.tokenizer_backend, ())
+    if source is None or not names:
+        return {}
+    main = source / "tokenizer.json" if cfg.data.tokenizer_backend == "huggingface" and source.is_dir() else source
+    files = dict(zip(names, [main] + [main.parent / n for n in names[1:]]))
+    return {name: file for name, file in files.items() if file.is_file()}
+
+
+def carry_tokenizer(cfg: Config, step_dir: Path) -> None:
+    """Copy the run's tokenizer into its step directory (rank 0, before the manifest is written)."""
+    for name, file in tokenizer_files(cfg).items():
+        shutil.copyfile(file, step_dir / name)
+
+
+# --- the manifest -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int
+    pp: int
+    dp: int
+    zero_stage: int
+
+    @classmethod
+    def of(cls, cfg: Config, tp: int, dp: int) -> "Layout":
+        return cls(tp=tp, pp=cfg.parallel.pp, dp=dp, zero_stage=cfg.train.zero_stage)
+
+    def __str__(self) -> str:
+        return f"tp={self.tp} pp={self.pp} dp={self.dp} ZeRO-{self.zero_stage}"
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """complete.json of the checkpoint in `step_dir` (format 2; the module docstring)."""
+
+    step_dir: Path
+    step: int
+    layout: Layout
+    config: dict
+    files: dict
+    tokenizer_files: tuple[str, ...] = ()
+    cwd: str | None = None
+    consumed_samples: int | None = None
+    consumed_tokens: int | None = None
+    time: float | None = None
+    versions: dict = field(default_factory=dict)
+
+    @property
+    def root(self) -> Path:
+        return self.step_dir.parent
+
+    @property
+    def tag(self) -> str:
+        return self.step_dir.name
+
+    def to_json(self) -> dict:
+        return {"format": FORMAT, "step": self.step, "time": self.time, "layout": asdict(self.layout), "cwd": self.cwd,
+                "consumed_samples": self.consumed_samples, "consumed_tokens": self.consumed_tokens, "config": self.config,
+                "versions": self.versions, "files": self.files, "tokenizer_files": list(self.tokenizer_files)}
+
+    def info(self) -> dict:
+        """The manifest as plain data with its `root` and `tag` (what load_model hands evaluation)."""
+        return {**self.to_json(), "root": self.root, "tag": self.tag}
+
+    def layout_change(self, cfg: Config, tp: int, dp: int) -> dict:
+        """{field: (saved, now)} of the layout fields that differ in a way the saved files cannot
+        be read in place (ZeRO shards by dp, so dp counts only under ZeRO > 0)."""
+        saved, here = self.layout, Layout.of(cfg, tp, dp)
+        must_match = ["tp", "pp", "zero_stage"] + (["dp"] if here.zero_stage > 0 or saved.zero_stage > 0 else [])
+        return {k: (getattr(saved, k), getattr(here, k)) for k in must_match if getattr(saved, k) != getattr(here, k)}
+
+
+def upgrade(data: dict) -> dict:
+    """A format-1 manifest as format 2: layout.pp 1 where it has none (saved before pipeline
+    stages), cwd null where it has none (before it was recorded: relative data paths are then
+    looked for above the checkpoint), and tokenizer_files the carried tokenizer files it lists
+    (none before the tokenizer travelled with the checkpoint)."""
+    backend = (data.get("config", {}).get("data") or {}).get("tokenizer_backend", "sentencepiece")
+    carried = [n for n in CARRIED_TOKENIZER.get(backend, ()) if n in data["files"]]
+    return {**data, "format": FORMAT, "layout": {"pp": 1, **data["layout"]}, "cwd": data.get("cwd"),
+            "tokenizer_files": carried}
+
+
+def _typed(data: dict, step_dir: Path, path: Path) -> Manifest:
+    try:
+        lay = data["layout"]
+        layout = Layout(**{k: int(lay[k]) for k in ("tp", "pp", "dp", "zero_stage")})
+        if not isinstance(data["config"], dict) or not isinstance(data["files"], dict):
+            raise TypeError("config and files must be mappings")
+        return Manifest(step_dir=step_dir, step=int(data["step"]), layout=layout, config=data["config"],
+                        files=data["files"], tokenizer_files=tuple(data["tokenizer_files"]), cwd=data.get("cwd"),
+                        consumed_samples=data.get("consumed_samples"), consumed_tokens=data.get("consumed_tokens"),
+                        time=data.get("time"), versions=data.get("versions") or {})
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{path} is malformed ({type(e).__name__}: {e}): use an earlier step-* directory") from None
+
+
+def read_manifest(step_dir: Path) -> Manifest:
+    """complete.json of a checkpoint, checked to hold what a reader needs (format 1 upgraded)."""
+    path = step_dir / COMPLETE
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{step_dir} is not a complete checkpoint (no {COMPLETE})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path} is damaged ({e}): use an earlier step-* directory") from None
+    fmt = data.get("format", 1) if isinstance(data, dict) else None
+    if isinstance(data, dict) and fmt not in (1, FORMAT):
+        raise CheckpointError(f"{path} has checkpoint format {fmt!r}; this cplm_dist reads formats 1 and {FORMAT}: use "
+                              f"the cplm_dist version that wrote it ({data.get('versions')})")
+    missing = [k for k in ("step", "layout", "config", "files") if not isinstance(data, dict) or k not in data]
+    if missing:
+        raise CheckpointError(f"{path} lacks {missing}: it was not written by this version of cplm-train; "
+                              "use a checkpoint saved by it")
+    return _typed(upgrade(data) if fmt == 1 else data, step_dir, path)
+
+
+def write_manifest(manifest: Manifest) -> None:
+    """complete.json, replaced atomically (the last file of a save: its presence marks it complete)."""
+    write_text_atomic(manifest.step_dir / COMPLETE, json.dumps(manifest.to_json(), indent=2) + "\n")
+
+
+def versions() -> dict:
+    out = {}
+    for name in ("cplm_dist", "torch", "deepspeed", "megatron-core"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def damaged_files(manifest: Manifest, rank: int = 0, world: int = 1, names: list[str] | None = None) -> list[str]:
+    """The files of the manifest (or `names` of them) that are missing, of another size or whose
+    sha256 differs; with several ranks each hashes its share (every world-th file)."""
+    out = []
+    for i, name in enumerate(sorted(names if names is not None else manifest.files)):
+        entry, path = manifest.files.get(name), manifest.step_dir / name
+        if entry is None or not path.is_file() or path.stat().st_size != entry["bytes"]:
+            out.append(name)
+        elif i % world == rank and sha256_file(path) != entry["sha256"]:
+            out.append(name)
+    return out
+
+
+def check_intact(manifest: Manifest, names: list[str] | None = None) -> None:
+    """One line when a file of the checkpoint (or `names` of them) is missing or damaged."""
+    bad = damaged_files(manifest, names=names)
+    if bad:
+        raise CheckpointError(f"{manifest.step_dir}: {bad[:3]} missing or damaged (sizes or sha256 differ from its "
+                              f"{COMPLETE}): use an earlier step (--checkpoint <run>/checkpoints/step-*)")
+
+
+# --- what a resume may do ------------------------------------------------------------------------------
+
+
+def find_resume(cfg: Config, resume: str | None, tp: int, dp: int, reshape: bool = False) -> Manifest | None:
+    """The manifest of the checkpoint to resume from, or None for a fresh start; refuses to write
+    over another run, and a layout change unless `reshape`. Reads only: nothing is created or changed."""
+    out = Path(cfg.train.out_dir)
+    if resume is None:
+        if (out / "checkpoints").exists() or (out / "logs" / "metrics.jsonl").exists():
+            raise UsageError(f"train.out_dir={out} already holds a run: continue it with --resume auto, "
+                             "or choose another train.out_dir")
+        return None
+    source = out if resume == "auto" else Path(resume)
+    if (source / COMPLETE).is_file():  # one step-* directory: that step, not the newest
+        root, tag = source.parent, source.name
+    else:
+        root = source / "checkpoints" if resume == "auto" or (source / "checkpoints").is_dir() else source
+        tag = latest_tag(root) if root.is_dir() else None
+    if resume != "auto" and root.resolve() != (out / "checkpoints").resolve() and (out / "checkpoints").exists():
+        raise UsageError(f"train.out_dir={out} already holds a run: choose another train.out_dir to continue {resume} into")
+    if tag is None:
+        if resume == "auto" and not (root.is_dir() and any(root.glob("step-*"))):
+            return None
+        raise CheckpointError(f"--resume {resume}: no complete checkpoint in {root}; "
+                              "give a run directory, its checkpoints/ directory or one step-* directory, or --resume auto for a new out_dir")
+    manifest = newest_readable(root, tag)
+    check_layout(manifest, cfg, tp, dp, reshape)
+    check_config_change(manifest, cfg)
+    return manifest
+
+
+def newest_readable(root: Path, newest: str) -> Manifest:
+    """The manifest of `newest`, or of the newest older complete checkpoint that reads (with a warning)."""
+    for tag in reversed([t for t in complete_tags(root) if t <= newest]):
+        try:
+            return read_manifest(root / tag)
+        except CheckpointError as e:
+            log.warning(f"skipping {root / tag}: {e}")
+    raise CheckpointError(f"{root}: no complete checkpoint with a readable {COMPLETE}: start a new out_dir")
+
+
+def layout_change(root: Path, tag: str, cfg: Config, tp: int, dp: int) -> dict:
+    """Manifest.layout_change of the checkpoint root/tag (read here)."""
+    return read_manifest(Path(root) / tag).layout_change(cfg, tp, dp)
+
+
+def check_layout(manifest: Manifest, cfg: Config, tp: int, dp: int, reshape: bool = False) -> None:
+    """A checkpoint resumes with the layout it was saved with, or with another one under
+    `reshape` where the new layout can hold it (`check_reshape`)."""
+    diff = manifest.layout_change(cfg, tp, dp)
+    if not diff:
+        return
+    what = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in diff.items())
+    if not reshape:
+        raise CheckpointError(f"checkpoint {manifest.step_dir} was saved with another layout ({what}): resume with the "
+                              "layout it was saved with, or add --reshape to convert it to this one")
+    check_reshape(manifest, cfg, tp)
+
+
+def check_reshape(manifest: Manifest, cfg: Config, tp: int) -> None:
+    """One line when the saved run cannot continue at this layout (before any process starts);
+    the conversion itself is cplm_dist.checkpoint.reshape's."""
+    saved, path = manifest.layout, manifest.step_dir
+    if saved.pp != 1 or cfg.parallel.pp != 1:
+        raise ReshapeError(f"{path} was saved at tp={saved.tp} pp={saved.pp} dp={saved.dp} ZeRO-{saved.zero_stage}: "
+                           "reshaping to or from pipeline stages (parallel.pp > 1) is not supported; resume with the "
+                           "saved layout")
+    try:
+        check_tp_divides(cfg.model, tp)
+    except ConfigError as e:
+        raise ReshapeError(f"{path} (saved at tp={saved.tp}) cannot continue at tp={tp}: {e}") from None
+    for stage, where in ((saved.zero_stage, "saved"), (cfg.train.zero_stage, "asked")):
+        if stage == 0 and cfg.train.precision != "fp32":
+            raise ReshapeError(f"{path}: reshaping a {where} ZeRO-0 layout is supported in fp32 only (under bf16 "
+                               "DeepSpeed wraps the optimizer at ZeRO-0): reshape with train.zero_stage>=1")
+
+
+def check_config_change(manifest: Manifest, cfg: Config) -> None:
+    """A resumed run may change only RESUMABLE_CHANGES; one line names any other difference."""
+    saved, here = _flatten(manifest.config), _flatten(to_dict(cfg))
+    changed = [k for k in sorted(saved) if k not in RESUMABLE_CHANGES and saved[k] != here.get(k)]
+    if changed:
+        what = ", ".join(f"{k} {saved.get(k)!r} -> {here.get(k)!r}" for k in changed[:4]) + (" ..." if len(changed) > 4 else "")
+        raise CheckpointError(f"checkpoint {manifest.step_dir} was trained with another config ({what}): resume with "
+                              f"the saved values, or start a new out_dir; a resume may change only "
+                              f"{', '.join(RESUMABLE_CHANGES[:6])}, ... (cplm_dist.checkpoint.RESUMABLE_CHANGES)")
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
