@@ -11,16 +11,18 @@ import statistics
 import subprocess
 from pathlib import Path
 
+from cplm_dist.checkpoint.manifest import latest_tag, tag_for
+from cplm_dist.data.quickstart import build_quickstart_data
 from cplm_dist.errors import UsageError
 from cplm_dist.mixes import MIXES
 
-REPO = Path(__file__).resolve().parent.parent
 VARIANTS = {"off": ["copy.enabled=false"], **{name: [f"copy.mix={name}"] for name in MIXES}}  # copy off, then each mix
 COPY_TASKS = ("induction", "mqar", "spamlang")
 
 
-def run(cmd: list[str], log: Path, cwd: Path = REPO) -> None:
-    """Run `cmd`, appending its output to `log`; a failure is one line naming the log."""
+def run(cmd: list[str], log: Path, cwd: Path | None = None) -> None:
+    """Run `cmd` (in `cwd`, default this directory), appending its output to `log`; a failure is
+    one line naming the log."""
     with open(log, "a") as f:
         proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=cwd)
     if proc.returncode != 0:
@@ -29,8 +31,9 @@ def run(cmd: list[str], log: Path, cwd: Path = REPO) -> None:
 
 
 def finished(run_dir: Path, steps: int) -> bool:
-    latest = run_dir / "checkpoints" / "latest"
-    return latest.is_file() and latest.read_text().strip() == f"step-{steps:08d}"
+    """The run's newest complete checkpoint is its last step."""
+    root = run_dir / "checkpoints"
+    return root.is_dir() and latest_tag(root) == tag_for(steps)
 
 
 def mean_score(rows: list[dict]) -> float:
@@ -40,9 +43,9 @@ def mean_score(rows: list[dict]) -> float:
 
 
 def ensure_quickstart_data(cfg, log: Path) -> None:
-    """Build the quickstart corpus (tools/build_quickstart_data.py) when `cfg` reads it and it is missing."""
-    import sys
-
+    """Build the quickstart corpus (cplm_dist.data.quickstart, its output appended to `log`) when
+    `cfg` reads it and it is missing."""
     if "data/quickstart" in (cfg.data.tokenizer or "") and not Path(cfg.data.tokenizer).exists():
         print("building the quickstart data ...", flush=True)
-        run([sys.executable, "tools/build_quickstart_data.py", "--out", "data/quickstart"], log)
+        with open(log, "a") as f:
+            build_quickstart_data(Path(cfg.data.tokenizer).parent, log=lambda line: print(line, file=f, flush=True))

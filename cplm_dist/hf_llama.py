@@ -63,6 +63,15 @@ def hf_config(m: ModelConfig, copy: CopyConfig | None = None) -> dict:
     return out
 
 
+def llama_config(m: ModelConfig, **kwargs):
+    """transformers' LlamaConfig of this backbone (config.json's fields as an object; needs
+    transformers): the profiler's peer model and anything else built from our shapes."""
+    from transformers import LlamaConfig
+
+    fields = {k: v for k, v in hf_config(m).items() if k not in ("architectures", "model_type", "torch_dtype")}
+    return LlamaConfig(**fields, **kwargs)
+
+
 def check_hf_config(hf: dict, m: ModelConfig, where: str) -> None:
     """One line naming the first field where the HF model and the config disagree."""
     if hf.get("model_type") != "llama":

@@ -70,10 +70,17 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def evaluation_tp() -> int:
-    """The tp of an evaluation or generation launch: all of its ranks hold one model replica (a
-    checkpoint loads at any tp, cplm_dist.checkpoint.load_model)."""
-    return dist.get_world_size() if dist.is_initialized() else LaunchEnv.from_environ().world_size
+def evaluation_tp(saved_tp: int | None = None, asked: int | None = None, world: int | None = None) -> int:
+    """The tp of an evaluation launch (evaluate, generate, the gradient bottleneck, lm-eval) of
+    `world` ranks (default: this launch's): `asked` if given, else the checkpoint's `saved_tp`
+    where it divides the world (dp = world / tp replicas), else all ranks one replica. A
+    checkpoint loads at any tp (cplm_dist.checkpoint.load_model) and evaluates the same at every tp."""
+    if world is None:
+        world = dist.get_world_size() if dist.is_initialized() else LaunchEnv.from_environ(mpi_rendezvous=False).world_size
+    tp = asked if asked is not None else saved_tp if saved_tp and world % saved_tp == 0 else world
+    if tp < 1 or world % tp:
+        raise ConfigError(f"tp={tp} does not divide the launch's {world} ranks: choose tp from {divisors(world)}")
+    return tp
 
 
 def check_world(tp_size: int, world_size: int, pp_size: int = 1) -> None:

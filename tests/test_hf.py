@@ -236,3 +236,34 @@ def test_every_mix_and_paste_exports_with_our_log_probs_and_greedy_tokens(tmp_pa
         hf.generation_config.eos_token_id = None  # ours runs the full 5 tokens
         tokens = hf.generate(r["ids"][:, :9], max_new_tokens=5, do_sample=False, pad_token_id=0)[:, 9:]
         assert torch.equal(tokens, r["greedy"]), name
+
+
+def test_the_exported_remote_code_has_the_mixes_of_the_records():
+    """cplm_dist/hf_remote stays standalone (transformers loads it from the export directory,
+    without cplm_dist), so it spells the mixes again: its copy head's own parameters, its head
+    averaging and its log-weights are pinned here to each record of cplm_dist.mixes."""
+    pytest.importorskip("transformers")
+    from cplm_dist.hf_remote.configuration_cplm import CPLMConfig
+    from cplm_dist.hf_remote.modeling_cplm import CPLMForCausalLM
+    from cplm_dist.mixes import MIXES
+
+    g = torch.Generator().manual_seed(0)
+    lse, copy_all, gate = (torch.randn(6, generator=g) for _ in range(3))
+    copy_all[0] = float("-inf")  # a row without candidates
+    ids = torch.randint(0, 64, (1, 8), generator=g)
+    for name, mix in MIXES.items():
+        cfg = CPLMConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=2, copy_num_heads=2, copy_head_dim=4, copy_mix=name)
+        model = CPLMForCausalLM(cfg).eval()
+        own = {n: tuple(p.shape) for n, p in model.copy_head.named_parameters() if not n.startswith(("q.", "k."))}
+        assert own == {n: shape for n, shape, _ in mix.own_parameters(16, 2, 4)}, name
+        got = model._mix_weights(lse, copy_all, gate if mix.gate else None)
+        want = mix.log_weights(lse, copy_all, gate if mix.gate else None, torch.isfinite(copy_all))
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+        with torch.no_grad():
+            h = model.model(input_ids=ids).last_hidden_state
+            terms_all = model._copy_terms(h, ids)[0][:, 1:]  # A_t where candidates exist
+        # averaged heads normalise each head's distribution: A_t = 0; pooled ones keep the pool's LSE
+        assert bool((terms_all == 0).all()) == mix.average_heads, name
+

@@ -86,3 +86,16 @@ def test_the_sbatch_scripts_take_the_port_from_the_library():
     out = subprocess.run([sys.executable, "-m", "cplm_dist.launch_env", "slurm-port"], env=env, cwd=repo,
                          capture_output=True, text=True, check=True).stdout
     assert int(out) == slurm_port(env) == 20000 + (4242 * 8 + 3) % 20000
+
+
+def test_one_evaluation_tp_policy():
+    """Every evaluation launch (evaluate, generate, bottleneck, lm-eval) takes its tp the same way:
+    the asked tp, else the saved one where it divides the launch (dp replicas over the rest), else
+    the whole launch; a tp that does not divide is one line naming the valid ones."""
+    from cplm_dist.parallel import evaluation_tp
+
+    assert evaluation_tp(2, world=4) == 2 and evaluation_tp(1, world=2) == 1 and evaluation_tp(4, world=8) == 4
+    assert evaluation_tp(3, world=4) == 4 and evaluation_tp(None, world=2) == 2  # nothing saved divides: one replica
+    assert evaluation_tp(2, asked=1, world=4) == 1
+    with pytest.raises(ConfigError, match=r"^tp=3 does not divide the launch's 4 ranks: choose tp from \[1, 2, 4\]$"):
+        evaluation_tp(1, asked=3, world=4)

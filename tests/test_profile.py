@@ -68,16 +68,14 @@ def test_profile_two_ranks_times_the_right_communication(tmp_path, tp):
 def test_sweep_skips_points_the_config_refuses_and_refuses_a_grid_of_none():
     """A grid crossing pp with ZeRO holds points training refuses (ZeRO-2 at pp = 2): those are
     skipped with their one-line reason, the others kept; a grid with no valid point is refused."""
-    from tools.cplm_profile import parse_sweep, parser, sweep_points
+    from cplm_dist.profiling.sweep import parse_sweep, sweep_points
 
-    args = parser().parse_intermixed_args(["--config", "tiny", "--sweep", "pp=1,2", "zero=1,2"])
-    valid, skipped = sweep_points(args, parse_sweep(args.sweep))
+    valid, skipped = sweep_points("tiny", [], parse_sweep(["pp=1,2", "zero=1,2"]))
     assert [p for p, _, _ in valid] == [{"pp": "1", "zero": "1"}, {"pp": "1", "zero": "2"}, {"pp": "2", "zero": "1"}]
     assert [(p, r.split(":")[0]) for p, r in skipped] == [({"pp": "2", "zero": "2"}, "train.zero_stage=2 with parallel.pp=2")]
     assert valid[2][2].parallel.pp == 2 and valid[1][2].train.zero_stage == 2
-    args = parser().parse_intermixed_args(["--config", "tiny", "--sweep", "pp=2", "zero=2,3"])
     with pytest.raises(UsageError, match=r"^no valid sweep point: \{'pp': '2', 'zero': '2'\}: train\.zero_stage=2 with parallel\.pp=2"):
-        sweep_points(args, parse_sweep(args.sweep))
+        sweep_points("tiny", [], parse_sweep(["pp=2", "zero=2,3"]))
 
 
 def test_sweep_writes_csv_and_plots(tmp_path):

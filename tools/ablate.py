@@ -25,6 +25,8 @@ from cplm_dist.cli import exit_on_usage_error
 from cplm_dist.config import load_config
 from cplm_dist.experiments import COPY_TASKS, VARIANTS, ensure_quickstart_data, finished, mean_score, run
 
+TOOLS = Path(__file__).resolve().parent  # evaluate.py and grad_bottleneck.py beside this one
+
 SIZES = {  # name -> overrides on the base config
     "base": [],
     "tiny": [],
@@ -73,11 +75,11 @@ def main(argv=None) -> int:
                 evaluation = run_dir / "eval" / "eval.json"
                 if not evaluation.exists():
                     print(f"evaluate {name} ...", flush=True)
-                    run([*py, "tools/evaluate.py", "--checkpoint", str(run_dir), "--samples", str(args.samples),
+                    run([*py, str(TOOLS / "evaluate.py"), "--checkpoint", str(run_dir), "--samples", str(args.samples),
                          "--out", str(evaluation.parent)], log)
                 bottleneck = run_dir / "eval" / "bottleneck.json"
                 if not bottleneck.exists():
-                    run([*py, "tools/grad_bottleneck.py", "--checkpoint", str(run_dir), "--json", str(bottleneck)], log)
+                    run([*py, str(TOOLS / "grad_bottleneck.py"), "--checkpoint", str(run_dir), "--json", str(bottleneck)], log)
                 runs.append(summarise(name, size, variant, seed, run_dir, evaluation, bottleneck))
     (out / "summary.json").write_text(json.dumps(runs, indent=2) + "\n")
     report = write_report(runs, args, out)

@@ -25,6 +25,7 @@ import torch
 
 from cplm_dist.cli import exit_on_usage_error
 from cplm_dist.errors import UsageError
+from cplm_dist.mixes import MIXES
 
 FIELDS = ("seq_len", "impl", "chunk", "peak_mb", "estimated_mb", "seconds", "max_abs_diff_lse", "max_rel_diff_grad")
 
@@ -119,7 +120,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--hidden", type=int, default=576, help="model width feeding the head (cplm-135m: 576)")
     p.add_argument("--vocab", type=int, default=49152, help="ids drawn from this range (matches are rare when large)")
-    p.add_argument("--mix", default="gate", choices=["gate", "joint", "sentinel"])
+    p.add_argument("--mix", default="gate", choices=list(MIXES))
     p.add_argument("--paste", default="next", choices=["next", "self"])
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

@@ -8,21 +8,17 @@ Output (reused when present, rebuilt with --force):
     <out>/raw/stdlib.jsonl, <out>/raw/synthetic-copy.jsonl
     <out>/tokenizer.model (+ .json)
     <out>/stdlib.{bin,idx,meta.json}, <out>/synthetic-copy.{bin,idx,meta.json}
-Both corpora take exactly the path user data takes (train_tokenizer, preprocess_data).
+Both corpora take exactly the path user data takes (train_tokenizer, preprocess_data):
+cplm_dist.data.quickstart.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-import time
-from pathlib import Path
 
 from cplm_dist.cli import exit_on_usage_error
-from cplm_dist.data.corpora import stdlib_documents, synthetic_copy_documents, write_jsonl
-from cplm_dist.data.indexed_data import dataset_files, write_indexed_dataset
-from cplm_dist.data.sources import iter_documents
-from cplm_dist.data.tokenizer import load_tokenizer, train_sentencepiece
+from cplm_dist.data.quickstart import build_quickstart_data
 
 
 def parser() -> argparse.ArgumentParser:
@@ -40,33 +36,8 @@ def parser() -> argparse.ArgumentParser:
 @exit_on_usage_error
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
-    out = Path(args.out)
-    start = time.perf_counter()
-    raw = {"stdlib": out / "raw" / "stdlib.jsonl", "synthetic-copy": out / "raw" / "synthetic-copy.jsonl"}
-    makers = {
-        "stdlib": lambda: stdlib_documents(int(args.stdlib_mb * 1e6)),
-        "synthetic-copy": lambda: synthetic_copy_documents(args.synthetic_docs, args.seed),
-    }
-    for name, path in raw.items():
-        if args.force or not path.exists():
-            n = write_jsonl(makers[name](), path)
-            print(f"[{time.perf_counter() - start:5.1f}s] {path}: {n:,} documents")
-    tok_path = out / "tokenizer.model"
-    if args.force or not tok_path.exists():
-        meta = train_sentencepiece(iter_documents(list(raw.values())), tok_path, vocab_size=args.vocab_size,
-                                   sources=[str(p) for p in raw.values()])
-        print(f"[{time.perf_counter() - start:5.1f}s] {tok_path}: vocabulary {meta['vocab_size']} "
-              f"from {meta['training_lines']:,} lines")
-    tokenizer = load_tokenizer(tok_path)
-    for name, path in raw.items():
-        prefix = out / name
-        if args.force or not dataset_files(prefix)["idx"].exists():
-            summary = write_indexed_dataset(iter_documents([path]), tokenizer, prefix, workers=args.workers,
-                                            overwrite=True, progress=False, sources=[str(path)])
-            print(f"[{time.perf_counter() - start:5.1f}s] {summary.line()}")
-    print(f"quickstart data ready in {out} ({time.perf_counter() - start:.1f}s); config:\n"
-          f"data:\n  tokenizer: {tok_path}\n  blend:\n"
-          + "".join(f"    - {{path: {out / name}, weight: 0.5}}\n" for name in raw))
+    build_quickstart_data(args.out, vocab_size=args.vocab_size, stdlib_mb=args.stdlib_mb, synthetic_docs=args.synthetic_docs,
+                          seed=args.seed, workers=args.workers, force=args.force)
     return 0
 
 

@@ -110,7 +110,7 @@ def main(argv=None) -> int:
         raise UsageError(f"--samples {args.samples} / --valid-batches {args.valid_batches}: need samples >= 1, "
                          "valid-batches >= 0 (0: no perplexity)")
     cfg, info = load_checkpoint_config(args.checkpoint)
-    dims = init_distributed(evaluation_tp())
+    dims = init_distributed(evaluation_tp(info["layout"]["tp"]))
     model, cfg, info = load_model(args.checkpoint)
     if args.overrides:
         cfg = from_dict(apply_overrides(to_dict(cfg), args.overrides))

@@ -42,7 +42,7 @@ def main(argv=None) -> int:
                          f"--top-p {args.top_p}: need max-new-tokens >= 1, temperature >= 0 (0: greedy), top-k >= 0 "
                          "(0: off) and 0 < top-p <= 1")
     _, info = load_checkpoint_config(args.checkpoint)
-    dims = init_distributed(evaluation_tp())
+    dims = init_distributed(evaluation_tp(info["layout"]["tp"]))
     model, cfg, info = load_model(args.checkpoint)
     tok_path = args.tokenizer or cfg.data.tokenizer
     if not tok_path:

@@ -89,7 +89,7 @@ def main(argv=None) -> int:
         root, tag = resolve_checkpoint(args.checkpoint)
         tags = complete_tags(root) if args.all else [tag]
         _, info = load_checkpoint_config(root / tags[0])
-        dims = init_distributed(evaluation_tp())
+        dims = init_distributed(evaluation_tp(info["layout"]["tp"]))
         data = None
         for t in tags:
             model, cfg, info = load_model(root / t)

@@ -60,15 +60,15 @@ def check_limit_covers_replicas(args, saved_tp: int) -> None:
     then skips lm-eval's collectives and the run hangs: refused with one line before it starts."""
     from lm_eval.utils import simple_parse_args_string
 
-    from cplm_dist.evaluation.harness_model import evaluation_layout
     from cplm_dist.launch_env import LaunchEnv
+    from cplm_dist.parallel import evaluation_tp
 
     if args.limit is None or args.limit < 1:
         return  # none, or a fraction of each task
     world = LaunchEnv.from_environ(mpi_rendezvous=False).world_size
     asked = simple_parse_args_string(args.model_args or "").get("tp")  # as the harness model will read it
     try:
-        tp = evaluation_layout(saved_tp, world, None if asked is None else int(asked))
+        tp = evaluation_tp(saved_tp, None if asked is None else int(asked), world)
     except ValueError as e:
         raise UsageError(f"--model-args tp: {e}") from None
     if args.limit < world // tp:

@@ -33,9 +33,11 @@ from pathlib import Path
 from cplm_dist.cli import exit_on_usage_error
 from cplm_dist.config import load_config
 from cplm_dist.errors import UsageError
-from cplm_dist.experiments import REPO, VARIANTS, ensure_quickstart_data, finished, mean_score, run
+from cplm_dist.experiments import VARIANTS, ensure_quickstart_data, finished, mean_score, run
 from cplm_dist.model.counting import parameter_count
 from cplm_dist.scaling import bootstrap, fit_power_law, interval, shape_for, token_budget, training_flops, with_overrides
+
+REPO = Path(__file__).resolve().parent.parent  # launch/submit.sh and tools/evaluate.py of this checkout
 
 EXTRAPOLATE = {"1.7B": "cplm-1.7b", "7B": "cplm-7b", "70B": "cplm-70b"}  # shipped shapes the gain is extrapolated to
 

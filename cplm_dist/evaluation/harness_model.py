@@ -49,25 +49,13 @@ def parse_batch_size(value) -> int:
     return size
 
 
-def evaluation_layout(saved_tp: int, world: int, tp: int | None) -> int:
-    """The tp of an lm-eval launch of `world` ranks: `tp` if given, else the checkpoint's when it
-    divides the world (dp = world / tp replicas share the documents), else all ranks in one."""
-    if tp is None:
-        tp = saved_tp if world % saved_tp == 0 else world
-    if tp < 1 or world % tp:
-        raise ValueError(f"tp={tp} does not divide the launch's {world} ranks: choose tp from "
-                         f"{[d for d in range(1, world + 1) if world % d == 0]}")
-    return tp
-
-
 class CPLMHarnessModel(LM):
     def __init__(self, checkpoint: str | None = None, tp: int | str | None = None, dtype: str = "float32",
                  batch_size=1, max_length: int | str | None = None, device: str | None = None,
                  pretrained: str | None = None, seed: int | str | None = None, **_):
         from cplm_dist.checkpoint import load_checkpoint_config, load_model
         from cplm_dist.data.gpt_data import tokenizer_for
-        from cplm_dist.launch_env import LaunchEnv
-        from cplm_dist.parallel import destroy_distributed, init_distributed
+        from cplm_dist.parallel import destroy_distributed, evaluation_tp, init_distributed
 
         super().__init__()
         checkpoint = checkpoint or pretrained  # lm-eval's usual name; it also names --output_path's folder
@@ -77,8 +65,7 @@ class CPLMHarnessModel(LM):
             raise ValueError(f"dtype={dtype!r} is not one of {sorted(DTYPES)}")
         size = parse_batch_size(batch_size)
         _, info = load_checkpoint_config(checkpoint)  # a bad checkpoint: one line before joining a process group
-        world = dist.get_world_size() if dist.is_initialized() else LaunchEnv.from_environ().world_size
-        dims = init_distributed(evaluation_layout(info["layout"]["tp"], world, None if tp is None else int(tp)),
+        dims = init_distributed(evaluation_tp(info["layout"]["tp"], None if tp is None else int(tp)),
                                 backend="gloo" if str(device) == "cpu" else None)
         self.dims = dims
         self._rank, self._world_size = dims.dp_rank, dims.dp_size

@@ -1,7 +1,13 @@
 """Measuring and predicting training cost, apart from the training core.
 
-- `throughput`  FLOPs per token, device peaks, MFU (the training log uses it too)
-- `measure`     clean and instrumented steps of the real train step: tokens/s, phases, collectives, memory
-- `memory`      per-device memory of a step from the config and layout alone
-- `plotting`    the PNG figures the tools write
+- `throughput`     FLOPs per token, device peaks, MFU (the training log uses it too)
+- `measure`        clean and instrumented steps of the real train step: tokens/s, phases, collectives,
+                   memory; several steps alternated on the same shapes
+- `decoding`       KV-cache decoding speed, copy on and off
+- `memory`         per-device memory of a step from the config and layout alone
+- `communication`  each collective's bytes a step, from the config and layout alone
+- `planner`        the layouts that fit a cluster, their predicted step time and MFU
+- `sweep`          a grid of profiler runs, each point a fresh launch
+- `records`        the profiler's console table, CSV rows and their markdown report
+- `plotting`       the PNG figures the tools write
 """

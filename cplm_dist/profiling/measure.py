@@ -1,4 +1,5 @@
-"""Measuring training steps: throughput from clean steps, a breakdown from instrumented ones.
+"""Measuring training steps: throughput from clean steps, a breakdown from instrumented ones,
+several steps alternated on the same shapes (`alternate`), and the memory meters.
 
 Every step measured is training's own (cplm_dist.train_step.TrainStep) on synthetic tokens.
 `measure(step, ...)` runs warm-up steps, then `steps` clean steps (nothing added: no
@@ -133,6 +134,18 @@ def synthetic_batches(cfg: Config, micro: int, seq_len: int, device, generator: 
         yield {"input_ids": ids[:, :-1].to(device), "labels": ids[:, 1:].to(device)}
 
 
+def timed_steps(step, batches, count: int, device: torch.device) -> list[float]:
+    """Seconds of each of `count` clean steps, the device synchronised around each (never inside)."""
+    times = []
+    for _ in range(count):
+        synchronize(device)
+        start = time.perf_counter()
+        step(batches)
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    return times
+
+
 def measure(step, cfg: Config, dims: ParallelDims, *, warmup: int, steps: int, breakdown_steps: int, seq_len: int,
             device: torch.device, baseline_bytes: int, trace_path: str | None = None) -> dict:
     """Throughput and a step-time breakdown of `step`, a TrainStep (see the module docstring).
@@ -144,14 +157,8 @@ def measure(step, cfg: Config, dims: ParallelDims, *, warmup: int, steps: int, b
     for _ in range(warmup):
         step(batches)
     synchronize(device)
-    times = []
     with PeakMeter(device) as meter:
-        for _ in range(steps):
-            synchronize(device)
-            start = time.perf_counter()
-            step(batches)
-            synchronize(device)
-            times.append(time.perf_counter() - start)
+        times = timed_steps(step, batches, steps, device)
     # the slowest rank sets the pace
     step_times = torch.tensor(times, dtype=torch.float64, device=device)
     dist.all_reduce(step_times, op=dist.ReduceOp.MAX)
@@ -201,6 +208,41 @@ def measure(step, cfg: Config, dims: ParallelDims, *, warmup: int, steps: int, b
         "comm_by_collective": {f"{kind}/{name}": {"calls": calls / n, "mb": size / n / 1e6}
                                for (kind, name), (calls, size) in sorted(comm.by_name.items())},
     }
+
+
+def alternate(steps: dict, cfg: Config, dims: ParallelDims, device: torch.device, seq_len: int, *, warmup: int,
+              steps_per_round: int, rounds: int) -> dict:
+    """Interleave timed steps of several TrainSteps on the same shapes (copy on / off, a peer
+    model): {name: {step_time_s (the median), tokens_per_s, tokens_per_s_per_device, memory_gb}}
+    for `steps` = {name: (step, bytes its states took when built, `measure_building`)}, the
+    memory being those states plus its steps' peak above them."""
+    batches = synthetic_batches(cfg, cfg.train.micro_batch_size, seq_len, device, torch.Generator().manual_seed(0))
+    times = {name: [] for name in steps}
+    peaks = {name: 0 for name in steps}
+    for step, _ in steps.values():
+        for _ in range(warmup):
+            step(batches)
+    for _ in range(rounds):
+        for name, (step, _) in steps.items():
+            before = current_memory_bytes(device)
+            with PeakMeter(device) as meter:
+                times[name] += timed_steps(step, batches, steps_per_round, device)
+            peaks[name] = max(peaks[name], meter.peak - before)
+    tokens = cfg.train.global_batch_size * seq_len
+    out = {}
+    for name, (_, static) in steps.items():
+        median = statistics.median(times[name])
+        out[name] = {"step_time_s": median, "tokens_per_s": tokens / median,
+                     "tokens_per_s_per_device": tokens / median / dims.world_size,
+                     "memory_gb": (static + peaks[name]) / 1e9}
+    return out
+
+
+def measure_building(make, device: torch.device):
+    """(what make() returns, the memory building it took)."""
+    before = current_memory_bytes(device)
+    built = make()
+    return built, current_memory_bytes(device) - before
 
 
 # --- memory -------------------------------------------------------------------------------------
