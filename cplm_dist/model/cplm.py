@@ -92,6 +92,12 @@ class CPLM(torch.nn.Module):
         self.final_norm, self.lm_head, self.copy_head = head.final_norm, head.lm_head, head.copy_head
         self.parts = ModelParts(embed, head)
 
+    def train(self, mode: bool = True) -> "CPLM":
+        super().train(mode)
+        for part in self.parts:  # their modules are ours (set by super); their own flags follow
+            part.training = mode
+        return self
+
     # --- shared trunk --------------------------------------------------------------------------
 
     def hidden_states(self, input_ids: torch.Tensor, state: DecodeState | None = None) -> torch.Tensor:
