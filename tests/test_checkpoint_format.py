@@ -65,7 +65,8 @@ def test_unknown_or_malformed_manifests_are_one_line(tmp_path):
     with pytest.raises(CheckpointError, match=r"has checkpoint format 3; this cplm_dist reads formats 1 and 2: use the "
                                               r"cplm_dist version that wrote it"):
         read_manifest(future)
-    for name, change in (("layout", {"layout": {"tp": "two"}}), ("files", {"files": []}), ("step", {"step": None})):
+    for name, change in (("layout", {"layout": {"tp": "two"}}), ("layout-list", {"layout": [2, 1]}), ("files", {"files": []}),
+                         ("config", {"config": "llama"}), ("step", {"step": None})):
         with pytest.raises(CheckpointError) as e:
             read_manifest(manifest_1(tmp_path, name, **change))
         assert "\n" not in str(e.value) and ("malformed" in str(e.value) or "lacks ['step']" in str(e.value)), str(e.value)

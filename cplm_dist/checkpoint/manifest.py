@@ -187,8 +187,10 @@ def upgrade(data: dict) -> dict:
             "tokenizer_files": carried}
 
 
-def _typed(data: dict, step_dir: Path, path: Path) -> Manifest:
+def _typed(data: dict, fmt: int, step_dir: Path, path: Path) -> Manifest:
+    """The Manifest of complete.json's `data` (format `fmt`, upgraded where it is 1)."""
     try:
+        data = upgrade(data) if fmt == 1 else data
         lay = data["layout"]
         layout = Layout(**{k: int(lay[k]) for k in ("tp", "pp", "dp", "zero_stage")})
         if not isinstance(data["config"], dict) or not isinstance(data["files"], dict):
@@ -197,7 +199,7 @@ def _typed(data: dict, step_dir: Path, path: Path) -> Manifest:
                         files=data["files"], tokenizer_files=tuple(data["tokenizer_files"]), cwd=data.get("cwd"),
                         consumed_samples=data.get("consumed_samples"), consumed_tokens=data.get("consumed_tokens"),
                         time=data.get("time"), versions=data.get("versions") or {})
-    except (KeyError, TypeError, ValueError) as e:
+    except (AttributeError, KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"{path} is malformed ({type(e).__name__}: {e}): use an earlier step-* directory") from None
 
 
@@ -218,7 +220,7 @@ def read_manifest(step_dir: Path) -> Manifest:
     if missing:
         raise CheckpointError(f"{path} lacks {missing}: it was not written by this version of cplm-train; "
                               "use a checkpoint saved by it")
-    return _typed(upgrade(data) if fmt == 1 else data, step_dir, path)
+    return _typed(data, fmt, step_dir, path)
 
 
 def write_manifest(manifest: Manifest) -> None:

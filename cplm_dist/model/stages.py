@@ -104,15 +104,11 @@ def stage_transformer_layers(cfg: Config, pp: int) -> list[int]:
     return [sum(layer.kind == "layer" for layer in layers[bounds[s]:bounds[s + 1]]) for s in range(pp)]
 
 
-
-
 def stage_summary(cfg: Config, pp: int) -> str:
     """One line: each stage's layers and parameters (over tp), as `partition` balanced them."""
     weights, bounds = [layer.weight for layer in pipeline_layers(cfg)], stage_bounds(cfg, pp)
     return "; ".join(f"stage {s}: layers [{bounds[s]}, {bounds[s + 1]}) {sum(weights[bounds[s]:bounds[s + 1]]) / 1e6:.1f}M"
                      for s in range(pp))
-
-
 
 
 def checkpoint_layer_names(cfg: Config) -> dict[int, str]:
