@@ -54,7 +54,8 @@ def test_huggingface_backend_from_local_directory(tmp_path):
     assert (tok.eod, tok.pad, tok.vocab_size) == (1, 2, 400)
     assert tok.decode(tok.encode(TRICKY)) == TRICKY
     # a checkpoint carries it (tokenizer.json and its config), and loads it from the copy
-    from cplm_dist.checkpoint import Layout, Manifest, _self_contained, carry_tokenizer, tokenizer_files
+    from cplm_dist.checkpoint import Layout, Manifest, carry_tokenizer, tokenizer_files
+    from cplm_dist.checkpoint.loading import _self_contained
 
     cfg = load_config("tiny", [f"data.tokenizer={tmp_path}", "data.tokenizer_backend=huggingface"])
     step = tmp_path / "run" / "checkpoints" / "step-00000001"

@@ -13,7 +13,7 @@ it for evaluation.
     model, cfg, info = load_model("runs/quickstart-<time>")   # after init_distributed, at any tp
 """
 
-from cplm_dist.checkpoint.loading import _self_contained, load_checkpoint_config, load_model, read_checkpoint
+from cplm_dist.checkpoint.loading import load_checkpoint_config, load_model, read_checkpoint
 from cplm_dist.checkpoint.manifest import (CARRIED_TOKENIZER, COMPLETE, FORMAT, LATEST, Layout, Manifest, ReshapeError,
                                            carry_tokenizer, check_config_change, check_intact, check_layout, check_reshape,
                                            complete_tags, damaged_files, find_resume, latest_tag, layout_change,

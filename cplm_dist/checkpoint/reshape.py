@@ -13,8 +13,9 @@ tp- and dp-independent fp32 weight and moments,
    checkpoints hold a plain torch AdamW state per tp rank, which that converter does not read
    (it reads ZeRO optimizer shards only): `_zero0_to_universal` writes the same files from them
    with our shard layout (cplm_dist.model.sharding).
-2. **From universal** (`load_reshaped`, every rank). ZeRO 1-3 engines load it themselves (`checkpoint.load_universal` in their
-   DeepSpeed config, cplm_dist.engine): every rank cuts its tp shard and its ZeRO partition.
+2. **From universal** (`load_reshaped`, every rank). ZeRO 1-3 engines load it themselves
+   (`checkpoint.load_universal` in their DeepSpeed config, cplm_dist.engine): every rank cuts its
+   tp shard and its ZeRO partition.
    A ZeRO-0 engine has no such loader (its optimizer is our AdamW), so `load_zero0` takes each
    parameter's shard with our layout and sets the weights, moments and step itself.
 
@@ -141,6 +142,7 @@ def trusted_torch_load(info: dict | None = None):
     save an `_extra_state` of None in the module states, which the converter would copy as a weight
     (None.float()): those entries are left out of what it reads. `info`: the layout for model
     states saved without one (by cplm_dist before reshaping existed)."""
+
     def clean(obj):
         if isinstance(obj, dict) and isinstance(obj.get("module"), dict):
             obj["module"] = {k: v for k, v in obj["module"].items() if v is not None}
