@@ -100,15 +100,20 @@ def test_peer_reports_ratios(tmp_path):
     assert r["hf_llama_tokens_per_s"] > 0 and r["speedup_copy_off_vs_hf"] > 0 and "hf_llama_memory_gb" in r
 
 
-def test_estimate_within_15_percent_of_measured_on_cpu(tmp_path):
-    """The activation-dominated quickstart shape (states are small): the estimate must land
-    within 15% of the measured step memory (peak RSS above the pre-model baseline)."""
+def test_estimate_bounds_the_measured_step_memory_on_cpu(tmp_path):
+    """The activation-dominated quickstart shape (states are small): the estimate must not fall
+    below the measured step memory (the peak resident set above the pre-model baseline, the
+    kernel's high-water mark) and may exceed it by less than 25%. It sums phases that do not all
+    coexist (the loss's softmax buffer is freed before the layers' backward, whose gradients it
+    also counts), so it is an upper bound here: measured +14.8% on an AVX-512 Xeon and +17.2% on
+    an AVX2 EPYC (the resident set, unlike the estimate, depends on the CPU's kernels and glibc);
+    on an H200 at 1.7B, +3.3-3.8% of the eager peak (docs/performance.md)."""
     out = tmp_path / "m.json"
     profile(["--config", "tiny", "model.vocab_size=4096", "train.precision=fp32", "train.zero_stage=0",
              "train.micro_batch_size=16", "data.seq_length=512", "--warmup", "1", "--steps", "2",
              "--breakdown-steps", "0", "--json", str(out), "--csv", ""])
     r = json.loads(out.read_text())
-    assert abs(r["estimate_error"]) < 0.15, r
+    assert 0 <= r["estimate_error"] < 0.25, r
 
 
 def _saved_bytes_worker(precision, arch):

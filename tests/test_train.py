@@ -76,13 +76,18 @@ def test_loss_goes_down_and_the_run_reports_everything(forty_steps):
 
 
 def test_compiled_layers_train_like_eager(small_data, tmp_path, forty_steps):
-    """train.compile=true (regional torch.compile) follows the eager run's first 20 steps within 1e-5."""
+    """train.compile=true (regional torch.compile) follows the eager run: its first 10 steps within
+    1e-5, all 20 within 2e-4. Inductor's fused CPU kernels sum in another order than eager's, by
+    the CPU's vector width, and training amplifies the last-bit differences: on an AVX2 machine
+    step 17 (a grad-norm spike) differed by 4.7e-5, on AVX-512 ones all 20 steps stay under 1e-5.
+    A compile that changed the computation (a layer skipped, recomputed wrongly, a mix lost) moves
+    the losses by 1e-2 and more within a few steps."""
     out = tmp_path / "compiled"
     assert train(1, argv(small_data, out, *FORTY, "train.compile=true", "train.exit_at_step=20"), timeout=600) == [0]
     got, want = losses(out), losses(forty_steps)
     assert sorted(got) == list(range(1, 21))
     for step in got:
-        assert abs(got[step] - want[step]) < 1e-5, (step, got[step], want[step])
+        assert abs(got[step] - want[step]) < (1e-5 if step <= 10 else 2e-4), (step, got[step], want[step])
 
 
 # --- gradient accumulation in fp32 (train.grad_accum_dtype) ----------------------------------------

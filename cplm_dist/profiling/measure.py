@@ -271,13 +271,17 @@ def current_memory_bytes(device: torch.device) -> int:
 
 
 class PeakMeter:
-    """The peak of `current_memory_bytes` while active: CUDA's own peak counter, or on CPU a
-    thread sampling the resident set every millisecond."""
+    """The peak of `current_memory_bytes` while active: CUDA's own peak counter, or on CPU the
+    kernel's high-water mark of the resident set (VmHWM, reset on entry through
+    /proc/self/clear_refs), which no allocation escapes however short. Where that reset is not
+    allowed, a thread samples the resident set every millisecond instead (it can miss a peak
+    shorter than its period, or one reached while it waits for a core)."""
 
     def __init__(self, device: torch.device):
         self.device, self.peak = device, 0
         self._stop = threading.Event()
         self._thread = None
+        self._high_water = False
 
     def _sample(self):
         while not self._stop.is_set():
@@ -288,8 +292,10 @@ class PeakMeter:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
-        else:
-            self.peak = current_memory_bytes(self.device)
+            return self
+        self.peak = current_memory_bytes(self.device)
+        self._high_water = reset_high_water_mark()
+        if not self._high_water:
             self._thread = threading.Thread(target=self._sample, daemon=True)
             self._thread.start()
         return self
@@ -298,7 +304,31 @@ class PeakMeter:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             self.peak = torch.cuda.max_memory_allocated(self.device)
-        else:
+            return
+        if self._thread is not None:
             self._stop.set()
             self._thread.join()
-            self.peak = max(self.peak, current_memory_bytes(self.device))
+        high_water = high_water_mark_bytes() if self._high_water else None
+        self.peak = max(self.peak, current_memory_bytes(self.device), high_water or 0)
+
+
+def reset_high_water_mark() -> bool:
+    """Set this process's VmHWM to its current resident set (Linux >= 4.0); False where refused."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return high_water_mark_bytes() is not None
+    except OSError:
+        return False
+
+
+def high_water_mark_bytes() -> int | None:
+    """This process's peak resident set since start or the last reset (VmHWM), or None."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
