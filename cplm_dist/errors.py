@@ -19,3 +19,8 @@ class DataError(UsageError):
 
 class CheckpointError(UsageError):
     """A checkpoint that cannot be resumed from or loaded (missing, incomplete, damaged, another layout)."""
+
+
+class LaunchError(UsageError):
+    """A launch the job cannot run under: the hosts cannot reach each other, a rank never arrived,
+    a directory that must be shared is node-local."""

@@ -3,7 +3,7 @@ fails (a rank died, or hangs past `train.collective_timeout_minutes`) the surviv
 rank went quiet, when, and what it was doing.
 
     beat = Heartbeat.start()          # after init_distributed; a thread writes every `interval` s
-    beat.update(phase="training", step=12)   # and at once on every change
+    beat.update(phase="training", step=12)   # and at once on every change (each beat names its host)
     beat.quiet_ranks()                # [(rank, seconds since its last beat, its phase, its step)]
 
 The thread uses its own connection to the store rank 0 hosts (MASTER_ADDR:MASTER_PORT), so it
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import threading
 import time
 from datetime import timedelta
@@ -27,7 +28,7 @@ KEY = "cplm/heartbeat/{}"
 class Heartbeat:
     def __init__(self, store, rank: int, world: int, interval: float, phase: str):
         self.store, self.rank, self.world, self.interval = store, rank, world, interval
-        self.phase, self.step = phase, 0
+        self.phase, self.step, self.host = phase, 0, socket.gethostname()
         self._stop, self._changed = threading.Event(), threading.Event()
         self._thread = threading.Thread(target=self._run, name="cplm-heartbeat", daemon=True)
         self._thread.start()
@@ -49,7 +50,8 @@ class Heartbeat:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                self.store.set(KEY.format(self.rank), json.dumps({"time": time.time(), "phase": self.phase, "step": self.step}))
+                self.store.set(KEY.format(self.rank), json.dumps({"time": time.time(), "phase": self.phase, "step": self.step,
+                                                                  "host": self.host}))
             except Exception:  # noqa: BLE001 - rank 0 (the store) is gone: nothing left to tell
                 return
             self._changed.wait(self.interval)

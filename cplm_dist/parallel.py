@@ -16,10 +16,12 @@ import os
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from cplm_dist import hosts
 from cplm_dist.config import divisors
 from cplm_dist.errors import ConfigError
 from cplm_dist.launch_env import LaunchEnv
@@ -94,8 +96,12 @@ def check_world(tp_size: int, world_size: int, pp_size: int = 1) -> None:
 
 
 def init_distributed(tp_size: int = 1, *, pp_size: int = 1, backend: str | None = None,
-                     timeout_minutes: int = 10) -> ParallelDims:
-    """Join the job (once per process) and build the TP, DP and PP groups through parallel_state."""
+                     timeout_minutes: float = 10, join_timeout_minutes: float = 5,
+                     shared_dir: str | os.PathLike | None = None) -> ParallelDims:
+    """Join the job (once per process) and build the TP, DP and PP groups through parallel_state.
+    Joining (every rank arriving, the hosts' addresses checked, `shared_dir` the same directory on
+    every host) takes at most `join_timeout_minutes` (cplm_dist.hosts); each collective at most
+    `timeout_minutes`."""
     # Megatron's tp linears overlap their all-reduce with compute; on GPU that needs one hardware
     # queue per device to keep the order (Megatron's own launchers set this). Harmless on CPU.
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
@@ -108,12 +114,14 @@ def init_distributed(tp_size: int = 1, *, pp_size: int = 1, backend: str | None 
             torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
         if env.world_size == 1 and (env.master_addr is None or env.master_port is None):
             init_method = f"tcp://127.0.0.1:{free_port()}"
+            dist.init_process_group(backend, init_method=init_method, rank=0, world_size=1,
+                                    timeout=timedelta(minutes=timeout_minutes))
         else:
             init_method = f"tcp://{env.master_addr}:{env.master_port}"
-        dist.init_process_group(
-            backend, init_method=init_method, rank=env.rank, world_size=env.world_size,
-            timeout=timedelta(minutes=timeout_minutes),
-        )
+            store = hosts.join(env, backend, join_timeout_minutes=join_timeout_minutes,
+                               shared_dir=None if shared_dir is None else Path(shared_dir))
+            dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size,
+                                    timeout=timedelta(minutes=timeout_minutes))
         # DeepSpeed (and anything else downstream) reads the torchrun-style variables: publish
         # what we resolved, whatever the launcher was.
         host, port = init_method.removeprefix("tcp://").rsplit(":", 1)

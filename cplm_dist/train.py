@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from cplm_dist import hosts
 from cplm_dist.checkpoint import Checkpointer, Manifest, check_out_dir, find_resume
 from cplm_dist.cli import config_parser, exit_on_usage_error, load_from_args
 from cplm_dist.config import Config, batch_layout
@@ -100,12 +101,18 @@ def lost_rank_message(e: Exception, stop: StopRequest, timeout_minutes: float) -
     if not isinstance(e, (RuntimeError, dist.DistError)) or not any(m in text for m in markers):
         return None
     first = text.strip().splitlines()[0][:160]
+    peer = hosts.ranks_at(text)
     quiet = stop.heartbeat.quiet_ranks() if stop.heartbeat is not None else []
-    seen = "; ".join(f"rank {r} went quiet {age:.0f}s ago while {phase}" + (f" (step {step})" if step else "")
+    seen = "; ".join(f"rank {r}{_on_host(r)} went quiet {age:.0f}s ago while {phase}" + (f" (step {step})" if step else "")
                      for r, age, phase, step in quiet[:3])
     return (f"rank {dist.get_rank() if dist.is_initialized() else '?'} lost contact with another rank while {stop.phase} "
-            f"({first}){'; ' + seen if seen else ''}; a rank died or hung longer than "
+            f"({first}{'; that is ' + peer if peer else ''}){'; ' + seen if seen else ''}; a rank died or hung longer than "
             f"train.collective_timeout_minutes={timeout_minutes}: the job stops; continue with --resume auto")
+
+
+def _on_host(rank: int) -> str:
+    host = hosts.host_of(rank)
+    return f" on {host}" if host else ""
 
 
 @torch.no_grad()
@@ -179,7 +186,8 @@ def run(argv, stop: StopRequest) -> int:
 
     # 3. distributed: process group, TP x DP groups; from here on one teardown -------------------
     stop.enter("joining the process group")
-    dims = init_distributed(cfg.parallel.tp, pp_size=cfg.parallel.pp, timeout_minutes=t.collective_timeout_minutes)
+    dims = init_distributed(cfg.parallel.tp, pp_size=cfg.parallel.pp, timeout_minutes=t.collective_timeout_minutes,
+                            join_timeout_minutes=t.join_timeout_minutes, shared_dir=t.out_dir)
     stop.heartbeat = Heartbeat.start(phase=stop.phase)
     try:
         return train(cfg, dims, accumulation, resume, samples, tokenizer, stop, args.reshape)

@@ -170,6 +170,7 @@ class TrainConfig:
     keep_last: int = resumable(3)  # checkpoints kept (older ones are deleted after a newer one is complete)
     max_bad_steps: int = resumable(5)  # consecutive non-finite steps before the run stops
     collective_timeout_minutes: float = resumable(10.0)  # a collective waiting longer ends the job (a hung or lost rank)
+    join_timeout_minutes: float = resumable(5.0)  # joining the job (every rank arriving, the host checks) takes at most this
     exit_at_step: int | None = resumable(None)  # save and exit once this step is done (a time-sliced job; Megatron's --exit-interval)
     inject_nonfinite_at: list[int] = resumable(default_factory=list)  # fault injection (tests): NaN loss at these steps
     tensorboard: bool = resumable(True)
