@@ -4,9 +4,10 @@ and what the hosts must agree on before the first collective.
     store = join(env, backend, join_timeout_minutes=5, shared_dir=out_dir)   # then init_process_group(store=store)
 
 Every rank connects to the store rank 0 hosts (or, under torchrun, its agent's), publishes where
-it runs (its host, the address its collectives will advertise, a listening port on that address)
-and waits for all the others, at most the join timeout; a rank that never arrives is named, with
-the hosts of those that did. Then, when the job spans hosts:
+it runs (its host and machine, the address its collectives will advertise, a listening port on
+that address) and waits for all the others, at most the join timeout; a rank that never arrives
+is named, with the hosts of those that did. Then, when the job spans machines (two "nodes"
+started on one machine are one host):
 
 - an advertised address on loopback (a host whose hosts file maps its own name to 127.0.1.1, the
   line Debian's installer writes) is refused: the other hosts would connect to themselves;
@@ -64,10 +65,11 @@ def join(env: LaunchEnv, backend: str, *, join_timeout_minutes: float, shared_di
     probe = _write_probe(shared_dir, host, token) if shared_dir is not None and env.local_rank == 0 else None
     try:
         store.set(f"rank/{env.rank}", json.dumps(
-            {"host": host, "address": address, "port": listener.getsockname()[1], "probe": probe}))
+            {"host": host, "machine": machine_id(), "address": address, "port": listener.getsockname()[1],
+             "probe": probe}))
         peers = _gather(store, "rank", env.world_size, join_timeout_minutes, host)
         JOINED[:] = peers
-        verdict = check_peers(env.rank, peers, backend, env.spans_hosts)
+        verdict = check_peers(env.rank, peers, backend)
         if not verdict and env.rank == 0 and shared_dir is not None:
             verdict = check_probes(shared_dir, peers)
         store.set(f"verdict/{env.rank}", verdict)
@@ -139,6 +141,14 @@ def advertised_address(backend: str) -> str:
     return hostname_address(socket.gethostname())
 
 
+def machine_id() -> str:
+    """This machine's identity for the current boot (Linux boot_id), else its hostname."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return socket.gethostname()
+
+
 def hostname_address(hostname: str) -> str:
     """The first address `hostname` resolves to that a socket can bind (gloo's choice), else loopback."""
     try:
@@ -172,24 +182,31 @@ def is_loopback(address: str) -> bool:
         return False
 
 
-def check_peers(rank: int, peers: list[dict], backend: str, spans_hosts: bool) -> str:
+def check_peers(rank: int, peers: list[dict], backend: str) -> str:
     """This rank's verdict on the job's hosts ("" when fine): its own address, then one connect to
-    one rank of each other host."""
+    one rank of each other host. A job spans hosts when its ranks run on more than one machine
+    (hostname and boot id: two "nodes" started on one machine are one host, cloned machines that
+    share a hostname are not)."""
     me = peers[rank]
-    hosts = {p["host"] for p in peers}
-    if not (spans_hosts or len(hosts) > 1):
+    where = {(p["host"], p.get("machine")) for p in peers}
+    if len(where) == 1:
         return ""
     var = "NCCL_SOCKET_IFNAME" if backend == "nccl" else "GLOO_SOCKET_IFNAME"
     if is_loopback(me["address"]):
-        how = (f"its name {me['host']!r} resolves to {me['address']}" if not os.environ.get(var)
-               else f"{var}={os.environ[var]} is a loopback interface")
+        if os.environ.get(var):
+            how = f"{var}={os.environ[var]} gives {me['address']}"
+        elif backend == "nccl":
+            how = f"its only interface with an address is loopback ({me['address']})"
+        else:
+            how = f"its name {me['host']!r} resolves to {me['address']}"
         return (f"host {me['host']} (rank {rank}): {how}, a loopback address, which {backend} would give the "
                 f"other hosts to connect to: {FIX.format(var=var)}")
     targets = {}
     for r, p in enumerate(peers):
         # a peer on loopback refuses itself (above): connecting to it would only reach ourselves
-        if p["host"] != me["host"] and p["host"] not in targets and not is_loopback(p["address"]):
-            targets[p["host"]] = (r, p)
+        key = (p["host"], p.get("machine"))
+        if key != (me["host"], me.get("machine")) and key not in targets and not is_loopback(p["address"]):
+            targets[key] = (r, p)
     with ThreadPoolExecutor(max_workers=min(32, max(1, len(targets)))) as pool:
         results = list(pool.map(lambda t: (t, _connect(t[1]["address"], t[1]["port"])), targets.values()))
     for (r, p), error in results:

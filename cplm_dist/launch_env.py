@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import re
 import socket
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Mapping
 
 from cplm_dist.errors import ConfigError
@@ -34,13 +34,6 @@ class LaunchEnv:
     master_addr: str | None
     master_port: int | None
     launcher: str
-    nodes: int | None = field(default=None, compare=False)  # hosts the launcher says the job spans, where it says (else None)
-
-    @property
-    def spans_hosts(self) -> bool:
-        """The launcher says the job spans hosts (a job on one host may still find it spans more,
-        cplm_dist.hosts compares the ranks' hostnames)."""
-        return (self.nodes or 1) > 1
 
     @staticmethod
     def from_environ(env: Mapping[str, str] | None = None, *, mpi_rendezvous: bool = True) -> "LaunchEnv":
@@ -70,27 +63,7 @@ class LaunchEnv:
                 port = port or slurm_port(env)
             elif mpi_rendezvous:
                 addr, port = _mpi_rendezvous(launcher, addr, port)
-        return LaunchEnv(rank, world, local, addr, port, launcher, launched_nodes(env, launcher, world))
-
-
-# per launcher: (the processes on this host, the hosts of the job); the first present wins
-LOCAL_SIZES = {"torchrun": ("LOCAL_WORLD_SIZE", "LOCAL_SIZE"), "openmpi": ("OMPI_COMM_WORLD_LOCAL_SIZE",),
-               "mpich": ("MPI_LOCALNRANKS",), "slurm": ()}
-NODE_COUNTS = ("SLURM_STEP_NUM_NODES", "SLURM_NNODES", "GROUP_WORLD_SIZE")
-
-
-def launched_nodes(env: Mapping[str, str], launcher: str, world: int) -> int | None:
-    """The hosts a job spans, as its launcher tells: a node count (srun, torchrun's groups), else
-    world / local size (torchrun's LOCAL_WORLD_SIZE, DeepSpeed's LOCAL_SIZE, Open MPI's and MPICH's
-    local sizes): 2 or more is all that matters. None when nothing says."""
-    for key in LOCAL_SIZES.get(launcher, ()):
-        if env.get(key, "").isdigit() and int(env[key]) > 0:
-            return -(-world // int(env[key]))
-    keys = NODE_COUNTS if launcher == "slurm" else NODE_COUNTS[2:] if launcher == "torchrun" else ()
-    for key in keys:
-        if env.get(key, "").isdigit():
-            return int(env[key])
-    return None
+        return LaunchEnv(rank, world, local, addr, port, launcher)
 
 
 def slurm_port(env: Mapping[str, str]) -> int:

@@ -99,3 +99,44 @@ def test_one_evaluation_tp_policy():
     assert evaluation_tp(2, asked=1, world=4) == 1
     with pytest.raises(ConfigError, match=r"^tp=3 does not divide the launch's 4 ranks: choose tp from \[1, 2, 4\]$"):
         evaluation_tp(1, asked=3, world=4)
+
+
+# --- joining across hosts (cplm_dist.hosts; the two-host cases run in tests/test_multihost.py) ----
+
+
+def test_the_address_a_backend_advertises_and_loopback(monkeypatch):
+    from cplm_dist import hosts
+    from cplm_dist.errors import LaunchError
+
+    assert hosts.is_loopback("127.0.1.1") and hosts.is_loopback("::1") and not hosts.is_loopback("10.0.0.1")
+    assert not hosts.is_loopback("node1")  # a name is not an address
+    assert hosts.hostname_address("localhost") in ("127.0.0.1", "::1")
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    assert hosts.advertised_address("gloo") == "127.0.0.1"
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "nosuch0")
+    with pytest.raises(LaunchError, match=r"^GLOO_SOCKET_IFNAME=nosuch0 names no interface with an IPv4 address on "):
+        hosts.advertised_address("gloo")
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "=lo")
+    assert hosts.advertised_address("nccl") == "127.0.0.1"
+
+
+def test_host_checks_judge_machines_not_launchers():
+    """Two "nodes" on one machine may use loopback; two machines may not, even under one name
+    (cloned machines); a peer on loopback refuses itself and is not connected to."""
+    from cplm_dist import hosts
+
+    one = [{"host": "a", "machine": "m1", "address": "127.0.1.1", "port": 1} for _ in range(2)]
+    assert hosts.check_peers(0, one, "gloo") == ""
+    clones = [{"host": "a", "machine": m, "address": "127.0.1.1", "port": 1} for m in ("m1", "m2")]
+    line = hosts.check_peers(1, clones, "gloo")
+    assert line.startswith("host a (rank 1): its name 'a' resolves to 127.0.1.1, a loopback address, which gloo")
+    assert "GLOO_SOCKET_IFNAME=<interface>" in line and "\n" not in line
+    assert hosts.check_peers(1, clones, "nccl").count("NCCL_SOCKET_IFNAME") == 1
+    hosts.JOINED[:] = [{"host": "node1", "address": "10.0.0.1"}, {"host": "node2", "address": "10.0.0.2"},
+                       {"host": "node2", "address": "10.0.0.2"}]
+    try:
+        assert hosts.ranks_at("Connection closed by peer [10.0.0.2]:4242") == "ranks 1-2 on node2"
+        assert hosts.ranks_at("peer 10.0.0.12 gone") == "" and hosts.host_of(0) == "node1"
+    finally:
+        hosts.JOINED.clear()
+    assert hosts._ranges([0, 1, 2, 5, 7, 8]) == "0-2, 5, 7-8"

@@ -239,11 +239,15 @@ def kill_netns_processes(ns: str) -> list[int]:
     return pids
 
 
-def leftovers(prefix: str = "cplm") -> list[str]:
-    """Network namespaces named like ours (`<prefix><pid>-...`) that exist now."""
+def leftovers(prefix: str = "cplm", orphans_only: bool = False) -> list[str]:
+    """Network namespaces named like ours (`<prefix><pid>-...`) that exist now; `orphans_only`:
+    those whose maker (that pid) is gone, i.e. a killed run's, not a running one's."""
     proc = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30)
     names = [line.split()[0] for line in proc.stdout.splitlines() if line.strip()]
-    return [n for n in names if n.startswith(prefix) and "-" in n and n.split("-", 1)[0][len(prefix):].isdigit()]
+    ours = [n for n in names if n.startswith(prefix) and "-" in n and n.split("-", 1)[0][len(prefix):].isdigit()]
+    if orphans_only:
+        ours = [n for n in ours if not Path(f"/proc/{int(n.split('-', 1)[0][len(prefix):])}").exists()]
+    return ours
 
 
 def main(argv=None) -> int:
@@ -257,7 +261,7 @@ def main(argv=None) -> int:
     ex = sub.add_parser("exec", help="run a command on a host")
     ex.add_argument("host")
     ex.add_argument("argv", nargs=argparse.REMAINDER)
-    sub.add_parser("down", help="remove what `up` made (and any namespace a killed run left behind)")
+    sub.add_parser("down", help="remove what `up` made (and the namespaces of a killed run, whose maker is gone)")
     args = parser.parse_args(argv)
     if args.cmd == "up":
         if STATE.exists():
@@ -277,7 +281,7 @@ def main(argv=None) -> int:
         if STATE.exists():
             LocalCluster.from_json(json.loads(STATE.read_text())).down()
             STATE.unlink()
-        for ns in leftovers():
+        for ns in leftovers(orphans_only=True):
             kill_netns_processes(ns)
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
         return 0

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from cplm_dist.config import Config, parse_split
+from cplm_dist.data.node_local import copy_from_rank0, copy_plan
 from cplm_dist.data.indexed_data import check_indexed_dataset, content_fingerprint, split_token_counts
 from cplm_dist.data.tokenizer import Tokenizer, check_tokenizer_fits_model, load_tokenizer
 from cplm_dist.errors import DataError
@@ -88,7 +89,7 @@ def build_datasets(cfg: Config, samples: tuple[int, int, int], tokenizer: Tokeni
     """(train, valid, test) with exactly `samples` samples each (0 -> that split is None).
 
     Call on every rank after the process group exists; rank 0 builds megatron's index cache
-    first and the others read it. `tokenizer`: what check_data(cfg, samples) returned, when the
+    first and the others read it (from a copy on their own host when data.cache_dir is node-local). `tokenizer`: what check_data(cfg, samples) returned, when the
     caller already checked the data (so that nothing is loaded or scanned twice); else it is run here.
     """
     if tokenizer is None:
@@ -122,6 +123,12 @@ def build_datasets(cfg: Config, samples: tuple[int, int, int], tokenizer: Tokeni
     # A weighted blend needs an explicit size for every split (0, not None).
     sizes = [int(n) for n in samples]
     try:
+        # a node-local cache (data.cache_dir on a host's own disk): rank 0 builds it, each other
+        # host gets a copy (its first rank writes it), then every rank loads (cplm_dist.data.node_local)
+        writers = copy_plan(Path(cache)) if dist.get_world_size() > 1 else {}
+        if writers:
+            BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: dist.get_rank() == 0, config).build()
+            copy_from_rank0(Path(cache), writers)
         built = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, config).build()
     except (AssertionError, IndexError, ValueError) as e:
         raise DataError(f"could not build datasets from data.blend ({type(e).__name__}: {e}); "
