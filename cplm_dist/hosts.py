@@ -92,9 +92,20 @@ def host_of(rank: int) -> str | None:
     return JOINED[rank]["host"] if 0 <= rank < len(JOINED) else None
 
 
+def on_host(rank: int) -> str:
+    """' on HOST' naming rank `rank`'s host in a job that spans hosts, else '' (one host: the
+    name tells nothing)."""
+    if len({(p["host"], p.get("machine")) for p in JOINED}) < 2:
+        return ""
+    return f" on {host_of(rank)}" if host_of(rank) else ""
+
+
 def ranks_at(text: str) -> str:
     """'rank 1 on node2' for the joined ranks whose advertised address appears in `text` (a
-    collective's error names the peer it lost by address), '' when none does."""
+    collective's error names the peer it lost by address), '' when none does or the job runs on
+    one host (where every rank has the same address)."""
+    if len({(p["host"], p.get("machine")) for p in JOINED}) < 2:
+        return ""
     found: dict[str, list[int]] = {}
     for rank, p in enumerate(JOINED):
         if re.search(rf"(?<![\d.]){re.escape(p['address'])}(?![\d])", text):

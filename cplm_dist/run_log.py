@@ -109,7 +109,7 @@ class RunLog:
                   f"{tps:,.0f} tok/s | {record['tflops_per_device']:.2f} TFLOP/s/device"
                   + (f" | MFU {record['mfu']:.1%}" if record["mfu"] is not None else "")
                   + f" | mem {record['peak_memory_gb']:.2f} GB"
-                  + (f" | data wait {max(waits):.3f}s (rank {record['data_wait_max_rank']}{_on_host(record['data_wait_max_rank'])})"
+                  + (f" | data wait {max(waits):.3f}s (rank {record['data_wait_max_rank']}{hosts.on_host(record['data_wait_max_rank'])})"
                      if max(waits) > 0.05 * record["step_time_s"] else ""))
         self._new_window()
 
@@ -166,9 +166,3 @@ def read_metrics(path: str | Path, event: str = "train") -> dict[int, dict]:
         if r.get("event") == event and "step" in r:
             records[r["step"]] = r
     return records
-
-
-def _on_host(rank: int) -> str:
-    """' on HOST' for a rank of a job that spans hosts, else ''."""
-    names = {p["host"] for p in hosts.JOINED}
-    return f" on {hosts.host_of(rank)}" if len(names) > 1 else ""

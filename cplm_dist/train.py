@@ -103,16 +103,11 @@ def lost_rank_message(e: Exception, stop: StopRequest, timeout_minutes: float) -
     first = text.strip().splitlines()[0][:160]
     peer = hosts.ranks_at(text)
     quiet = stop.heartbeat.quiet_ranks() if stop.heartbeat is not None else []
-    seen = "; ".join(f"rank {r}{_on_host(r)} went quiet {age:.0f}s ago while {phase}" + (f" (step {step})" if step else "")
+    seen = "; ".join(f"rank {r}{hosts.on_host(r)} went quiet {age:.0f}s ago while {phase}" + (f" (step {step})" if step else "")
                      for r, age, phase, step in quiet[:3])
     return (f"rank {dist.get_rank() if dist.is_initialized() else '?'} lost contact with another rank while {stop.phase} "
             f"({first}{'; that is ' + peer if peer else ''}){'; ' + seen if seen else ''}; a rank died or hung longer than "
             f"train.collective_timeout_minutes={timeout_minutes}: the job stops; continue with --resume auto")
-
-
-def _on_host(rank: int) -> str:
-    host = hosts.host_of(rank)
-    return f" on {host}" if host else ""
 
 
 @torch.no_grad()

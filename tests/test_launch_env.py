@@ -137,6 +137,9 @@ def test_host_checks_judge_machines_not_launchers():
     try:
         assert hosts.ranks_at("Connection closed by peer [10.0.0.2]:4242") == "ranks 1-2 on node2"
         assert hosts.ranks_at("peer 10.0.0.12 gone") == "" and hosts.host_of(0) == "node1"
+        assert hosts.on_host(2) == " on node2"
+        hosts.JOINED[:] = [{"host": "h", "address": "127.0.0.1"}] * 2  # one host: names tell nothing
+        assert hosts.ranks_at("Connection closed by peer [127.0.0.1]:4242") == "" and hosts.on_host(1) == ""
     finally:
         hosts.JOINED.clear()
     assert hosts._ranges([0, 1, 2, 5, 7, 8]) == "0-2, 5, 7-8"
