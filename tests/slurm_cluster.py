@@ -126,7 +126,8 @@ class LocalSlurm:
                 pids.append(int((self.root / name).read_text().strip()))
             except (OSError, ValueError):
                 pass
-        for sig in (signal.SIGTERM, signal.SIGKILL):
+        # on a local cluster the hosts go next (every process in them killed): no graceful stop
+        for sig in (signal.SIGTERM, signal.SIGKILL) if self.cluster is None else (signal.SIGKILL,):
             for pid in pids:
                 try:
                     os.kill(pid, sig)

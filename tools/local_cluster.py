@@ -234,9 +234,17 @@ def kill_netns_processes(ns: str) -> list[int]:
         except ProcessLookupError:
             pass
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and any(Path(f"/proc/{p}").exists() for p in pids):
+    while time.monotonic() < deadline and any(_running(p) for p in pids):
         time.sleep(0.05)
     return pids
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (a killed child its parent has not reaped yet is gone for us)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def leftovers(prefix: str = "cplm", orphans_only: bool = False) -> list[str]:
