@@ -61,12 +61,13 @@ def join(env: LaunchEnv, backend: str, *, join_timeout_minutes: float, shared_di
     host = socket.gethostname()
     address = advertised_address(backend)
     listener = _listen(address)
-    token = _token(store, env.rank)
+    token = _token(store, env.rank, join_timeout_minutes, host)
+    made = _missing_dirs(Path(shared_dir)) if shared_dir is not None else []
     probe = _write_probe(shared_dir, host, token) if shared_dir is not None and env.local_rank == 0 else None
     try:
         store.set(f"rank/{env.rank}", json.dumps(
             {"host": host, "machine": machine_id(), "address": address, "port": listener.getsockname()[1],
-             "probe": probe}))
+             "probe": probe, "made": [str(d) for d in made]}))
         peers = _gather(store, "rank", env.world_size, join_timeout_minutes, host)
         JOINED[:] = peers
         verdict = check_peers(env.rank, peers, backend)
@@ -81,6 +82,11 @@ def join(env: LaunchEnv, backend: str, *, join_timeout_minutes: float, shared_di
     failed = [(r, v) for r, v in enumerate(verdicts) if v]
     if failed:
         _leave(store, env, host)
+        # a refused launch leaves no empty out_dir (or parents) behind: what any rank found missing
+        # (rank 0 after every rank removed its probe; each rank its own, for a node-local path)
+        mine = {d for p in peers for d in p.get("made", [])} if env.rank == 0 else {str(d) for d in made}
+        for d in sorted(mine, key=lambda d: -len(Path(d).parts)):
+            _remove_empty(Path(d))
         rank, message = failed[0]
         more = f" (and {len(failed) - 1} more rank(s) refused)" if len(failed) > 1 else ""
         raise LaunchError(message + more if rank == env.rank else f"rank {rank} refused the launch: {message}{more}")
@@ -260,11 +266,16 @@ def _listen(address: str) -> socket.socket:
     return s
 
 
-def _token(store: dist.Store, rank: int) -> str:
+def _token(store: dist.Store, rank: int, minutes: float, host: str) -> str:
     """One random word per job, from rank 0, naming this launch's probe files."""
     if rank == 0:
         store.set("token", uuid.uuid4().hex[:12])
-    return store.get("token").decode()
+    try:
+        return store.get("token").decode()
+    except (RuntimeError, dist.DistError) as e:  # rank 0 never arrived (torchrun's agent hosts the store)
+        first = str(e).strip().splitlines()[0][:120]
+        raise LaunchError(f"rank 0 did not join within train.join_timeout_minutes={minutes} (seen from {host}: "
+                          f"{first}): its launcher did not start it, or it failed first; its log says why") from None
 
 
 def _write_probe(shared_dir: Path, host: str, token: str) -> str:
@@ -272,6 +283,19 @@ def _write_probe(shared_dir: Path, host: str, token: str) -> str:
     Path(shared_dir).mkdir(parents=True, exist_ok=True)
     (Path(shared_dir) / name).write_text(host + "\n")
     return name
+
+
+def _missing_dirs(path: Path) -> list[Path]:
+    """`path` and its parents that do not exist yet, deepest first."""
+    path = path.absolute()
+    return [d for d in (path, *path.parents) if not d.exists()]
+
+
+def _remove_empty(path: Path) -> None:
+    try:
+        path.rmdir()
+    except OSError:
+        pass
 
 
 def _remove(path: Path) -> None:

@@ -262,7 +262,7 @@ def test_a_name_on_loopback_is_refused_before_the_first_collective(names, small_
     assert "error: rank 1 refused the launch: host node2" in results[0][1], results[0][1][-2000:]
     assert all(rc != 0 for rc, _ in results) and elapsed < 60, (elapsed, [rc for rc, _ in results])
     assert "exitcode  : 2" in results[1][1]  # our process exited 2; torchrun reports its own failure
-    assert not (out / "checkpoints").exists()
+    assert not out.exists()  # nothing written: not even the empty out_dir
 
 
 def test_a_name_the_other_host_cannot_reach_is_refused(names, small_data, tmp_path):
