@@ -252,11 +252,17 @@ def _one_line(log: str, fragment: str) -> str:
     return lines[0]
 
 
-def test_a_name_on_loopback_is_refused_before_the_first_collective(names, small_data, tmp_path):
-    names.name_on("node2", "loopback")
+def launch_with_node2_named_on(names, where, small_data, tmp_path):
+    """torchrun on both hosts, node2's own name mapped `where` (LocalCluster.name_on): each
+    host's (return code, output), the seconds it took, the out_dir."""
+    names.name_on("node2", where)
     out, master, start = tmp_path / "run", f"node1:{free_port()}", time.monotonic()
     results = finish([torchrun(names, h, r, out, master, small_data=small_data) for r, h in enumerate(names.names)], 120)
-    elapsed = time.monotonic() - start
+    return results, time.monotonic() - start, out
+
+
+def test_a_name_on_loopback_is_refused_before_the_first_collective(names, small_data, tmp_path):
+    results, elapsed, out = launch_with_node2_named_on(names, "loopback", small_data, tmp_path)
     line = _one_line(results[1][1], "error: host node2 (rank 1)")
     assert "its name 'node2' resolves to 127.0.1.1, a loopback address" in line and "GLOO_SOCKET_IFNAME" in line, line
     assert "error: rank 1 refused the launch: host node2" in results[0][1], results[0][1][-2000:]
@@ -266,10 +272,8 @@ def test_a_name_on_loopback_is_refused_before_the_first_collective(names, small_
 
 
 def test_a_name_the_other_host_cannot_reach_is_refused(names, small_data, tmp_path):
-    names.name_on("node2", "unreachable")  # node2's own name -> its mgmt0 address, a network node1 is not on
-    out, master, start = tmp_path / "run", f"node1:{free_port()}", time.monotonic()
-    results = finish([torchrun(names, h, r, out, master, small_data=small_data) for r, h in enumerate(names.names)], 120)
-    elapsed = time.monotonic() - start
+    # node2's own name -> its mgmt0 address, a network node1 is not on
+    results, elapsed, _ = launch_with_node2_named_on(names, "unreachable", small_data, tmp_path)
     line = _one_line(results[0][1], "error: rank 0 on node1 cannot reach host node2 (rank 1) at 10.232.0.2")
     assert "the address node2 advertises" in line and "/etc/hosts" in line, line
     assert "refused the launch: rank 0 on node1 cannot reach host node2" in results[1][1], results[1][1][-2000:]
