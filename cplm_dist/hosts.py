@@ -47,7 +47,7 @@ from cplm_dist.errors import LaunchError
 from cplm_dist.launch_env import LaunchEnv
 
 PREFIX = "cplm/hosts/"
-JOINED: list[dict] = []  # every rank's {host, address, port, probe} from this process's last join
+JOINED: list[dict] = []  # every rank's {host, machine, address, port, probe, made} from this process's last join
 PROBE_SECONDS = 3.0  # a TCP connect to a reachable peer takes milliseconds; an unreachable one never answers
 FIX = ("map each host's name in /etc/hosts (or DNS) to the address of the network the hosts share, or pick "
        "that network's interface with {var}=<interface>")
@@ -98,10 +98,16 @@ def host_of(rank: int) -> str | None:
     return JOINED[rank]["host"] if 0 <= rank < len(JOINED) else None
 
 
+def spans_machines(peers: list[dict]) -> bool:
+    """The ranks run on more than one machine (hostname and boot id: two "nodes" started on one
+    machine are one host, cloned machines that share a hostname are not)."""
+    return len({(p["host"], p.get("machine")) for p in peers}) > 1
+
+
 def on_host(rank: int) -> str:
     """' on HOST' naming rank `rank`'s host in a job that spans hosts, else '' (one host: the
     name tells nothing)."""
-    if len({(p["host"], p.get("machine")) for p in JOINED}) < 2:
+    if not spans_machines(JOINED):
         return ""
     return f" on {host_of(rank)}" if host_of(rank) else ""
 
@@ -110,7 +116,7 @@ def ranks_at(text: str) -> str:
     """'rank 1 on node2' for the joined ranks whose advertised address appears in `text` (a
     collective's error names the peer it lost by address), '' when none does or the job runs on
     one host (where every rank has the same address)."""
-    if len({(p["host"], p.get("machine")) for p in JOINED}) < 2:
+    if not spans_machines(JOINED):
         return ""
     found: dict[str, list[int]] = {}
     for rank, p in enumerate(JOINED):
@@ -201,12 +207,9 @@ def is_loopback(address: str) -> bool:
 
 def check_peers(rank: int, peers: list[dict], backend: str) -> str:
     """This rank's verdict on the job's hosts ("" when fine): its own address, then one connect to
-    one rank of each other host. A job spans hosts when its ranks run on more than one machine
-    (hostname and boot id: two "nodes" started on one machine are one host, cloned machines that
-    share a hostname are not)."""
+    one rank of each other machine (`spans_machines`); "" at once on one machine."""
     me = peers[rank]
-    where = {(p["host"], p.get("machine")) for p in peers}
-    if len(where) == 1:
+    if not spans_machines(peers):
         return ""
     var = "NCCL_SOCKET_IFNAME" if backend == "nccl" else "GLOO_SOCKET_IFNAME"
     if is_loopback(me["address"]):
@@ -330,17 +333,9 @@ def _gather(store: dist.Store, kind: str, world: int, minutes: float, host: str,
 def _wait_for(store: dist.Store, kind: str, world: int, minutes: float, host: str, raw: bool) -> list:
     keys = [f"{kind}/{r}" for r in range(world)]
     deadline = time.monotonic() + minutes * 60
-    while True:
-        present = [store.check([k]) for k in keys] if world <= 64 else None
-        if present is not None and all(present):
-            break
-        if present is None:
-            try:
-                store.wait(keys, timedelta(seconds=max(1.0, deadline - time.monotonic())))
-                break
-            except dist.DistStoreError:  # timed out
-                present = [store.check([k]) for k in keys]
+    while not store.check(keys):  # one round trip a poll, whatever the world size
         if time.monotonic() >= deadline:
+            present = [store.check([k]) for k in keys]
             missing = [r for r, ok in enumerate(present) if not ok]
             arrived = _arrived_hosts(store, keys, present) if kind == "rank" else ""
             raise LaunchError(

@@ -89,8 +89,9 @@ def build_datasets(cfg: Config, samples: tuple[int, int, int], tokenizer: Tokeni
     """(train, valid, test) with exactly `samples` samples each (0 -> that split is None).
 
     Call on every rank after the process group exists; rank 0 builds megatron's index cache
-    first and the others read it (from a copy on their own host when data.cache_dir is node-local). `tokenizer`: what check_data(cfg, samples) returned, when the
-    caller already checked the data (so that nothing is loaded or scanned twice); else it is run here.
+    first and the others read it (from a copy on their own host when data.cache_dir is
+    node-local). `tokenizer`: what check_data(cfg, samples) returned, when the caller already
+    checked the data (so that nothing is loaded or scanned twice); else it is run here.
     """
     if tokenizer is None:
         tokenizer = check_data(cfg, samples)

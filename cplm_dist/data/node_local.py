@@ -57,12 +57,12 @@ def copy_from_rank0(path: Path, writers: dict[str, int]) -> None:
     writing = rank in writers.values()
     for name, size in listing[0]:
         target = path / name
-        have = [writing and target.is_file() and target.stat().st_size == size]
+        mine = writing and not (target.is_file() and target.stat().st_size == size)
         needed = [None] * dist.get_world_size()
-        dist.all_gather_object(needed, writing and not have[0])
+        dist.all_gather_object(needed, mine)
         if not any(needed):
             continue
-        tmp = target.with_name(f".{target.name}.{os.getpid()}.part") if writing and not have[0] else None
+        tmp = target.with_name(f".{target.name}.{os.getpid()}.part") if mine else None
         if tmp is not None:
             tmp.parent.mkdir(parents=True, exist_ok=True)
         with (open(path / name, "rb") if rank == 0 else _null()) as src, (open(tmp, "wb") if tmp else _null()) as dst:
