@@ -97,7 +97,10 @@ def lost_rank_message(e: Exception, stop: StopRequest, timeout_minutes: float) -
     """One line for a collective that failed because another rank died or hung, else None; it
     names the ranks that went quiet (their heartbeats stopped) and what they were doing."""
     text = str(e)
-    markers = ("Timed out", "timed out", "Connection closed by peer", "Connection reset", "NCCL communicator was aborted")
+    # gloo reports a peer that stopped answering (a hung rank, a cut link) as a timed-out wait, or,
+    # when its own pair times out first, as "Application timeout caused pair closure"
+    markers = ("Timed out", "timed out", "Application timeout", "Connection closed by peer", "Connection reset",
+               "NCCL communicator was aborted")
     if not isinstance(e, (RuntimeError, dist.DistError)) or not any(m in text for m in markers):
         return None
     first = text.strip().splitlines()[0][:160]
