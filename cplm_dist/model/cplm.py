@@ -206,6 +206,13 @@ class CPLM(torch.nn.Module):
         return vocab_parallel.mixed_log_probs(logits, copy_lp, terms, self.copy_cfg.mix, self.tp_group)
 
 
+def place(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """`model` with every tensor on `device`: moved only if one is elsewhere (the parts are built
+    on it; fake tensors, as a dry run builds them, cannot be swapped by Module.to)."""
+    tensors = [*model.parameters(), *model.buffers()]
+    return model.to(device) if any(t.device != device for t in tensors) else model
+
+
 def build_model(cfg: Config, *, tp_group: dist.ProcessGroup | None = None, device=None, dtype=torch.float32,
                 activation_checkpointing: bool | None = None, compile_layers: bool | None = None,
                 sequence_parallel: bool | None = None) -> CPLM:
@@ -230,7 +237,7 @@ def build_model(cfg: Config, *, tp_group: dist.ProcessGroup | None = None, devic
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     spec = PartSpec.of(cfg, tp_group, device, dtype, sequence_parallel)
-    model = CPLM(Embedding(spec), [TransformerLayer(spec) for _ in range(m.num_layers)], Head(spec), m).to(device)
+    model = place(CPLM(Embedding(spec), [TransformerLayer(spec) for _ in range(m.num_layers)], Head(spec), m), device)
     init_parameters(model, m, cfg.copy, cfg.seed, model.tp_rank, model.tp_size)
     t = cfg.train
     return parallelize(model, device=device,

@@ -135,6 +135,16 @@ class PipelineStages:
                     out.append((module.canonical_prefix + name, p))
         return out
 
+    def to(self, *args, **kwargs):
+        """Module.to, a no-op when every tensor is on the device asked for already with no dtype
+        asked: DeepSpeed moves the stage to its device after building it there, and fake tensors
+        (as a dry run builds them, cplm_dist.profiling.dry_run) cannot be swapped by Module.to."""
+        device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+        tensors = [*self.parameters(), *self.buffers()]
+        if dtype is None and device is not None and all(t.device == torch.device(device) for t in tensors):
+            return self
+        return super().to(*args, **kwargs)
+
     def _partition_layers(self, method="parameters"):
         self.parts = stage_bounds(self.cfg, self.num_stages)
         stage = self._topo.get_coord(self.global_rank).pipe
