@@ -311,9 +311,9 @@ def test_bubble_and_the_pipelined_step():
 
 
 def _pipeline_only_cluster():
-    """cplm-1.7b with the chunked loss (no ZeRO-3) on 8 single-GPU nodes (no tp) in 7.5 GiB: ZeRO-1/2
+    """cplm-1.7b with the chunked loss (no ZeRO-3) on 8 single-GPU nodes (no tp) in 10 GiB: ZeRO-1/2
     over dp = 8 cannot hold the whole model's states and one micro-batch; split over stages it fits."""
-    return Cluster(gpus=8, gpus_per_node=1, memory_gib=7.5)
+    return Cluster(gpus=8, gpus_per_node=1, memory_gib=10.0)
 
 
 def test_the_planner_proposes_pipeline_parallelism_where_nothing_fits_without_it():
@@ -337,7 +337,7 @@ def test_cli_writes_parallel_pp(tmp_path, capsys):
     run = tmp_path / "cplm-1.7b.yaml"
     run.write_text((REPO / "configs/runs/cplm-1.7b.yaml").read_text() + "loss:\n  impl: chunked\n")
     assert load_config(str(run)).parallel.pp == 1
-    common = ["--config", str(run), "--gpus", "8", "--gpus-per-node", "1", "--gpu-gb", "7.5", "--global-batch", "64"]
+    common = ["--config", str(run), "--gpus", "8", "--gpus-per-node", "1", "--gpu-gb", "10", "--global-batch", "64"]
     assert main([*common, "--max-pp", "1"]) == 1
     assert "needs pipeline parallelism" in capsys.readouterr().out
     assert main([*common, "--top", "3", "--write", str(run)]) == 0

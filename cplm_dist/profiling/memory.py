@@ -55,12 +55,20 @@ loss.chunk_rows rows, 8 V/tp each plus the bf16 logits), and the copy head's fp3
     (not yet measured on a GPU);
   - auto is counted as chunked: what it runs on CPU, and the larger of its two paths.
 
-The peak is whichever moment is larger, on top of parameters and optimizer states:
+The peak is whichever moment is larger, on top of parameters, optimizer states and DeepSpeed's
+gradient buckets:
 
     early backward:  all activations + the softmax buffer + the copy head's + one layer's
                      activation gradients + the vocabulary-embedding gradient (written first)
+                     + with more than one micro-batch a step, the gradients the earlier ones left
+                     (they accumulate until the step: found by the dry run, cplm_dist.profiling.dry_run)
     optimizer step:  all gradients + the optimizer's temporaries (torch's foreach AdamW: about
                      one fp32 copy of the parameters it updates)
+    buckets:         ZeRO 1-3 with train.contiguous_gradients: DeepSpeed 0.19.8's gradient
+                     reduction buffers, train.reduce_bucket_size elements each in the gradient
+                     dtype, allocated at the first backward and kept; two with overlap_comm at
+                     ZeRO 1-2 (a double buffer) and two under the pipeline engine (it stages one
+                     more for its own reduction); measured on CPU (docs/benchmarks.md)
 
 On CPU the measured figure is the process's peak resident set above its size before the model
 was built, with glibc told to return freed blocks at once (cplm_dist.profiling.measure).
@@ -117,10 +125,12 @@ class MemoryEstimate:
     copy_head: float
     backward_transient: float  # one layer's activation gradients (+ its recomputation) + the embedding gradient
     optimizer_transient: float
+    accumulated_gradients: float = 0.0  # the gradients held while a later micro-batch runs (accumulation > 1)
+    buckets: float = 0.0  # DeepSpeed's gradient reduction buffers
 
     @property
     def early_backward(self) -> float:
-        return self.activations + self.logits + self.copy_head + self.backward_transient
+        return self.activations + self.logits + self.copy_head + self.backward_transient + self.accumulated_gradients
 
     @property
     def optimizer_step(self) -> float:
@@ -128,7 +138,7 @@ class MemoryEstimate:
 
     @property
     def total(self) -> float:
-        return self.parameters + self.optimizer + max(self.early_backward, self.optimizer_step)
+        return self.parameters + self.optimizer + self.buckets + max(self.early_backward, self.optimizer_step)
 
     def as_dict(self) -> dict:
         return {**asdict(self), "early_backward": self.early_backward, "optimizer_step": self.optimizer_step,
@@ -158,6 +168,18 @@ def state_bytes_per_parameter(precision: str, zero: int, dp: int,
         (low_grads / dp if zero >= 2 else low_grads) + (fp32_grads if full_fp32_grads else fp32_grads / dp),
         optim / dp if zero >= 1 else optim,
     )
+
+
+def bucket_bytes(cfg: Config, *, zero: int, pp: int, act_bytes: int, cuda: bool = True) -> float:
+    """DeepSpeed's gradient reduction buffers (the module docstring's `buckets`); overlap_comm
+    as the engine sets it (null: on with CUDA, off under a pipeline)."""
+    t = cfg.train
+    if zero == 0 or not t.contiguous_gradients:
+        return 0.0
+    overlap = (cuda if t.overlap_comm is None else t.overlap_comm) and pp == 1
+    buffers = 2 if pp > 1 or (overlap and zero < 3) else 1
+    dtype = 4 if t.grad_accum_dtype == "fp32" and zero == 1 else act_bytes
+    return float(t.reduce_bucket_size) * buffers * dtype
 
 
 def sequence_shards(cfg: Config, tp: int) -> int:
@@ -276,6 +298,8 @@ def _stage_estimate(cfg: Config, stage: Stage, *, tp: int, dp: int, micro_batch:
         copy_head=copy_head,
         backward_transient=recompute + tokens * per_layer + embedding_grad,
         optimizer_transient=4 * n_local / (dp if zero >= 1 else 1),
+        accumulated_gradients=n_local * g_b if accumulation > 1 else 0.0,
+        buckets=bucket_bytes(cfg, zero=zero, pp=stage.stages, act_bytes=b),
     )
 
 
