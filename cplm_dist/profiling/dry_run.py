@@ -1,0 +1,408 @@
+"""A training layout run at full scale with no GPU: each distinct rank of the layout builds its
+modules with the code training uses (cplm_dist.model: megatron-core layers, the copy head, the
+loss; the pipeline stage DeepSpeed would hold) at the real shapes, in a fake process group of the
+real world size (cplm_dist.profiling.fake_world), under FakeTensorMode, and runs the micro-batches
+it holds at once through forward and backward, while torch's MemTracker records the bytes alive
+by kind and the profiler's collective counter (cplm_dist.profiling.measure.CommTimer) the
+collectives the model issues.
+
+    result = dry_run(cfg, gpus=512, device=DEVICES["h200"])
+    result.fits, result.heaviest, result.as_json()
+
+A rank's role is its tp rank and pipeline stage (its dp replicas are alike). tp ranks differ only
+in how much of their vocabulary shard is Megatron's padding and, under sequence parallelism, in
+which positions their copy-head queries are (`alike_ranks`): one tp rank is traced per distinct
+kind and the others share its figures (`traced_as`). What each role runs:
+
+    pp = 1   min(accumulation, 2) micro-batches, each forward then backward: the second runs with
+             the first one's gradients alive, as in a step that accumulates
+    pp > 1   1F1B as DeepSpeed's engine runs it on stage s: k = min(pp - s, accumulation)
+             forwards held, the first backward, one more forward (when the step has more), then
+             the remaining backwards; each stage's input is a fake received activation, a non-last
+             stage's backward starts from a fake received gradient
+
+What is traced (FakeTensorMode): the parameters in the training dtype (DeepSpeed's bf16 copy), the
+activations, the backward's temporaries and the gradients autograd makes (ZeRO-2/3 reduce and
+release each one as it is made: dropped at once), and the tp / sp collectives (CommTimer, per
+micro-batch, scaled to the step's accumulation). The pipeline's sends are counted from the
+boundary tensors the stage actually produced and received, by the engine's rule (a tp partition
+of the hidden states, or its sequence shard, plus the ids and labels).
+
+What DeepSpeed's engine owns is not traced and is added from the estimator's arithmetic
+(cplm_dist.profiling.memory.state_bytes_per_parameter, over the traced parameter count), marked
+"modelled" in the table and the JSON: the optimizer states (AdamW's m, v and fp32 master copy,
+ZeRO-partitioned), its gradient reduction buckets, the gradients it keeps for the optimizer step and the step's temporaries, the
+dp collectives and the tied embedding's all-reduce (cplm_dist.profiling.communication). (Its
+engine builds under fake tensors once Module.to may swap fake parameters, but its step reads
+values, .item() on an overflow check, which fake tensors do not have.) A role's peak is
+
+    parameters (traced) + optimizer states + gradient buckets (modelled)
+        + max(what the traced forward and backward added at their peak, the optimizer step: gradients + temporaries (modelled))
+
+and it fits when at most `headroom` (the planner's 90%) of the device's memory. The roofline
+step time (cplm_dist.profiling.roofline: the traced operators at the device's peak FLOPs and
+memory bandwidth, the traced tp bytes at the planner's NVLink bandwidth, the 1F1B bubble, the
+modelled dp bytes unhidden) is a model of the eager operator sequence, beside the planner's
+prediction (compiled layers fuse its pointwise operators away). The traced FLOPs of a dp
+replica's step are set beside throughput.flops_per_token's, the FLOPs MFU counts.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+import contextlib
+import io
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from cplm_dist.config import Config, batch_layout
+from cplm_dist.model.counting import parameter_count, replicated_parameters
+from cplm_dist.parallel import ParallelDims, check_world
+from cplm_dist.profiling import communication
+from cplm_dist.profiling.fake_world import fake_rank, rank_of
+from cplm_dist.profiling.memory import bubble, bucket_bytes, in_flight, stage_estimates, state_bytes_per_parameter
+from cplm_dist.profiling.planner import Cluster, predict
+from cplm_dist.profiling.roofline import Device, Roofline
+from cplm_dist.model.stages import pipeline_stages
+from cplm_dist.vocab_parallel import padded_vocab_size
+
+HEADROOM = 0.9  # the share of a device's memory a layout may fill (the planner's Cluster.headroom)
+
+
+@dataclass(frozen=True)
+class Layout:
+    world: int
+    tp: int
+    pp: int
+    dp: int
+    zero_stage: int
+    micro_batch: int
+    accumulation: int
+    seq_len: int
+    precision: str
+    cp: int = 1
+
+    @property
+    def act_bytes(self) -> int:
+        return 2 if self.precision == "bf16" else 4
+
+    def as_json(self) -> dict:
+        return {"tp": self.tp, "pp": self.pp, "cp": self.cp, "dp": self.dp, "zero_stage": self.zero_stage}
+
+
+def layout_of(cfg: Config, gpus: int) -> Layout:
+    """The layout cfg trains with on `gpus` ranks, or the ConfigError training would raise (a tp x
+    pp that does not divide the world, batch arithmetic that does not work; the heads and pp
+    bounds are checked when the config loads)."""
+    p, t = cfg.parallel, cfg.train
+    check_world(p.tp, gpus, p.pp)
+    dp = gpus // (p.tp * p.pp)
+    return Layout(world=gpus, tp=p.tp, pp=p.pp, dp=dp, zero_stage=t.zero_stage, micro_batch=t.micro_batch_size,
+                  accumulation=batch_layout(cfg, dp), seq_len=cfg.data.seq_length, precision=t.precision)
+
+
+def alike_ranks(cfg: Config, tp: int, last_stage: bool) -> dict[int, list[int]]:
+    """{traced tp rank: the tp ranks alike to it}. Ranks are alike when they hold as many real
+    (unpadded) vocabulary rows (cplm_dist.model.parts.vocabulary_shard), except at the head's
+    stage under sequence parallelism, where each rank's copy-head queries are its own positions
+    of the sequence and score as many earlier keys: every rank is its own role there."""
+    if last_stage and cfg.parallel.sequence_parallel and tp > 1:
+        return {r: [r] for r in range(tp)}
+    m = cfg.model
+    v_local = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp) // tp
+    classes: dict[int, list[int]] = {}
+    for r in range(tp):
+        real = max(0, min(v_local, m.vocab_size - r * v_local))
+        classes.setdefault(real, []).append(r)
+    return {ranks[0]: ranks for ranks in classes.values()}
+
+
+@dataclass
+class RoleTrace:
+    """What one rank's traced micro-batches showed (bytes; collectives per optimizer step)."""
+
+    parameters: int
+    parameter_bytes: int
+    peak_bytes: int  # MemTracker's peak of the forward and backward, everything alive
+    by_kind: dict[str, int]  # that peak's composition (parameters, gradients, activations, temporaries, ...)
+    collectives: dict[str, float]  # "<group>/<collective>": bytes a step, traced
+    boundary: dict[str, float]  # "pp/send", "pp/recv": bytes a step, from the boundary tensors
+    micro_batches: int  # traced
+    roofline_s: float  # the traced micro-batches' operators at the roofline, per micro-batch
+    flops: float  # per micro-batch
+    seconds: float  # wall time of the trace
+
+
+@dataclass
+class Role:
+    tp_rank: int
+    pp_stage: int
+    traced_as: int  # the tp rank whose trace this role shares
+    trace: RoleTrace
+    modelled: dict  # bytes: optimizer_states, optimizer_step; collectives {key: bytes}
+    peak_bytes: float
+    estimate_bytes: float
+    modelled_collectives: dict[str, float] = field(default_factory=dict)  # the communication model of the same collectives
+
+    @property
+    def error(self) -> float:
+        """The estimator against the trace: (estimate - traced) / traced."""
+        return (self.estimate_bytes - self.peak_bytes) / self.peak_bytes
+
+    def as_json(self) -> dict:
+        t = self.trace
+        return {"tp_rank": self.tp_rank, "pp_stage": self.pp_stage, "cp_rank": 0, "traced_as": self.traced_as,
+                "parameters": t.parameters, "peak_bytes": self.peak_bytes, "estimate_bytes": self.estimate_bytes,
+                "traced": {"peak_bytes": t.peak_bytes, "by_kind": t.by_kind, "micro_batches": t.micro_batches,
+                           "flops_per_micro_batch": t.flops, "roofline_s_per_micro_batch": t.roofline_s},
+                "modelled": self.modelled,
+                "collectives": {**t.collectives, **t.boundary, **self.modelled["collectives"]},
+                "collectives_traced": t.collectives, "collectives_boundary": t.boundary,
+                "collectives_modelled": self.modelled["collectives"],
+                "collectives_communication_model": self.modelled_collectives}
+
+
+@dataclass
+class DryRun:
+    cfg: Config
+    layout: Layout
+    device: Device
+    roles: list[Role]
+    roofline_step_s: float
+    planner_step_s: float
+    seconds: float
+
+    @property
+    def heaviest(self) -> Role:
+        return max(self.roles, key=lambda r: r.peak_bytes)
+
+    @property
+    def replica_flops(self) -> tuple[float, float]:
+        """(FLOPs of one dp replica's step as traced: every role's micro-batch x accumulation, the
+        recomputed forward included; the same from throughput.flops_per_token, the FLOPs MFU counts)."""
+        from cplm_dist.profiling.throughput import flops_per_token
+
+        L = self.layout
+        traced = sum(r.trace.flops for r in self.roles) * L.accumulation
+        return traced, flops_per_token(self.cfg, L.seq_len) * L.micro_batch * L.seq_len * L.accumulation
+
+    @property
+    def fits(self) -> bool:
+        return self.heaviest.peak_bytes <= HEADROOM * self.device.memory_bytes
+
+    def as_json(self) -> dict:
+        return {"config": self.cfg.model.name, "world": self.layout.world, "layout": self.layout.as_json(),
+                "micro_batch": self.layout.micro_batch, "accumulation": self.layout.accumulation,
+                "seq_len": self.layout.seq_len, "precision": self.layout.precision,
+                "total_parameters": parameter_count(self.cfg)["total"],
+                "replicated_parameters": replicated_parameters(self.cfg),
+                "device": self.device.name, "device_bytes": self.device.memory_bytes, "headroom": HEADROOM,
+                "fits": self.fits, "replica_flops_traced": self.replica_flops[0], "replica_flops_model": self.replica_flops[1],
+                "roofline_step_s": self.roofline_step_s, "planner_step_s": self.planner_step_s,
+                "seconds": self.seconds, "roles": [r.as_json() for r in self.roles]}
+
+
+def _micro_batch(cfg: Config, layout: Layout, stage, device):
+    """(the stage's inputs, labels) of one micro-batch: ids and labels (B, T); at a later stage
+    also the received hidden states, (B, T, D) or sequence-first (T/tp, B, D) under sequence
+    parallelism, to be differentiated."""
+    B, T, D = layout.micro_batch, layout.seq_len, cfg.model.hidden_size
+    ids = torch.randint(0, cfg.model.vocab_size, (B, T), device=device)
+    labels = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], 1)
+    if stage is None or stage.first:
+        return (ids, labels), labels, None
+    sp = cfg.parallel.sequence_parallel and layout.tp > 1
+    shape = (T // layout.tp, B, D) if sp else (B, T, D)
+    x = torch.randn(shape, dtype=torch.bfloat16 if layout.precision == "bf16" else torch.float32,
+                    device=device, requires_grad=True)
+    return (x, ids, labels), labels, x
+
+
+def _sent_bytes(t: torch.Tensor, tp: int, sequence_parallel: bool) -> float:
+    """What the pipeline engine sends of a hidden-state tensor: at tp > 1 a 1/tp partition of it,
+    or under sequence parallelism the sequence shard it already is."""
+    return t.numel() * t.element_size() / (tp if tp > 1 and not sequence_parallel else 1)
+
+
+def _ids_bytes(ids: torch.Tensor) -> float:
+    return 2 * ids.numel() * ids.element_size()  # the ids and the labels
+
+
+class _Schedule:
+    """Runs one role's micro-batches (module docstring) and counts the pipeline boundary."""
+
+    def __init__(self, module, cfg: Config, layout: Layout, stage, device):
+        self.module, self.cfg, self.layout, self.stage, self.device = module, cfg, layout, stage, device
+        self.pending: list = []
+        self.boundary = defaultdict(float)
+        self.micro_batches = 0
+
+    def forward(self):
+        inputs, labels, x = _micro_batch(self.cfg, self.layout, self.stage, self.device)
+        out = self.module(*inputs) if self.stage is None else self.module(inputs)
+        sent = lambda t: _sent_bytes(t, self.layout.tp, self.cfg.parallel.sequence_parallel)  # noqa: E731
+        if self.stage is None:
+            self.pending.append((out.nll.sum() / (labels != -100).sum(), None))
+        elif self.stage.last:
+            self.pending.append((self.module.loss_fn(out, labels), None))
+        else:
+            self.pending.append((out[0], torch.randn_like(out[0])))  # the gradient the next stage sends back
+            self.boundary["pp/send"] += sent(out[0]) + _ids_bytes(inputs[-2])
+            self.boundary["pp/recv"] += sent(out[0])
+        if x is not None:
+            self.boundary["pp/recv"] += sent(x) + _ids_bytes(inputs[-2])
+            self.boundary["pp/send"] += sent(x)
+        self.micro_batches += 1
+
+    def backward(self):
+        value, grad = self.pending.pop(0)
+        torch.autograd.backward(value, grad)
+
+    def run(self):
+        acc = self.layout.accumulation
+        if self.stage is None or self.stage.stages == 1:
+            for _ in range(min(acc, 2)):
+                self.forward()
+                self.backward()
+            return
+        held = in_flight(self.stage, acc)
+        for _ in range(held):
+            self.forward()
+        self.backward()
+        if acc > held:
+            self.forward()
+        while self.pending:
+            self.backward()
+
+
+def _build(cfg: Config, dims: ParallelDims, layout: Layout, device):
+    from cplm_dist.model.cplm import build_model
+    from cplm_dist.model.pipeline import build_pipeline_model
+
+    dtype = torch.bfloat16 if layout.precision == "bf16" else torch.float32  # DeepSpeed's bf16 copy of the model
+    if layout.pp > 1:
+        return build_pipeline_model(cfg, dims, device=device, dtype=dtype)
+    return build_model(cfg, tp_group=dims.tp_group, device=device, dtype=dtype, compile_layers=False)
+
+
+def trace_rank(cfg: Config, dims: ParallelDims, layout: Layout, device: torch.device | str = "cpu",
+               roofline_device: Device | None = None) -> RoleTrace:
+    """Build this rank's modules and run its micro-batches (module docstring), in whatever world
+    and tensor mode is active: a fake rank under FakeTensorMode (`dry_run`), or a real job of
+    real tensors (how the tests hold the dry run to the real thing)."""
+    from cplm_dist.profiling.live_tensors import StepTracker, peak_by_kind
+    from cplm_dist.profiling.measure import CommTimer
+    from cplm_dist.profiling.roofline import DEVICES
+
+    start = time.perf_counter()
+    device = torch.device(device)
+    torch.manual_seed(cfg.seed)
+    module = _build(cfg, dims, layout, device)
+    params = {id(p): p for p in module.parameters()}.values()
+    stage = pipeline_stages(cfg, layout.pp, layout.tp)[dims.pp_rank] if layout.pp > 1 else None
+    hooks = []
+    if layout.zero_stage >= 2:  # DeepSpeed reduces each gradient as it is made and keeps only its partition
+        hooks = [p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None)) for p in params if p.requires_grad]
+    schedule = _Schedule(module, cfg, layout, stage, device)
+    roof = Roofline(roofline_device or DEVICES["h200"], layout.precision)
+    with StepTracker() as tracker, CommTimer(dims, device) as comm, roof:
+        tracker.track_external(module)
+        schedule.run()
+    for h in hooks:
+        h.remove()
+    by_kind = peak_by_kind(tracker)
+    n, scale = schedule.micro_batches, layout.accumulation / schedule.micro_batches
+    collectives = {f"{kind}/{name}": size * scale for (kind, name), (_, size) in comm.by_name.items()}
+    return RoleTrace(parameters=sum(p.numel() for p in params),
+                     parameter_bytes=sum(p.numel() * p.element_size() for p in params),
+                     peak_bytes=by_kind.pop("total"), by_kind=by_kind, collectives=collectives,
+                     boundary={k: v * scale for k, v in schedule.boundary.items()}, micro_batches=n,
+                     roofline_s=roof.seconds / n, flops=roof.flops / n, seconds=time.perf_counter() - start)
+
+
+def trace_role(cfg: Config, layout: Layout, *, tp_rank: int, pp_stage: int, device: Device) -> RoleTrace:
+    """`trace_rank` of one role in a fake job of layout.world ranks, under FakeTensorMode."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    rank = rank_of(tp_rank=tp_rank, pp_stage=pp_stage, tp=layout.tp, dp=layout.dp)
+    with fake_rank(rank=rank, world=layout.world, tp=layout.tp, pp=layout.pp) as dims, FakeTensorMode():
+        with contextlib.redirect_stdout(io.StringIO()):  # DeepSpeed prints the whole rank topology at rank 0
+            return trace_rank(cfg, dims, layout, "cpu", device)
+
+
+def modelled(cfg: Config, layout: Layout, trace: RoleTrace, stage: int) -> dict:
+    """What DeepSpeed's engine adds to a traced role (module docstring), from the estimator's arithmetic."""
+    t = cfg.train
+    n = trace.parameters
+    _, g_b, o_b = state_bytes_per_parameter(layout.precision, layout.zero_stage, layout.dp, t.grad_accum_dtype)
+    collectives = {}
+    full = communication.step_bytes(cfg, tp=layout.tp, dp=layout.dp, zero=layout.zero_stage, micro_batch=layout.micro_batch,
+                                    accumulation=layout.accumulation, seq_len=layout.seq_len, precision=layout.precision,
+                                    activation_checkpointing=t.activation_checkpointing,
+                                    sequence_parallel=cfg.parallel.sequence_parallel, pp=layout.pp, stage=stage)
+    for key, size in full.items():  # what the engine moves: dp, the tied gradient, the partitioned p2p gathers
+        if key.startswith(("dp/", "tied/")) or (key.startswith("tp/") and layout.pp > 1 and key == "tp/all_gather_into_tensor"
+                                                and not cfg.parallel.sequence_parallel):
+            collectives[key] = size
+    buckets = bucket_bytes(cfg, zero=layout.zero_stage, pp=layout.pp, act_bytes=layout.act_bytes)
+    return {"optimizer_states": n * o_b, "gradient_buckets": buckets, "optimizer_step": n * g_b + 4 * n / (layout.dp if layout.zero_stage >= 1 else 1),
+            "collectives": collectives, "communication_model": full}
+
+
+def _role(cfg: Config, layout: Layout, trace: RoleTrace, tp_rank: int, traced_as: int, stage: int, estimate) -> Role:
+    extra = modelled(cfg, layout, trace, stage)
+    activity = trace.peak_bytes - trace.parameter_bytes
+    params = trace.parameter_bytes if layout.zero_stage < 3 else trace.parameter_bytes / layout.dp
+    peak = params + extra["optimizer_states"] + extra["gradient_buckets"] + max(activity, extra["optimizer_step"])
+    model = extra.pop("communication_model")
+    return Role(tp_rank, stage, traced_as, trace, extra, peak, estimate.total,
+                {k: v for k, v in model.items() if not k.startswith(("dp/", "tied/"))})
+
+
+def roofline_step(cfg: Config, layout: Layout, roles: list[Role], cluster: Cluster) -> float:
+    """The slowest stage's traced micro-batch at the roofline plus its traced tp bytes at the
+    intra-node bandwidth, over the step's micro-batches and the 1F1B bubble, plus the modelled dp
+    and tied bytes unhidden (module docstring)."""
+    def link(ranks: int) -> float:
+        return cluster.intra_gbps if ranks <= cluster.gpus_per_node else cluster.inter_gbps
+
+    worst = 0.0
+    for r in roles:
+        tp_s = sum(size * communication.ring_factor(key.split("/")[1], layout.tp) / (cluster.intra_gbps * 1e9)
+                   for key, size in r.trace.collectives.items() if key.startswith("tp/"))
+        p2p_s = sum(r.trace.boundary.values()) / (link(layout.tp * layout.dp * 2) * 1e9)
+        slot = r.trace.roofline_s * layout.accumulation + tp_s + p2p_s
+        dp_s = sum(size * communication.ring_factor(key.split("/")[1], layout.dp) / (link(layout.tp * layout.dp) * 1e9)
+                   for key, size in r.modelled["collectives"].items() if key.startswith("dp/"))
+        worst = max(worst, slot / (1 - bubble(layout.pp, layout.accumulation)) + dp_s)
+    return worst
+
+
+def dry_run(cfg: Config, *, gpus: int, device: Device, cluster: Cluster | None = None, progress=None) -> DryRun:
+    """Trace every distinct role of cfg's layout on `gpus` ranks (module docstring); `progress`
+    is called with a line per role traced."""
+    start = time.perf_counter()
+    layout = layout_of(cfg, gpus)
+    cfg = replace(cfg, train=replace(cfg.train, compile=False))  # traced eager: what the estimator counts
+    cluster = cluster or Cluster(gpus=gpus, memory_gib=device.memory_gib, peak_tflops=device.peak_flops(layout.precision) / 1e12)
+    t = cfg.train
+    estimates = stage_estimates(cfg, tp=layout.tp, dp=layout.dp, micro_batch=layout.micro_batch, seq_len=layout.seq_len,
+                                pp=layout.pp, accumulation=layout.accumulation)
+    roles = []
+    for stage in range(layout.pp):
+        for traced, alike in alike_ranks(cfg, layout.tp, stage == layout.pp - 1).items():
+            trace = trace_role(cfg, layout, tp_rank=traced, pp_stage=stage, device=device)
+            if progress:
+                progress(f"traced tp rank {traced} of stage {stage} ({len(alike)} alike) in {trace.seconds:.1f} s: "
+                         f"{trace.parameters / 1e6:.1f}M parameters, peak {trace.peak_bytes / 2**30:.2f} GiB traced")
+            roles += [_role(cfg, layout, trace, r, traced, stage, estimates[stage]) for r in alike]
+    roles.sort(key=lambda r: (r.pp_stage, r.tp_rank))
+    layout_kw = dict(tp=layout.tp, pp=layout.pp, zero=layout.zero_stage, micro_batch=layout.micro_batch,
+                     activation_checkpointing=t.activation_checkpointing,
+                     sequence_parallel=cfg.parallel.sequence_parallel and layout.tp > 1)
+    planned = predict(cfg, cluster, seq_len=layout.seq_len, global_batch=t.global_batch_size, **layout_kw)
+    return DryRun(cfg, layout, device, roles, roofline_step(cfg, layout, roles, cluster), planned.step_s,
+                  time.perf_counter() - start)
+
