@@ -100,6 +100,30 @@ def write_run_config(path: Path, source: str, best: Plan, seq_len: int, global_b
     tmp.replace(path)
 
 
+def layout_overrides(best: Plan, seq_len: int, global_batch: int) -> list[str]:
+    """The chosen layout as config overrides (what --write sets)."""
+    return [f"parallel.tp={best.tp}", f"parallel.pp={best.pp}", f"parallel.sequence_parallel={str(best.sequence_parallel).lower()}",
+            f"data.seq_length={seq_len}", f"train.micro_batch_size={best.micro_batch}", f"train.global_batch_size={global_batch}",
+            f"train.zero_stage={best.zero}", f"train.activation_checkpointing={str(best.activation_checkpointing).lower()}"]
+
+
+def confirm(cfg, best: Plan, args, seq_len: int, global_batch: int) -> int:
+    """--dry-run: trace the best layout (cplm_dist.profiling.dry_run) on a device of --gpu-gb;
+    its exit code (0 fits, 1 does not)."""
+    from cplm_dist.config import load_config
+    from cplm_dist.profiling.dry_run import dry_run
+    from cplm_dist.profiling.roofline import DEVICES, Device
+    from cplm_dist_tools.dry_run import report
+
+    chosen = load_config(args.config, [*args.overrides, *layout_overrides(best, seq_len, global_batch)])
+    base = DEVICES["h100"] if args.gpu_gb <= 80 else DEVICES["h200"]
+    device = Device(base.name, args.gpu_gb, base.hbm_gbps, base.datasheet)
+    cluster = Cluster(gpus=args.gpus, gpus_per_node=args.gpus_per_node, memory_gib=args.gpu_gb, peak_tflops=args.peak_tflops,
+                      achievable=args.achievable, intra_gbps=args.intra_gbps, inter_gbps=args.inter_gbps, overlap=args.overlap)
+    print(f"dry run of the best layout ({device.name} figures, {args.gpu_gb:g} GiB):", flush=True)
+    return report(dry_run(chosen, gpus=args.gpus, device=device, cluster=cluster, progress=lambda line: print(line, flush=True)), None)
+
+
 def max_pp(cfg, args) -> int:
     """The largest pipeline degree the planner tried: pp divides the GPUs and is at most the layers."""
     limit = min(args.gpus, cfg.model.num_layers, args.max_pp or args.gpus)
@@ -123,6 +147,8 @@ def main(argv=None) -> int:
     p.add_argument("--global-batch", type=int, help="sequences per step (default: train.global_batch_size)")
     p.add_argument("--top", type=int, default=8, help="layouts to print")
     p.add_argument("--write", metavar="YAML", help="write the best layout into this run config")
+    p.add_argument("--dry-run", action="store_true",
+                   help="confirm the best layout by tracing the real model at its shapes (tools/dry_run.py; minutes)")
     args = p.parse_intermixed_args(argv)
     cfg = load_from_args(args)
     if args.gpus < 1 or args.gpus_per_node < 1:
@@ -159,6 +185,10 @@ def main(argv=None) -> int:
           f"checkpointing {'on' if best.activation_checkpointing else 'off'}, sequence parallel "
           f"{'on' if best.sequence_parallel else 'off'}: predicted {best.step_s:.3g} s a step"
           f"{f' (bubble {best.bubble:.1%})' if best.pp > 1 else ''}, MFU {best.mfu:.1%}, {best.memory_gib:.1f} GiB a GPU")
+    if args.dry_run:
+        status = confirm(cfg, best, args, seq, batch)
+        if status:
+            return status
     if args.write:
         note = (f"{PLAN_NOTE} --gpus {args.gpus} (a prediction, docs/parallelism.md): predicted {best.step_s:.3g} s "
                 f"a step{f' (pp={best.pp}, bubble {best.bubble:.1%})' if best.pp > 1 else ''}, MFU {best.mfu:.1%}, "
