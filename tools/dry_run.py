@@ -47,8 +47,7 @@ def table(result: DryRun) -> str:
         r = alike[0]
         t = r.trace
         tp_traced = sum(v for k, v in t.collectives.items() if k.startswith("tp/"))
-        tp_model = sum(v for k, v in r.modelled_collectives.items() if k.startswith("tp/") and k != "tp/all_gather_into_tensor"
-                       or (k == "tp/all_gather_into_tensor" and result.cfg.parallel.sequence_parallel))
+        tp_model = sum(v for k, v in r.modelled_collectives.items() if k.startswith("tp/"))
         dp = sum(v for k, v in r.modelled["collectives"].items() if k.startswith(("dp/", "tied/")))
         cells = [str(stage), _span([a.tp_rank for a in alike]), f"{t.parameters / 1e6:,.1f}M", _gb(r.peak_bytes),
                  _gb(r.modelled["optimizer_states"]), _gb(r.estimate_bytes), f"{r.error:+.1%}", f"{tp_traced / 1e9:.2f}",

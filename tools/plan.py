@@ -82,16 +82,20 @@ def _yaml(value) -> str:
     return ("true" if value else "false") if isinstance(value, bool) else str(value)
 
 
+def layout_fields(best: Plan, seq_len: int, global_batch: int) -> dict[tuple[str, str], object]:
+    """{(section, field): value} of the chosen layout: what --write sets and --dry-run traces."""
+    return {("parallel", "tp"): best.tp, ("parallel", "pp"): best.pp, ("parallel", "sequence_parallel"): best.sequence_parallel,
+            ("data", "seq_length"): seq_len, ("train", "micro_batch_size"): best.micro_batch,
+            ("train", "global_batch_size"): global_batch, ("train", "zero_stage"): best.zero,
+            ("train", "activation_checkpointing"): best.activation_checkpointing}
+
+
 def write_run_config(path: Path, source: str, best: Plan, seq_len: int, global_batch: int, note: str) -> None:
     """Set the layout fields of a run config (from `source`: a YAML file, or a shipped name that
     becomes its base) and write it to `path`, the plan's line under the first comment line."""
     src = Path(source)
     text = src.read_text() if src.is_file() else f"base: {source}\n"
-    text = set_fields(text, {
-        ("parallel", "tp"): best.tp, ("parallel", "pp"): best.pp, ("parallel", "sequence_parallel"): best.sequence_parallel,
-        ("data", "seq_length"): seq_len, ("train", "micro_batch_size"): best.micro_batch,
-        ("train", "global_batch_size"): global_batch, ("train", "zero_stage"): best.zero,
-        ("train", "activation_checkpointing"): best.activation_checkpointing})
+    text = set_fields(text, layout_fields(best, seq_len, global_batch))
     lines = [line for line in text.splitlines() if not line.startswith(PLAN_NOTE)]
     at = 1 if lines and lines[0].startswith("#") else 0
     lines.insert(at, note)
@@ -102,24 +106,18 @@ def write_run_config(path: Path, source: str, best: Plan, seq_len: int, global_b
 
 def layout_overrides(best: Plan, seq_len: int, global_batch: int) -> list[str]:
     """The chosen layout as config overrides (what --write sets)."""
-    return [f"parallel.tp={best.tp}", f"parallel.pp={best.pp}", f"parallel.sequence_parallel={str(best.sequence_parallel).lower()}",
-            f"data.seq_length={seq_len}", f"train.micro_batch_size={best.micro_batch}", f"train.global_batch_size={global_batch}",
-            f"train.zero_stage={best.zero}", f"train.activation_checkpointing={str(best.activation_checkpointing).lower()}"]
+    return [f"{section}.{key}={_yaml(value)}" for (section, key), value in layout_fields(best, seq_len, global_batch).items()]
 
 
-def confirm(cfg, best: Plan, args, seq_len: int, global_batch: int) -> int:
-    """--dry-run: trace the best layout (cplm_dist.profiling.dry_run) on a device of --gpu-gb;
-    its exit code (0 fits, 1 does not)."""
+def confirm(best: Plan, args, cluster: Cluster, seq_len: int, global_batch: int) -> int:
+    """--dry-run: trace the best layout (cplm_dist.profiling.dry_run) on a device of --gpu-gb, its
+    step beside the planner's for `cluster`; its exit code (0 fits, 1 does not)."""
     from cplm_dist.config import load_config
     from cplm_dist.profiling.dry_run import dry_run
-    from cplm_dist.profiling.roofline import DEVICES, Device
-    from cplm_dist_tools.dry_run import report
+    from cplm_dist_tools.dry_run import device_of, report
 
     chosen = load_config(args.config, [*args.overrides, *layout_overrides(best, seq_len, global_batch)])
-    base = DEVICES["h100"] if args.gpu_gb <= 80 else DEVICES["h200"]
-    device = Device(base.name, args.gpu_gb, base.hbm_gbps, base.datasheet)
-    cluster = Cluster(gpus=args.gpus, gpus_per_node=args.gpus_per_node, memory_gib=args.gpu_gb, peak_tflops=args.peak_tflops,
-                      achievable=args.achievable, intra_gbps=args.intra_gbps, inter_gbps=args.inter_gbps, overlap=args.overlap)
+    device = device_of("h100" if args.gpu_gb <= 80 else "h200", args.gpu_gb)
     print(f"dry run of the best layout ({device.name} figures, {args.gpu_gb:g} GiB):", flush=True)
     return report(dry_run(chosen, gpus=args.gpus, device=device, cluster=cluster, progress=lambda line: print(line, flush=True)), None)
 
@@ -186,7 +184,7 @@ def main(argv=None) -> int:
           f"{'on' if best.sequence_parallel else 'off'}: predicted {best.step_s:.3g} s a step"
           f"{f' (bubble {best.bubble:.1%})' if best.pp > 1 else ''}, MFU {best.mfu:.1%}, {best.memory_gib:.1f} GiB a GPU")
     if args.dry_run:
-        status = confirm(cfg, best, args, seq, batch)
+        status = confirm(best, args, cluster, seq, batch)
         if status:
             return status
     if args.write:

@@ -356,9 +356,9 @@ def _role(cfg: Config, layout: Layout, trace: RoleTrace, tp_rank: int, traced_as
     activity = trace.peak_bytes - trace.parameter_bytes
     params = trace.parameter_bytes if layout.zero_stage < 3 else trace.parameter_bytes / layout.dp
     peak = params + extra["optimizer_states"] + extra["gradient_buckets"] + max(activity, extra["optimizer_step"])
-    model = extra.pop("communication_model")
+    model = extra.pop("communication_model")  # less what the engine moves: the model's own collectives, as traced
     return Role(tp_rank, stage, traced_as, trace, extra, peak, estimate.total,
-                {k: v for k, v in model.items() if not k.startswith(("dp/", "tied/"))})
+                {k: v for k, v in model.items() if k not in extra["collectives"]})
 
 
 def roofline_step(cfg: Config, layout: Layout, roles: list[Role], cluster: Cluster) -> float:

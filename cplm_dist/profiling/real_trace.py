@@ -25,8 +25,8 @@ STEPS = 2  # the first step creates AdamW's states; the second runs with them, a
 
 
 def step_peak(cfg: Config, dims: ParallelDims, device: torch.device) -> dict[str, int]:
-    """MemTracker's peak (by kind, and its "total") over building this rank's model and DeepSpeed's engine and running one
-    real training steps on random tokens (`STEPS`)."""
+    """MemTracker's peak (by kind, and its "total") over building this rank's model and DeepSpeed's engine and running
+    `STEPS` real training steps on random tokens."""
     from cplm_dist.profiling.live_tensors import StepTracker, peak_by_kind
     from cplm_dist.profiling.measure import synthetic_batches
     from cplm_dist.train_step import build_train_step
