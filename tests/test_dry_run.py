@@ -122,6 +122,7 @@ def test_real_shape_dry_run_of_1_7b_at_tp2(tmp_path, capsys):
     (["--gpus", "6", "parallel.tp=4"], "parallel.tp=4 does not divide WORLD_SIZE=6"),
     (["--gpus", "4", "train.global_batch_size=6", "train.micro_batch_size=4"], "train.global_batch_size=6 is not"),
     (["parallel.pp=3"], "parallel.pp=3 exceeds model.num_layers=2"),
+    (["--json", "no/such/dir/dry.json"], "its parent directory no/such/dir does not exist"),
 ])
 def test_a_layout_that_cannot_exist_is_one_line_and_exit_2(capsys, args, message):
     from cplm_dist_tools.dry_run import main

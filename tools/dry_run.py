@@ -137,6 +137,8 @@ def main(argv=None) -> int:
     if args.gpus < 1:
         raise UsageError(f"--gpus {args.gpus} must be a positive integer")
     device = device_of(args.device, args.gpu_gb)
+    if args.json and not Path(args.json).parent.is_dir():  # found now, not after minutes of tracing
+        raise UsageError(f"--json {args.json}: its parent directory {Path(args.json).parent} does not exist")
     layout = layout_of(cfg, args.gpus)  # a layout that cannot exist: one line, before anything is built
     if args.real:
         return real(cfg, layout, args.json)
