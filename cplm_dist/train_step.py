@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from cplm_dist.config import Config
+from cplm_dist.data.loader import model_inputs
 from cplm_dist.engine import build_engine
 from cplm_dist.model.cplm import build_model
 from cplm_dist.model.pipeline import build_pipeline_model
@@ -85,9 +86,10 @@ class TrainStep:
             waited = time.perf_counter()
             batch = next(batches)
             data_wait += time.perf_counter() - waited
-            input_ids, labels = batch["input_ids"].to(device), batch["labels"].to(device)
+            inputs = model_inputs(batch, device)  # ids, labels (and position_ids: data.document_mask)
+            labels = inputs[1]
             with _phase(phases, "forward", device):
-                out = engine(input_ids, labels)
+                out = engine(*inputs)
                 tokens = (labels != IGNORE_INDEX).sum()
                 loss = out.nll.sum() / tokens
                 if inject_nonfinite:
@@ -122,7 +124,7 @@ class TrainStep:
                 waited = time.perf_counter()
                 batch = next(batches)
                 wait[0] += time.perf_counter() - waited
-                yield (batch["input_ids"], batch["labels"]), batch["labels"]
+                yield model_inputs(batch), batch["labels"]  # position_ids (data.document_mask) carried like ids
 
         reads = engine.is_first_stage() or engine.is_last_stage()  # DeepSpeed's rule: they load micro-batches
         with _phase(phases, "pipeline", self.device):

@@ -56,6 +56,10 @@ def check_data(cfg: Config, samples: tuple[int, int, int] = (0, 0, 0)) -> Tokeni
     bookends = convert_split_vector_to_split_matrix(fractions)
     for entry in d.blend:
         summary = check_indexed_dataset(entry.path, vocab_size=cfg.model.vocab_size, tokenizer_sha256=tokenizer.fingerprint)
+        if d.document_mask and summary.append_eod is False:
+            raise DataError(f"data.document_mask=true but dataset {entry.path} was made without end-of-document ids "
+                            "(tools/preprocess_data.py --no-eod: append_eod false in its .meta.json), so no document "
+                            "boundary can be found: re-run tools/preprocess_data.py without --no-eod, or set data.document_mask=false")
         # megatron repeats a split's documents until the samples are there: a split holding less
         # than one sample would make it loop forever
         for name, n, (docs, tokens) in zip(SPLITS, samples, split_token_counts(entry.path, bookends)):
@@ -115,7 +119,9 @@ def build_datasets(cfg: Config, samples: tuple[int, int, int], tokenizer: Tokeni
         split=d.split,
         path_to_cache=cache,
         tokenizer=tokenizer,
-        reset_position_ids=False,
+        # data.document_mask: positions restart after each end-of-document id (the model derives the
+        # block-causal mask from them: megatron's own (T, T) mask a sample is never made)
+        reset_position_ids=d.document_mask,
         reset_attention_mask=False,
         eod_mask_loss=d.eod_mask_loss,
         create_attention_mask=False,  # causal attention is built into the model

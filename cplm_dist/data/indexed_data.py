@@ -237,6 +237,7 @@ class IndexSummary:
     tokens: int
     dtype: str
     max_token_id: int | None  # from .meta.json when present
+    append_eod: bool | None = None  # each document ends with the end-of-document id (.meta.json; None: unknown)
 
 
 def check_indexed_dataset(prefix: str | Path, vocab_size: int | None = None,
@@ -274,7 +275,7 @@ def check_indexed_dataset(prefix: str | Path, vocab_size: int | None = None,
                         f"{tokens * itemsize} (truncated, or .bin and .idx from different runs); {redo}")
     if tokens == 0:
         raise DataError(f"dataset {prefix} holds no tokens; {redo} from non-empty inputs")
-    max_id = None
+    max_id = append_eod = None
     if files["meta"].is_file():
         try:
             meta = json.loads(files["meta"].read_text())
@@ -286,6 +287,7 @@ def check_indexed_dataset(prefix: str | Path, vocab_size: int | None = None,
         if described != found:
             raise DataError(f"dataset {prefix}: {files['meta']} describes another dataset (documents, tokens, bytes, "
                             f"dtype {described} but the files hold {found}: copied or mixed files); {redo}")
+        append_eod = meta.get("append_eod")
         made_with = meta.get("tokenizer_sha256")
         if tokenizer_sha256 and made_with and made_with != tokenizer_sha256:
             raise DataError(f"dataset {prefix} was made with another tokenizer ({meta.get('tokenizer')}, sha256 "
@@ -298,7 +300,8 @@ def check_indexed_dataset(prefix: str | Path, vocab_size: int | None = None,
         if max_id >= vocab_size:
             raise DataError(f"dataset {prefix} holds token id {max_id} but model.vocab_size={vocab_size}: "
                             "it was made with another tokenizer; re-run tools/preprocess_data.py with data.tokenizer")
-    return IndexSummary(str(prefix), n_seq, n_doc - 1, tokens, np.dtype(DTYPES[code]).name, max_id)
+    return IndexSummary(str(prefix), n_seq, n_doc - 1, tokens, np.dtype(DTYPES[code]).name, max_id,
+                        None if append_eod is None else bool(append_eod))
 
 
 def split_token_counts(prefix: str | Path, bookends: list[tuple[float, float] | None]) -> list[tuple[int, int]]:

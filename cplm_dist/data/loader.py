@@ -10,6 +10,8 @@ exactly the next samples: none repeated, none skipped, whatever the prefetching 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
@@ -35,12 +37,30 @@ class PretrainingBatchSampler(Sampler[list[int]]):
             yield list(range(first, first + self.micro))
 
 
-def collate(samples: list[dict]) -> dict[str, torch.Tensor]:
-    """GPTDataset samples -> input_ids (B, T) and labels (B, T), -100 where the loss is masked."""
+def resets_positions(dataset) -> bool:
+    """Whether megatron's dataset (GPTDataset, or a blend of them) restarts position_ids after each
+    end-of-document id: data.document_mask (cplm_dist.data.gpt_data)."""
+    return bool(getattr(getattr(dataset, "config", None), "reset_position_ids", False))
+
+
+def collate(samples: list[dict], positions: bool = False) -> dict[str, torch.Tensor]:
+    """GPTDataset samples -> input_ids (B, T) and labels (B, T), -100 where the loss is masked;
+    with `positions` (data.document_mask: the dataset resets its position_ids after each
+    end-of-document id) also position_ids (B, T)."""
     input_ids = torch.stack([s["tokens"] for s in samples])
     labels = torch.stack([s["labels"] for s in samples])
     loss_mask = torch.stack([s["loss_mask"] for s in samples])
-    return {"input_ids": input_ids, "labels": labels.masked_fill(loss_mask == 0, IGNORE_INDEX)}
+    batch = {"input_ids": input_ids, "labels": labels.masked_fill(loss_mask == 0, IGNORE_INDEX)}
+    if positions:
+        batch["position_ids"] = torch.stack([s["position_ids"] for s in samples])
+    return batch
+
+
+def model_inputs(batch: dict[str, torch.Tensor], device=None) -> tuple[torch.Tensor, ...]:
+    """(input_ids, labels[, position_ids]) of a micro-batch, on `device`: the model's arguments,
+    and the tuple a pipeline's first stage takes (position_ids travel with ids and labels)."""
+    keys = ("input_ids", "labels", "position_ids") if "position_ids" in batch else ("input_ids", "labels")
+    return tuple(batch[k] if device is None else batch[k].to(device) for k in keys)
 
 
 class ResumableLoader:
@@ -67,7 +87,8 @@ class ResumableLoader:
     def __next__(self) -> dict[str, torch.Tensor]:
         if self._iter is None:
             sampler = PretrainingBatchSampler(len(self.dataset), self.consumed_samples, self.micro, self.dp_rank, self.dp_size)
-            loader = DataLoader(self.dataset, batch_sampler=sampler, num_workers=self.num_workers, collate_fn=collate,
+            collate_fn = functools.partial(collate, positions=resets_positions(self.dataset))
+            loader = DataLoader(self.dataset, batch_sampler=sampler, num_workers=self.num_workers, collate_fn=collate_fn,
                                 pin_memory=self.pin_memory, persistent_workers=False)
             self._iter = iter(loader)
         batch = next(self._iter)

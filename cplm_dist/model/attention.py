@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from cplm_dist.config import ModelConfig
 from cplm_dist.megatron_compat import ModelParallelConfig, tensor_parallel
 from cplm_dist.model.backbone import backbone
+from cplm_dist.model.documents import flex_attend
 from cplm_dist.model.initialization import deferred_init
 from cplm_dist.model.rotary import apply_rope
 from cplm_dist.model.sequence_parallel import sum_grad_over
@@ -44,10 +45,13 @@ class Attention(torch.nn.Module):
         if bias:
             mark_split(self.qkv.bias, dim=0)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: dict | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: dict | None = None,
+                mask=None) -> torch.Tensor:
         """x (B, T, D), or (T/tp, B, D) under sequence parallelism; cos/sin for all T positions;
         `cache` ({"k", "v"} of earlier positions, or empty) is extended in place, for decoding one
-        step at a time."""
+        step at a time; `mask` (document masking, cplm_dist.model.documents): None for causal
+        attention, else the block-causal mask of these queries against every key (the cache's
+        too): SDPA's boolean (B, 1, T, Tk) or FlexAttention's BlockMask."""
         qkv, _ = self.qkv(x)  # (B, T, kv_heads * (group + 2) * hd); sequence parallel: (T, B, ..) gathered
         if self.sequence_parallel:
             qkv = qkv.transpose(0, 1)  # a view, (B, T, ..)
@@ -58,17 +62,20 @@ class Attention(torch.nn.Module):
         v = qkv[:, :, :, self.group + 1].transpose(1, 2)  # (B, nkv, T, hd)
         if cos is not None:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        mask, causal = None, True
+        causal = mask is None
         if cache is not None:
             past = cache["k"].shape[2] if "k" in cache else 0
             if past:
                 k, v = torch.cat([cache["k"], k], dim=2), torch.cat([cache["v"], v], dim=2)  # (B, nkv, past + T, hd)
-                # query i sits at position past + i and sees keys 0 .. past + i
-                mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(diagonal=past)
+                if mask is None:  # query i sits at position past + i and sees keys 0 .. past + i
+                    mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(diagonal=past)
                 causal = False
             cache["k"], cache["v"] = k, v
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
-                                           enable_gqa=self.group > 1)  # (B, nh, T, hd)
+        if mask is not None and not isinstance(mask, torch.Tensor):  # a BlockMask (CUDA)
+            y = flex_attend(q, k, v, mask, enable_gqa=self.group > 1)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                               enable_gqa=self.group > 1)  # (B, nh, T, hd)
         if self.sequence_parallel:  # (T, B, ..): the projection reduce-scatters along the sequence
             y = y.permute(2, 0, 1, 3).reshape(T, B, self.heads * self.head_dim)
         else:

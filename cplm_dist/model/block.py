@@ -34,17 +34,18 @@ class TransformerLayer(torch.nn.Module):
         self.compiled = None  # torch.compile'd `block`, run in training and evaluation without a cache (parallelize)
 
     def block(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
-              cache: dict | None = None) -> torch.Tensor:
-        x = x + self.attention(self.attn_norm(x), cos, sin, cache)
+              cache: dict | None = None, mask=None) -> torch.Tensor:
+        x = x + self.attention(self.attn_norm(x), cos, sin, cache, mask)
         return x + self.mlp(self.mlp_norm(x))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
-                cache: dict | None = None) -> torch.Tensor:
+                cache: dict | None = None, mask=None) -> torch.Tensor:
         """x (B, T, D) or sequence parallel (T/tp, B, D); cos/sin for all T positions (None:
-        learned positions); `cache` (decoding) extended in place."""
+        learned positions); `cache` (decoding) extended in place; `mask` the block-causal mask
+        of document masking (None: causal; cplm_dist.model.documents)."""
         if cache is not None:
-            return self.block(x, cos, sin, cache)
+            return self.block(x, cos, sin, cache, mask)
         block = self.compiled if self.compiled is not None else self.block
         if self.recompute and self.training and torch.is_grad_enabled():
-            return torch.utils.checkpoint.checkpoint(block, x, cos, sin, use_reentrant=False)
-        return block(x, cos, sin)
+            return torch.utils.checkpoint.checkpoint(block, x, cos, sin, None, mask, use_reentrant=False)
+        return block(x, cos, sin, None, mask)

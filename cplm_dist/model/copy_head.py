@@ -52,8 +52,8 @@ from cplm_dist.errors import ConfigError
 from cplm_dist.mixes import MIXES
 from cplm_dist.model.compiled import unavailable_reason
 from cplm_dist.model.copy_lse import (FLEX_BLOCK, candidate_mask, chunked_copy_lse, dense_copy_lse, flex_copy_lse,
-                                      masked_logsumexp)
-from cplm_dist.model.rotary import apply_rope, rope_tables
+                                      masked_logsumexp, per_head)
+from cplm_dist.model.rotary import apply_rope, rope_angles
 from cplm_dist.model.sequence_parallel import ReplicatedLinear, active, gather_sequence, sum_grad_over
 from cplm_dist.vocab_parallel import NEG_INF, CopyTerms
 
@@ -78,6 +78,7 @@ class CopyHead(torch.nn.Module):
         self.sp_group = sp_group if active(sp_group) else None
         self.heads, self.head_dim = cfg.num_heads, cfg.head_dim
         self.rope_theta = model_cfg.rope_theta
+        self.rope_scaling = getattr(model_cfg, "rope_scaling", None)  # the backbone's (context extension)
         self.shift = -1 if cfg.paste == "next" else 0  # C_t = {j <= t + shift}: next j < t, self j <= t
         self.mix = MIXES[cfg.mix]
         self.average_heads = self.mix.average_heads  # each head its own copy distribution, averaged; else pooled
@@ -113,12 +114,15 @@ class CopyHead(torch.nn.Module):
             return input_ids
         return torch.cat([input_ids[:, 1:], torch.full_like(input_ids[:, :1], -1)], dim=1)
 
-    def project(self, h: torch.Tensor, offset: int = 0, seq_first: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def project(self, h: torch.Tensor, offset: int = 0, seq_first: bool = False,
+                positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """q, k of shape (B, H, T, d) in float32, for positions offset .. offset + T - 1 of
-        h (B, T, D), or (T, B, D) with seq_first (projected in that layout: no copy of h)."""
-        return self.arrange(self.q(h), self.k(h), offset, seq_first)
+        h (B, T, D), or (T, B, D) with seq_first (projected in that layout: no copy of h);
+        `positions` (B, T): the positions RoPE reads instead (document masking)."""
+        return self.arrange(self.q(h), self.k(h), offset, seq_first, positions)
 
-    def arrange(self, q: torch.Tensor, k: torch.Tensor, offset: int = 0, seq_first: bool = False):
+    def arrange(self, q: torch.Tensor, k: torch.Tensor, offset: int = 0, seq_first: bool = False,
+                positions: torch.Tensor | None = None):
         """The projections (B, T, H d), or (T, B, H d) with seq_first, as `project` returns them
         (pointwise: compiled under train.compile)."""
         T = q.shape[0] if seq_first else q.shape[1]
@@ -126,8 +130,12 @@ class CopyHead(torch.nn.Module):
         q = q.unflatten(-1, (self.heads, self.head_dim)).permute(order).float()  # (B, H, T, d)
         k = k.unflatten(-1, (self.heads, self.head_dim)).permute(order).float()  # (B, H, T, d)
         if self.cfg.rope:
-            cos, sin = rope_tables(offset + T, self.head_dim, self.rope_theta, device=q.device)
-            q, k = apply_rope(q, cos[offset:], sin[offset:]), apply_rope(k, cos[offset:], sin[offset:])
+            if positions is None:
+                positions = torch.arange(offset, offset + T, device=q.device)
+            cos, sin = rope_angles(positions, self.head_dim, self.rope_theta, self.rope_scaling)
+            if cos.dim() == 3:  # per row: (B, 1, T, d)
+                cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         return q, k
 
     def gate_logit(self, h: torch.Tensor, q: torch.Tensor, seq_first: bool = False) -> torch.Tensor | None:
@@ -158,18 +166,22 @@ class CopyHead(torch.nn.Module):
 
     # --- training: per-token terms ----------------------------------------------------------------
 
-    def forward(self, h: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tensor | None) -> CopyTerms:
-        """h (B, T, D) final-norm states, input_ids (B, T), labels (B, T) global ids or -100.
-        Under sequence parallelism h is this rank's (T/tp, B, D) positions and the terms come back
-        for all T positions, sequence-first (T, B), as the loss takes them."""
+    def forward(self, h: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tensor | None,
+                docs: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> CopyTerms:
+        """h (B, T, D) final-norm states, input_ids (B, T), labels (B, T) global ids or -100;
+        under document masking the document index `docs` and `positions` (B, T) of every position
+        (cplm_dist.model.documents). Under sequence parallelism h is this rank's (T/tp, B, D)
+        positions and the terms come back for all T positions, sequence-first (T, B), as the loss
+        takes them."""
         sp, offset = self.sp_group is not None, 0
         if sp:
             offset = self.sp_group.rank() * h.shape[0]
             labels = None if labels is None else labels[:, offset : offset + h.shape[0]]
-        q, k = self._arrange(self.q(h), self.k(h), offset, seq_first=sp)  # (B, H, T or T/tp, d)
+            positions = None if positions is None else positions[:, offset : offset + h.shape[0]]
+        q, k = self._arrange(self.q(h), self.k(h), offset, sp, positions)  # (B, H, T or T/tp, d)
         if self.sp_group is not None:  # every key, from every rank: (B, H, T, d)
             k = gather_sequence(k.permute(2, 0, 1, 3), self.sp_group, sum_grad=True).permute(1, 2, 0, 3)
-        a_heads, m_heads = self.log_sum_exps(q, k, self.source_ids(input_ids), labels, offset)  # (B, H, Tq) each
+        a_heads, m_heads = self.log_sum_exps(q, k, self.source_ids(input_ids), labels, offset, docs)  # (B, H, Tq) each
         terms = self._terms(a_heads, m_heads, h, q, seq_first=sp)
         return self._gather_terms(terms) if sp else terms
 
@@ -198,7 +210,7 @@ class CopyHead(torch.nn.Module):
             self._flex_failed = unavailable_reason(device) or ""
         return self._flex_failed or None
 
-    def log_sum_exps(self, q, k, src, labels, offset: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def log_sum_exps(self, q, k, src, labels, offset: int, docs=None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Per-head (A, M), (B, H, Tq) each, by the path `lse_path` picks. With copy.impl=auto the
         first flex call also runs a backward on copies of q and k, so that a kernel which cannot
         be built, forward or backward, sends the run to the chunked path (warned once) instead of
@@ -206,7 +218,7 @@ class CopyHead(torch.nn.Module):
         path = self.last_path = self.lse_path(q, k)
         if path == "flex" and self.cfg.impl == "auto" and not self._flex_probed:
             try:
-                self._probe_flex(q, k, src, labels, offset)
+                self._probe_flex(q, k, src, labels, offset, docs)
             except torch.OutOfMemoryError:
                 raise
             except Exception as e:  # noqa: BLE001 - any failure to build the kernel: auto goes on chunked
@@ -216,17 +228,17 @@ class CopyHead(torch.nn.Module):
                             self._flex_failed)
                 path = self.last_path = self.lse_path(q, k)  # flex now unavailable: chunked or dense
         if path == "flex":
-            return flex_copy_lse(q, k, src, labels, self.shift, offset)
+            return flex_copy_lse(q, k, src, labels, self.shift, offset, docs=docs)
         if path == "chunked":
-            return chunked_copy_lse(q, k, src, labels, self.shift, self.cfg.chunk_size, offset)
-        return dense_copy_lse(q, k, src, labels, self.shift, offset)
+            return chunked_copy_lse(q, k, src, labels, self.shift, self.cfg.chunk_size, offset, docs)
+        return dense_copy_lse(q, k, src, labels, self.shift, offset, docs)
 
-    def _probe_flex(self, q, k, src, labels, offset: int) -> None:
+    def _probe_flex(self, q, k, src, labels, offset: int, docs=None) -> None:
         """One forward and backward of the flex path on detached copies (the kernels are compiled
         for these shapes and reused by the real call)."""
         self._flex_probed = True
         qp, kp = q.detach().requires_grad_(True), k.detach().requires_grad_(True)
-        outs = [x for x in flex_copy_lse(qp, kp, src, labels, self.shift, offset) if x is not None]
+        outs = [x for x in flex_copy_lse(qp, kp, src, labels, self.shift, offset, docs=docs) if x is not None]
         torch.autograd.grad(sum(x.masked_fill(~torch.isfinite(x), 0).sum() for x in outs), [qp, kp])
 
     def terms(self, a_heads: torch.Tensor, m_heads: torch.Tensor | None, h: torch.Tensor, q: torch.Tensor,
@@ -252,13 +264,15 @@ class CopyHead(torch.nn.Module):
         return self.weights_for(q, k, input_ids, 0, h)
 
     @torch.no_grad()
-    def weights_for(self, q: torch.Tensor, k: torch.Tensor, ids: torch.Tensor, offset: int, h: torch.Tensor):
+    def weights_for(self, q: torch.Tensor, k: torch.Tensor, ids: torch.Tensor, offset: int, h: torch.Tensor,
+                    docs: torch.Tensor | None = None):
         """The copy distribution of queries q (B, H, Tq, d) at positions offset.. over keys k
-        (B, H, Tk, d) of the positions 0..Tk-1 whose ids are `ids` (B, Tk); h (B, Tq, D) for the gate."""
+        (B, H, Tk, d) of the positions 0..Tk-1 whose ids are `ids` (B, Tk) and, under document
+        masking, whose document indices are `docs` (B, Tk); h (B, Tq, D) for the gate."""
         Tq, Tk = q.shape[2], k.shape[2]
         scores = q @ k.transpose(-1, -2) / math.sqrt(self.head_dim)  # (B, H, Tq, Tk)
-        cand = candidate_mask(Tq, Tk, offset, self.shift, q.device)
-        scores = scores.masked_fill(~cand, NEG_INF)
+        cand = candidate_mask(Tq, Tk, offset, self.shift, q.device, docs)
+        scores = scores.masked_fill(~per_head(cand), NEG_INF)
         a_heads = masked_logsumexp(scores, None, dim=-1)  # (B, H, Tq)
         copy_all = self._copy_all(a_heads)
         # each head's normaliser: its own A (averaged heads) or the pool's (B, H or 1, Tq)

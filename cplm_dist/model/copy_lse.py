@@ -28,7 +28,10 @@ runs forward only, unfused (torch 2.13 refuses its backward there and cannot com
 LSE), so training on CPU takes the chunked path.
 
 All take an `offset`: the queries are positions offset .. offset + Tq - 1 of a sequence whose
-keys are positions 0 .. Tk - 1 (a sequence-parallel rank's own rows against every key).
+keys are positions 0 .. Tk - 1 (a sequence-parallel rank's own rows against every key), and
+`docs`: None, or under document masking the document index (B, Tk) of every position
+(cplm_dist.model.documents), which adds doc_j == doc_t to C_t in every path (the flex kernels'
+mask_mods read it; their BlockMask skips the blocks between documents).
 """
 
 from __future__ import annotations
@@ -58,19 +61,28 @@ def masked_logsumexp(x: torch.Tensor, mask: torch.Tensor | None, dim: int) -> to
     return out.squeeze(dim)
 
 
-def candidate_mask(rows: int, keys: int, offset: int, shift: int, device) -> torch.Tensor:
-    """(rows, keys) bool, [i, j] = j in C_t for the query at position t = offset + i."""
-    return torch.ones(rows, keys, dtype=torch.bool, device=device).tril(diagonal=offset + shift)
+def candidate_mask(rows: int, keys: int, offset: int, shift: int, device, docs: torch.Tensor | None = None) -> torch.Tensor:
+    """(rows, keys) bool, [i, j] = j in C_t for the query at position t = offset + i; with the
+    document index `docs` (B, >= keys) of document masking, (B, rows, keys) and j in t's document."""
+    cand = torch.ones(rows, keys, dtype=torch.bool, device=device).tril(diagonal=offset + shift)
+    if docs is None:
+        return cand
+    return cand & (docs[:, offset : offset + rows, None] == docs[:, None, :keys])
+
+
+def per_head(mask: torch.Tensor) -> torch.Tensor:
+    """A (rows, keys) or (B, rows, keys) mask broadcastable against (B, H, rows, keys) scores."""
+    return mask.unsqueeze(1) if mask.dim() == 3 else mask
 
 
 def dense_copy_lse(q: torch.Tensor, k: torch.Tensor, src: torch.Tensor, labels: torch.Tensor | None,
-                   shift: int, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   shift: int, offset: int = 0, docs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-head (A, M), each (B, H, Tq), from the full (B, H, Tq, Tk) scores; the arguments as
     `chunked_copy_lse`'s. Autograd keeps what backward needs."""
     Tq, Tk = q.shape[2], k.shape[2]
     scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])  # (B, H, Tq, Tk)
-    cand = candidate_mask(Tq, Tk, offset, shift, q.device)  # (Tq, Tk)
-    a_heads = masked_logsumexp(scores, cand, dim=-1)  # (B, H, Tq)
+    cand = candidate_mask(Tq, Tk, offset, shift, q.device, docs)  # (Tq, Tk), documents: (B, Tq, Tk)
+    a_heads = masked_logsumexp(scores, per_head(cand), dim=-1)  # (B, H, Tq)
     if labels is None:
         return a_heads, None
     match = cand & (src.unsqueeze(1) == labels.unsqueeze(2))  # (B, Tq, Tk): j pastes y_t
@@ -84,13 +96,14 @@ def _blocks(Tq: int, Tk: int, chunk: int, shift: int, offset: int):
         yield r0, r1, max(0, min(Tk, offset + r1 + shift))
 
 
-def _block_masks(r0: int, r1: int, kend: int, shift: int, src, labels, offset: int):
-    """cand (rows, kend) and match (B, 1, rows, kend) or None, as the dense path's masks."""
-    cand = candidate_mask(r1 - r0, kend, offset + r0, shift, src.device)
+def _block_masks(r0: int, r1: int, kend: int, shift: int, src, labels, offset: int, docs=None):
+    """cand (rows, kend) (documents: (B, 1, rows, kend)) and match (B, 1, rows, kend) or None, as
+    the dense path's masks."""
+    cand = candidate_mask(r1 - r0, kend, offset + r0, shift, src.device, docs)
     match = None
     if labels is not None:
         match = (cand & (src[:, None, :kend] == labels[:, r0:r1, None])).unsqueeze(1)
-    return cand, match
+    return per_head(cand), match
 
 
 def _softmax_weights(scores: torch.Tensor, mask: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
@@ -108,7 +121,7 @@ def _row_grad(grad: torch.Tensor, lse: torch.Tensor, r0: int, r1: int) -> torch.
 
 class _ChunkedCopyLSE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, src, labels, shift: int, chunk: int, offset: int):
+    def forward(ctx, q, k, src, labels, shift: int, chunk: int, offset: int, docs):
         B, H, T, d = q.shape
         scale = 1.0 / math.sqrt(d)
         a = q.new_full((B, H, T), NEG_INF)
@@ -117,19 +130,19 @@ class _ChunkedCopyLSE(torch.autograd.Function):
             if kend == 0:
                 continue  # no row of this block has a candidate
             scores = (q[:, :, r0:r1] @ k[:, :, :kend].transpose(-1, -2)) * scale  # (B, H, rows, kend)
-            cand, match = _block_masks(r0, r1, kend, shift, src, labels, offset)
+            cand, match = _block_masks(r0, r1, kend, shift, src, labels, offset, docs)
             a[:, :, r0:r1] = masked_logsumexp(scores, cand, dim=-1)
             if m is not None:
                 m[:, :, r0:r1] = masked_logsumexp(scores, match, dim=-1)
         ctx.shift, ctx.chunk, ctx.offset = shift, chunk, offset
-        ctx.save_for_backward(q, k, src, labels, a, m)  # labels, m: None without labels
+        ctx.save_for_backward(q, k, src, labels, a, m, docs)  # labels, m: None without labels; docs: without documents
         if m is None:
             return a
         return a, m
 
     @staticmethod
     def backward(ctx, grad_a, grad_m=None):
-        q, k, src, labels, a, m = ctx.saved_tensors
+        q, k, src, labels, a, m, docs = ctx.saved_tensors
         B, H, T, d = q.shape
         scale = 1.0 / math.sqrt(d)
         dq, dk = torch.zeros_like(q), torch.zeros_like(k)
@@ -138,24 +151,24 @@ class _ChunkedCopyLSE(torch.autograd.Function):
                 continue
             qb, kb = q[:, :, r0:r1], k[:, :, :kend]
             scores = (qb @ kb.transpose(-1, -2)) * scale
-            cand, match = _block_masks(r0, r1, kend, ctx.shift, src, labels, ctx.offset)
+            cand, match = _block_masks(r0, r1, kend, ctx.shift, src, labels, ctx.offset, docs)
             ds = _row_grad(grad_a, a, r0, r1) * _softmax_weights(scores, cand, a[:, :, r0:r1])
             if labels is not None and grad_m is not None:
                 ds = ds + _row_grad(grad_m, m, r0, r1) * _softmax_weights(scores, match, m[:, :, r0:r1])
             ds = ds * scale
             dq[:, :, r0:r1] = ds @ kb
             dk[:, :, :kend] += ds.transpose(-1, -2) @ qb
-        return dq, dk, None, None, None, None, None
+        return dq, dk, None, None, None, None, None, None
 
 
 def chunked_copy_lse(q: torch.Tensor, k: torch.Tensor, src: torch.Tensor, labels: torch.Tensor | None,
-                     shift: int, chunk: int, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     shift: int, chunk: int, offset: int = 0, docs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-head (A, M), each (B, H, Tq), from q (B, H, Tq, d) of positions offset.. and k
     (B, H, Tk, d) of positions 0.., float32, src (B, Tk) pasted ids (-1: none), labels (B, Tq) or
-    None (then M is None); shift -1 (`next`) or 0 (`self`)."""
+    None (then M is None); shift -1 (`next`) or 0 (`self`); docs (B, Tk) document indices or None."""
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1, got {chunk}")
-    out = _ChunkedCopyLSE.apply(q, k, src, labels, shift, chunk, offset)
+    out = _ChunkedCopyLSE.apply(q, k, src, labels, shift, chunk, offset, docs)
     if labels is None:
         return out, None
     return out
@@ -187,22 +200,41 @@ def candidate_block_mask(Tq: int, Tk: int, limit: int, device: torch.device):
         return kv_idx <= q_idx + limit
 
     full = create_block_mask(candidates, None, None, Tq, Tk, device=device)
-    visible = full.to_dense()  # (1, 1, q blocks, kv blocks): 1 where a block holds a candidate, partial or full
+    return full, visible_blocks(full)
+
+
+def visible_blocks(full) -> tuple[torch.Tensor, torch.Tensor]:
+    """A BlockMask's visible blocks, partial or full, all as partial: (kv_num_blocks, kv_indices)."""
+    visible = full.to_dense()  # (B or 1, 1, q blocks, kv blocks): 1 where a block holds a candidate
     num = visible.sum(-1).to(torch.int32)
     order = torch.argsort(visible, dim=-1, descending=True, stable=True).to(torch.int32)  # visible first, in order
-    return full, (num, order)
+    return num, order
 
 
-def match_block_mask(Tq: int, Tk: int, limit: int, device: torch.device, mask_mod):
-    """The BlockMask for M_t: C_t's visible blocks, every one partial, with `mask_mod` inside."""
+def document_block_mask(Tq: int, Tk: int, limit: int, offset: int, docs: torch.Tensor):
+    """candidate_block_mask's pair under document masking (per row of the batch, built per call:
+    the documents change every batch): C_t and doc_j == doc_t, t = offset + q_idx."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def candidates(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx + limit) & (docs[b, kv_idx] == docs[b, q_idx + offset])
+
+    full = create_block_mask(candidates, docs.shape[0], None, Tq, Tk, device=docs.device)
+    return full, visible_blocks(full)
+
+
+def match_block_mask(Tq: int, Tk: int, limit: int, device: torch.device, mask_mod, blocks=None):
+    """The BlockMask for M_t: C_t's visible blocks, every one partial, with `mask_mod` inside;
+    `blocks`: document_block_mask's pair under document masking (default: candidate_block_mask's)."""
     from torch.nn.attention.flex_attention import BlockMask
 
-    full, (num, order) = candidate_block_mask(Tq, Tk, limit, device)
+    full, (num, order) = blocks if blocks is not None else candidate_block_mask(Tq, Tk, limit, device)
     return BlockMask.from_kv_blocks(num, order, BLOCK_SIZE=full.BLOCK_SIZE, mask_mod=mask_mod, seq_lengths=full.seq_lengths)
 
 
 def flex_copy_lse(q: torch.Tensor, k: torch.Tensor, src: torch.Tensor, labels: torch.Tensor | None,
-                  shift: int, offset: int = 0, compiled: bool | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                  shift: int, offset: int = 0, compiled: bool | None = None,
+                  docs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-head (A, M), as `chunked_copy_lse`'s arguments, from FlexAttention's LSE (module
     docstring); compiled: the fused kernel (default on CUDA) or FlexAttention's unfused eager
     reference (default elsewhere; forward only on CPU)."""
@@ -213,7 +245,9 @@ def flex_copy_lse(q: torch.Tensor, k: torch.Tensor, src: torch.Tensor, labels: t
     attend = _compiled_flex_attention() if compiled else flex_attention
     B, H, Tq, _ = q.shape
     limit = offset + shift
-    full, _ = candidate_block_mask(Tq, k.shape[2], limit, q.device)
+    blocks = (candidate_block_mask(Tq, k.shape[2], limit, q.device) if docs is None
+              else document_block_mask(Tq, k.shape[2], limit, offset, docs))
+    full = blocks[0]
     values = q.new_zeros(B, H, k.shape[2], FLEX_VALUE_DIM)
 
     def lse(block_mask):
@@ -228,7 +262,11 @@ def flex_copy_lse(q: torch.Tensor, k: torch.Tensor, src: torch.Tensor, labels: t
     def pasted_label(b, h, q_idx, kv_idx):  # j in C_t and j pastes y_t
         return (kv_idx <= q_idx + limit) & (src[b, kv_idx] == labels[b, q_idx])
 
-    return a, _lse_tensor(lse(match_block_mask(Tq, k.shape[2], limit, q.device, pasted_label)))
+    def pasted_label_in_document(b, h, q_idx, kv_idx):  # and j is in t's document
+        return pasted_label(b, h, q_idx, kv_idx) & (docs[b, kv_idx] == docs[b, q_idx + offset])
+
+    mask_mod = pasted_label if docs is None else pasted_label_in_document
+    return a, _lse_tensor(lse(match_block_mask(Tq, k.shape[2], limit, q.device, mask_mod, blocks)))
 
 
 @functools.cache

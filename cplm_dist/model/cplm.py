@@ -4,6 +4,7 @@ copy head beside it, mixed without gathering the vocabulary. It is its parts in 
 
     model = build_model(cfg)                  # tp from the initialised parallel state
     out = model(input_ids, labels)            # TokenLoss: out.nll, out.lm_nll, out.copy_share (B, T)
+    out = model(input_ids, labels, position_ids)  # packed documents that do not see each other (data.document_mask)
     logp = model.next_token_logprobs(ids)     # (B, T, V) full mixed distribution (evaluation)
     logp, greedy = model.score(ids, targets)  # (B, T) at the targets, the vocabulary never gathered
 
@@ -37,6 +38,7 @@ import torch.distributed as dist
 from cplm_dist import vocab_parallel
 from cplm_dist.config import Config, ModelConfig
 from cplm_dist.megatron_compat import parallel_state
+from cplm_dist.model.documents import attention_mask, check_positions, continued_positions, document_index
 from cplm_dist.model.block import TransformerLayer
 from cplm_dist.model.initialization import init_parameters
 from cplm_dist.model.parallelize import parallelize
@@ -52,11 +54,14 @@ SCORE_ROWS = 512  # CPLM.score: tokens whose V/tp log-probs exist at once (512 x
 @dataclass
 class DecodeState:
     """What decoding keeps between steps: each layer's keys and values, the copy head's keys,
-    and the ids fed so far."""
+    and the ids fed so far; once position_ids were given (document masking), the positions and
+    document indices of everything fed (cplm_dist.model.documents)."""
 
     layers: list[dict]
     ids: torch.Tensor | None = None
     copy_k: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
+    docs: torch.Tensor | None = None
 
     @property
     def length(self) -> int:
@@ -67,7 +72,8 @@ class DecodeState:
         several continuations, as the lm-eval adapter scores the options of one question)."""
         pick = lambda t: None if t is None else t.index_select(0, rows)  # noqa: E731
         return DecodeState(layers=[{k: pick(v) for k, v in layer.items()} for layer in self.layers],
-                           ids=pick(self.ids), copy_k=pick(self.copy_k))
+                           ids=pick(self.ids), copy_k=pick(self.copy_k), positions=pick(self.positions),
+                           docs=pick(self.docs))
 
 
 class ModelParts(NamedTuple):
@@ -100,10 +106,12 @@ class CPLM(torch.nn.Module):
 
     # --- shared trunk --------------------------------------------------------------------------
 
-    def hidden_states(self, input_ids: torch.Tensor, state: DecodeState | None = None) -> torch.Tensor:
+    def hidden_states(self, input_ids: torch.Tensor, state: DecodeState | None = None,
+                      position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Final-norm hidden states h (B, T, D), identical on every tp rank; with a decode
         `state`, of positions state.length.. (its caches are extended). Sequence parallel: this
-        rank's positions, (T/tp, B, D)."""
+        rank's positions, (T/tp, B, D). position_ids (B, T): document masking (module docstring
+        of cplm_dist.model.documents); None: one document a row, or continuing the state's."""
         T, offset = input_ids.shape[1], (state.length if state is not None else 0)
         if self.sequence_parallel and state is not None:
             raise RuntimeError("a sequence-parallel model trains only: load its checkpoint with "
@@ -112,11 +120,35 @@ class CPLM(torch.nn.Module):
             raise ValueError(f"sequence length {T} is not divisible by tp={self.tp_size} (sequence parallelism)")
         if offset + T > self.model_cfg.max_seq_len:
             raise ValueError(f"sequence length {offset + T} exceeds model.max_seq_len={self.model_cfg.max_seq_len}")
-        cos, sin = layer_rope(self.model_cfg, T, offset, device=input_ids.device)
-        x = self.parts.embed(input_ids, offset)  # (B, T, D)
+        positions, docs = self._documents(input_ids, state, position_ids)
+        cos, sin = layer_rope(self.model_cfg, T, offset, device=input_ids.device, position_ids=positions)
+        mask = None if docs is None else attention_mask(docs, offset, T)
+        x = self.parts.embed(input_ids, offset, positions)  # (B, T, D)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, state.layers[i] if state is not None else None)
+            x = layer(x, cos, sin, state.layers[i] if state is not None else None, mask)
         return self.final_norm(x)
+
+    def _documents(self, input_ids: torch.Tensor, state: DecodeState | None, position_ids: torch.Tensor | None):
+        """(positions (B, T) of input_ids, document indices (B, offset + T) of every position) under
+        document masking, else (None, None); a decode state records both. A chunk without
+        position_ids after a state that has them continues its last document."""
+        if position_ids is None and (state is None or state.positions is None):
+            return None, None
+        if position_ids is not None:
+            check_positions(position_ids, input_ids, full_row=state is None)  # forward: a whole row
+        past_pos = past_docs = None
+        if state is not None and state.length:
+            B, P = input_ids.shape[0], state.length  # a prefix fed without positions: one document, 0..P-1
+            past_pos = state.positions if state.positions is not None else torch.arange(P, device=input_ids.device).expand(B, P)
+            past_docs = state.docs if state.docs is not None else torch.zeros_like(past_pos)
+        if position_ids is None:
+            position_ids = continued_positions(past_pos[:, -1:], input_ids.shape[1])
+        new_docs = document_index(position_ids, past_docs)
+        docs = new_docs if past_docs is None else torch.cat([past_docs, new_docs], dim=1)
+        if state is not None:
+            state.positions = position_ids if past_pos is None else torch.cat([past_pos, position_ids], dim=1)
+            state.docs = docs
+        return position_ids, docs
 
     @property
     def tied(self) -> torch.Tensor | None:
@@ -125,11 +157,16 @@ class CPLM(torch.nn.Module):
 
     # --- training ------------------------------------------------------------------------------
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> vocab_parallel.TokenLoss:
-        """input_ids (B, T); labels (B, T) global ids, -100 to ignore; default: the next input id."""
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None) -> vocab_parallel.TokenLoss:
+        """input_ids (B, T); labels (B, T) global ids, -100 to ignore; default: the next input id.
+        position_ids (B, T): positions restarting at 0 where a document starts (document masking:
+        a token sees, and the copy head pastes from, earlier tokens of its own document only);
+        None: one document a row."""
         if labels is None:
             labels = torch.cat([input_ids[:, 1:], torch.full_like(input_ids[:, :1], vocab_parallel.IGNORE_INDEX)], 1)
-        return self.parts.head.token_loss(self.hidden_states(input_ids), input_ids, labels, self.tied)
+        h = self.hidden_states(input_ids, None, position_ids)
+        return self.parts.head.token_loss(h, input_ids, labels, self.tied, position_ids)
 
     def lm_logits(self, h: torch.Tensor, tied: torch.Tensor | None = None) -> torch.Tensor:
         """This rank's vocabulary shard of the LM logits (B, T, V/tp) of final-norm states h."""
@@ -138,22 +175,24 @@ class CPLM(torch.nn.Module):
     # --- evaluation ----------------------------------------------------------------------------
 
     @torch.no_grad()
-    def next_token_logprobs(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """(B, T, V) float32 log p(x_{t+1} = w | x_<=t) of the mixture, gathered over tp."""
-        return self.decode(input_ids, self.new_decode_state())[0]
+    def next_token_logprobs(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, T, V) float32 log p(x_{t+1} = w | x_<=t) of the mixture, gathered over tp
+        (position_ids: as `forward` takes them)."""
+        return self.decode(input_ids, self.new_decode_state(), position_ids=position_ids)[0]
 
     def new_decode_state(self) -> DecodeState:
         return DecodeState(layers=[{} for _ in self.layers])
 
     @torch.no_grad()
-    def decode(self, input_ids: torch.Tensor, state: DecodeState, with_copy_part: bool = False, last_only: bool = False):
+    def decode(self, input_ids: torch.Tensor, state: DecodeState, with_copy_part: bool = False, last_only: bool = False,
+               position_ids: torch.Tensor | None = None):
         """Feed `input_ids` (B, T) after what `state` holds (a prompt, then one token at a time)
         and return (log p (B, T, V) of the next token at each new position, and with
         `with_copy_part` the copy component's log mass on each id, else None), gathered over tp.
         last_only: the distributions of the last position only (B, 1, V), what generation reads
-        (a prompt's (B, T, V) would be T times the memory)."""
+        (a prompt's (B, T, V) would be T times the memory). position_ids: as `hidden_states` takes them."""
         offset = state.length
-        h, q = self._extend(input_ids, state)
+        h, q = self._extend(input_ids, state, position_ids)
         if last_only:
             offset, h = offset + h.shape[1] - 1, h[:, -1:]
             q = q[:, :, -1:] if q is not None else None
@@ -163,15 +202,16 @@ class CPLM(torch.nn.Module):
 
     @torch.no_grad()
     def score(self, input_ids: torch.Tensor, targets: torch.Tensor, state: DecodeState | None = None,
-              rows: int = SCORE_ROWS) -> tuple[torch.Tensor, torch.Tensor]:
+              rows: int = SCORE_ROWS, position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(log p(targets[:, t] | what precedes and input_ids[:, :t + 1]), whether targets[:, t] is
         the mixture's most likely id), each (B, T), for `input_ids` (B, T) fed after what `state`
         holds (none: a fresh sequence; the state is extended as by `decode`). What `decode`
         computes, read at the targets without gathering the vocabulary, `rows` tokens at a time
-        (B x T x V floats never exist: about rows x V/tp at once). Targets of IGNORE_INDEX: 0, False."""
+        (B x T x V floats never exist: about rows x V/tp at once). Targets of IGNORE_INDEX: 0, False.
+        position_ids: as `hidden_states` takes them."""
         state = state if state is not None else self.new_decode_state()
         offset = state.length
-        h, q = self._extend(input_ids, state)
+        h, q = self._extend(input_ids, state, position_ids)
         block = max(1, rows // h.shape[0])
         logps, greedy = [], []
         for t0 in range(0, h.shape[1], block):
@@ -182,15 +222,17 @@ class CPLM(torch.nn.Module):
             greedy.append(top)
         return torch.cat(logps, dim=1), torch.cat(greedy, dim=1)
 
-    def _extend(self, input_ids: torch.Tensor, state: DecodeState) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _extend(self, input_ids: torch.Tensor, state: DecodeState,
+                position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run `input_ids` after `state` (its caches and ids extended): (final states h (B, T, D),
         the copy head's queries (B, H_c, T, d_c) or None)."""
         offset = state.length
-        h = self.hidden_states(input_ids, state)
+        h = self.hidden_states(input_ids, state, position_ids)
         state.ids = input_ids if state.ids is None else torch.cat([state.ids, input_ids], dim=1)
         if self.copy_head is None:
             return h, None
-        q, k = self.copy_head.project(h, offset)
+        positions = None if state.positions is None else state.positions[:, offset:]
+        q, k = self.copy_head.project(h, offset, positions=positions)
         state.copy_k = k if state.copy_k is None else torch.cat([state.copy_k, k], dim=2)
         return h, q
 
@@ -201,7 +243,7 @@ class CPLM(torch.nn.Module):
         logits = self.lm_logits(h, self.tied)
         copy_lp, terms = None, None
         if self.copy_head is not None:
-            weights, src, terms = self.copy_head.weights_for(q, state.copy_k, state.ids, offset, h)
+            weights, src, terms = self.copy_head.weights_for(q, state.copy_k, state.ids, offset, h, state.docs)
             copy_lp = vocab_parallel.scatter_copy_log_probs(weights, src, self.parts.head.v_local, self.tp_group)
         return vocab_parallel.mixed_log_probs(logits, copy_lp, terms, self.copy_cfg.mix, self.tp_group)
 

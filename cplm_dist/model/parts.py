@@ -25,6 +25,7 @@ from cplm_dist.config import Config, CopyConfig, LossConfig, ModelConfig
 from cplm_dist.megatron_compat import ModelParallelConfig, tensor_parallel
 from cplm_dist.model.backbone import backbone
 from cplm_dist.model.copy_head import CopyHead
+from cplm_dist.model.documents import document_index
 from cplm_dist.model.initialization import deferred_init
 from cplm_dist.model.norm import make_norm
 from cplm_dist.model.rotary import LearnedPositions
@@ -110,10 +111,10 @@ class Embedding(torch.nn.Module):
         self.position_embedding = (LearnedPositions(m.max_seq_len, m.hidden_size, device=spec.device, dtype=spec.dtype,
                                                     sp_group=spec.sp_group) if learned else None)
 
-    def forward(self, input_ids: torch.Tensor, offset: int = 0) -> torch.Tensor:
-        """x of positions offset .. offset + T - 1."""
+    def forward(self, input_ids: torch.Tensor, offset: int = 0, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """x of positions offset .. offset + T - 1, or of those position_ids (B, T) name (document masking)."""
         x = self.embedding(input_ids)
-        return x if self.position_embedding is None else self.position_embedding(x, offset)
+        return x if self.position_embedding is None else self.position_embedding(x, offset, position_ids)
 
 
 class Head(torch.nn.Module):
@@ -138,8 +139,8 @@ class Head(torch.nn.Module):
                           if spec.copy.enabled else None)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tensor,
-                tied: torch.Tensor | None = None) -> vocab_parallel.TokenLoss:
-        return self.token_loss(self.final_norm(x), input_ids, labels, tied)
+                tied: torch.Tensor | None = None, position_ids: torch.Tensor | None = None) -> vocab_parallel.TokenLoss:
+        return self.token_loss(self.final_norm(x), input_ids, labels, tied, position_ids)
 
     def lm_logits(self, h: torch.Tensor, tied: torch.Tensor | None = None) -> torch.Tensor:
         """This rank's vocabulary shard of the LM logits (B, T, V/tp); padded ids at -inf."""
@@ -149,10 +150,14 @@ class Head(torch.nn.Module):
         return logits
 
     def token_loss(self, h: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tensor,
-                   tied: torch.Tensor | None = None) -> vocab_parallel.TokenLoss:
+                   tied: torch.Tensor | None = None, position_ids: torch.Tensor | None = None) -> vocab_parallel.TokenLoss:
         """Per-token loss terms (B, T) of final-norm states h (sequence parallel: this rank's
-        (T/tp, B, D) positions), input_ids and labels (B, T)."""
-        copy = self.copy_head(h, input_ids, labels) if self.copy_head is not None else None
+        (T/tp, B, D) positions), input_ids and labels (B, T); position_ids (B, T) under document
+        masking (the copy head's candidates stay in their document: cplm_dist.model.documents)."""
+        copy = None
+        if self.copy_head is not None:
+            docs = None if position_ids is None else document_index(position_ids)
+            copy = self.copy_head(h, input_ids, labels, docs, position_ids)
         sp = self.sequence_parallel
         token_labels = labels.t().contiguous() if sp else labels  # the loss in the trunk's layout: (T, B) sequence parallel
         if self.loss_cfg.impl == "chunked":

@@ -9,6 +9,7 @@ interface:
 
     0       EmbeddingStage    the Embedding: (ids, labels) -> (x, ids, labels)             first stage
     1..L    LayerStage i      the TransformerLayer: (x, ids, labels) -> (x', ids, labels)
+            (under document masking the position_ids travel last: (.., labels, positions))
     L+1     the tied embedding again (tie_embeddings): hands its weight to the head
     L+1/2   HeadStage         the Head (final norm, copy head, LM head, mixed loss) -> (3, B, T)
                               per-token nll, LM-only nll, copy share                        last stage
@@ -37,6 +38,7 @@ import torch
 from cplm_dist.config import Config
 from cplm_dist.megatron_compat import import_deepspeed
 from cplm_dist.model.block import TransformerLayer
+from cplm_dist.model.documents import attention_mask, document_index
 from cplm_dist.model.initialization import init_parameters
 from cplm_dist.model.parallelize import parallelize
 from cplm_dist.model.parts import Embedding, Head, PartSpec
@@ -53,8 +55,8 @@ class EmbeddingStage(Embedding):
     canonical_prefix = ""
 
     def forward(self, inputs):
-        ids, labels = inputs
-        return super().forward(ids), ids, labels
+        ids, labels, *positions = inputs  # positions: data.document_mask
+        return super().forward(ids, 0, positions[0] if positions else None), ids, labels, *positions
 
 
 def hand_weight_to_head(stage: EmbeddingStage, inputs):
@@ -71,9 +73,11 @@ class LayerStage(TransformerLayer):
         self.model_cfg = spec.model
 
     def forward(self, inputs):
-        x, ids, labels = inputs
-        cos, sin = layer_rope(self.model_cfg, ids.shape[1], device=x.device)
-        return super().forward(x, cos, sin), ids, labels
+        x, ids, labels, *positions = inputs
+        position_ids = positions[0] if positions else None
+        cos, sin = layer_rope(self.model_cfg, ids.shape[1], device=x.device, position_ids=position_ids)
+        mask = None if position_ids is None else attention_mask(document_index(position_ids), 0, ids.shape[1])
+        return super().forward(x, cos, sin, None, mask), ids, labels, *positions
 
 
 class HeadStage(Head):
@@ -82,8 +86,9 @@ class HeadStage(Head):
     canonical_prefix = ""
 
     def forward(self, inputs):
-        x, ids, labels, *tied = inputs
-        return torch.stack(list(super().forward(x, ids, labels, tied[0] if tied else None)))
+        x, ids, labels, *rest = inputs  # rest: [positions (document masking)] [the tied weight]
+        tied = rest.pop() if rest and rest[-1].is_floating_point() else None
+        return torch.stack(list(super().forward(x, ids, labels, tied, rest[0] if rest else None)))
 
 
 def layer_specs(cfg: Config, dims: ParallelDims, device, dtype) -> list:

@@ -211,13 +211,15 @@ def _micro_batch(cfg: Config, layout: Layout, stage, device):
     B, T, D = layout.micro_batch, layout.seq_len, cfg.model.hidden_size
     ids = torch.randint(0, cfg.model.vocab_size, (B, T), device=device)
     labels = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], 1)
+    # data.document_mask: the positions travel with ids and labels (one document a row: the mask's shape is what costs)
+    positions = (torch.arange(T, device=device).expand(B, T),) if cfg.data.document_mask else ()
     if stage is None or stage.first:
-        return (ids, labels), labels, None
+        return (ids, labels, *positions), labels, None
     sp = cfg.parallel.sequence_parallel and layout.tp > 1
     shape = (T // layout.tp, B, D) if sp else (B, T, D)
     x = torch.randn(shape, dtype=torch.bfloat16 if layout.precision == "bf16" else torch.float32,
                     device=device, requires_grad=True)
-    return (x, ids, labels), labels, x
+    return (x, ids, labels, *positions), labels, x
 
 
 def _sent_bytes(t: torch.Tensor, tp: int, sequence_parallel: bool) -> float:
