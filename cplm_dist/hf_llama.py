@@ -17,7 +17,9 @@ shards). The layouts differ in two places:
 | layers.i.mlp.fc1 [2 F, D] = [gate; up] | mlp.gate_proj, mlp.up_proj |
 
 RoPE is the rotate-half convention on both sides (HF's checkpoints are already permuted for it),
-RMSNorm the same formula, no biases.
+RMSNorm the same formula, no biases. model.rope_scaling (context extension): linear is
+transformers' rope_type linear both ways; ntk exports as plain RoPE at its larger theta
+(`hf_rope`); a plain-RoPE Llama imports under any model.rope_scaling, a linear one under the same.
 """
 
 from __future__ import annotations
@@ -51,16 +53,43 @@ def hf_config(m: ModelConfig, copy: CopyConfig | None = None) -> dict:
     `CPLMForCausalLM` (cplm_dist/hf_remote, loaded with trust_remote_code=True)."""
     out = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **{hf: getattr(m, ours) for ours, hf in SHAPE_FIELDS},
            "head_dim": m.head_dim, "max_position_embeddings": m.max_seq_len, "rms_norm_eps": m.norm_eps,
-           "rope_theta": m.rope_theta, "rope_parameters": {"rope_theta": m.rope_theta, "rope_type": "default"},
-           "tie_word_embeddings": m.tie_embeddings, "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
-           "torch_dtype": "float32"}
+           **hf_rope(m), "tie_word_embeddings": m.tie_embeddings, "hidden_act": "silu", "attention_bias": False,
+           "mlp_bias": False, "torch_dtype": "float32"}
     if copy is not None and copy.enabled:
+        scaling = m.rope_scaling
         out.update({"architectures": ["CPLMForCausalLM"], "model_type": "cplm",
                     "auto_map": {"AutoConfig": "configuration_cplm.CPLMConfig",
                                  "AutoModelForCausalLM": "modeling_cplm.CPLMForCausalLM"},
                     "copy_num_heads": copy.num_heads, "copy_head_dim": copy.head_dim, "copy_paste": copy.paste,
-                    "copy_mix": copy.mix, "copy_rope": copy.rope})
+                    "copy_mix": copy.mix, "copy_rope": copy.rope, "copy_rope_theta": m.rope_theta,
+                    # the copy head's own RoPE follows model.rope_scaling at its own head dim (cplm_dist.model.copy_head)
+                    "copy_rope_scaling": None if scaling is None else {"type": scaling.type, "factor": scaling.factor}})
     return out
+
+
+def hf_rope(m: ModelConfig) -> dict:
+    """config.json's RoPE keys. model.rope_scaling linear is transformers' rope_type linear
+    (inv_freq / factor: positions / factor), written both as rope_parameters (transformers 5) and
+    rope_scaling (4.x). ntk is written as what it exactly is, a plain RoPE at the larger theta:
+    transformers has no static NTK-aware type (its "dynamic" recomputes theta from each call's
+    sequence length past max_position_embeddings, another function)."""
+    from cplm_dist.model.rotary import scaled_theta
+
+    r, theta, params = m.rope_scaling, m.rope_theta, {"rope_type": "default"}
+    if r is not None and r.type == "ntk":
+        theta = scaled_theta(m.head_dim, m.rope_theta, r)
+    elif r is not None:
+        params = {"rope_type": "linear", "factor": r.factor}
+    out = {"rope_theta": theta, "rope_parameters": {"rope_theta": theta, **params}}
+    return {**out, "rope_scaling": params} if r is not None and r.type == "linear" else out
+
+
+def hf_rope_of(hf: dict) -> tuple[str, float, float | None]:
+    """(rope type, base theta, factor or None) of a HF config.json (transformers 4's rope_scaling
+    or 5's rope_parameters)."""
+    rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    theta = rope.get("rope_theta", (hf.get("rope_parameters") or {}).get("rope_theta", hf.get("rope_theta", 10000.0)))
+    return rope.get("rope_type", rope.get("type", "default")), theta, rope.get("factor")
 
 
 def llama_config(m: ModelConfig, **kwargs):
@@ -80,11 +109,7 @@ def check_hf_config(hf: dict, m: ModelConfig, where: str) -> None:
         if hf.get(theirs) != getattr(m, ours):
             raise HFImportError(f"{where}: {theirs}={hf.get(theirs)} but model.{ours}={getattr(m, ours)}: "
                                 f"set model.{ours}={hf.get(theirs)} (the shapes must match the checkpoint)")
-    rope = hf.get("rope_parameters") or {}
-    theta, kind = rope.get("rope_theta", hf.get("rope_theta", 10000.0)), rope.get("rope_type", "default")
-    if kind != "default" or theta != m.rope_theta:
-        raise HFImportError(f"{where}: RoPE {kind} with theta {theta}, the config has plain RoPE with model.rope_theta="
-                            f"{m.rope_theta}: set model.rope_theta={theta} (scaled RoPE does not import)")
+    check_hf_rope(hf, m, where)
     head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
     if head_dim != m.head_dim:
         raise HFImportError(f"{where}: head_dim={head_dim} but hidden_size/num_heads={m.head_dim}: not importable")
@@ -93,6 +118,24 @@ def check_hf_config(hf: dict, m: ModelConfig, where: str) -> None:
             raise HFImportError(f"{where}: {key}=true; the CPLM backbone has no biases")
     if hf.get("hidden_act", "silu") != "silu":
         raise HFImportError(f"{where}: hidden_act={hf.get('hidden_act')!r}; the CPLM MLP is SwiGLU (silu)")
+
+
+def check_hf_rope(hf: dict, m: ModelConfig, where: str) -> None:
+    """The HF model's RoPE is this config's base: the same theta; its linear scaling, if any, is
+    model.rope_scaling. A plain-RoPE Llama may start a run with any model.rope_scaling (a context
+    extension); other scaled types do not import."""
+    kind, theta, factor = hf_rope_of(hf)
+    if kind not in ("default", "linear"):
+        raise HFImportError(f"{where}: RoPE {kind} does not import (plain and linear do): start from a Llama with "
+                            "rope_type default or linear")
+    if theta != m.rope_theta:
+        raise HFImportError(f"{where}: RoPE {kind} with theta {theta}, the config has model.rope_theta={m.rope_theta}: "
+                            f"set model.rope_theta={theta}")
+    r = m.rope_scaling
+    if kind == "linear" and (r is None or r.type != "linear" or r.factor != factor):
+        raise HFImportError(f"{where}: RoPE linear with factor {factor}, the config has model.rope_scaling="
+                            f"{r if r is None else f'{r.type}/{r.factor}'}: set model.rope_scaling.type=linear "
+                            f"model.rope_scaling.factor={factor}")
 
 
 def to_hf(full: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, torch.Tensor]:

@@ -34,13 +34,12 @@ import torch
 import torch.distributed as dist
 
 from cplm_dist import hosts
-from cplm_dist.checkpoint import Checkpointer, Manifest, check_out_dir, find_resume
+from cplm_dist.checkpoint import Checkpointer, Manifest, check_out_dir, find_resume, init_source, initialise_from
 from cplm_dist.cli import config_parser, exit_on_usage_error, load_from_args
 from cplm_dist.config import Config, batch_layout
 from cplm_dist.data.gpt_data import build_datasets, check_data
-from cplm_dist.data.loader import ResumableLoader
+from cplm_dist.data.loader import ResumableLoader, model_inputs
 from cplm_dist.heartbeat import Heartbeat
-from cplm_dist.hf_llama import check_hf_dir, initialise_from_hf
 from cplm_dist.launch_env import LaunchEnv
 from cplm_dist.model.copy_head import check_copy_impl
 from cplm_dist.model.counting import parameter_count
@@ -122,7 +121,7 @@ def evaluate(engine, dataset, cfg: Config, dims: ParallelDims, device) -> float:
     engine.eval()
     total = torch.zeros(2, dtype=torch.float64, device=device)
     for _, batch in zip(range(cfg.train.eval_batches), loader):
-        out = engine(batch["input_ids"].to(device), batch["labels"].to(device))
+        out = engine(*model_inputs(batch, device))
         total += torch.stack([out.nll.double().sum(), (batch["labels"] != IGNORE_INDEX).sum().to(device).double()])
     dist.all_reduce(total, group=dims.dp_group)
     engine.train()
@@ -133,7 +132,7 @@ def evaluate(engine, dataset, cfg: Config, dims: ParallelDims, device) -> float:
 def evaluate_pipeline(engine, loader: ResumableLoader, cfg: Config, dims: ParallelDims, device) -> float:
     """`evaluate` through the pipeline: the last stage sums nll and tokens over its micro-batches
     (cplm_dist.model.pipeline), the sums are added over dp, and the ratio goes to every stage."""
-    batches = (((b["input_ids"], b["labels"]), b["labels"]) for b in loader)
+    batches = ((model_inputs(b), b["labels"]) for b in loader)
     engine.module.eval_sums.zero_()
     engine.eval_batch(batches if engine.is_first_stage() or engine.is_last_stage() else None,
                       num_micro_batches=cfg.train.eval_batches, bcast_loss=False)
@@ -175,8 +174,8 @@ def run(argv, stop: StopRequest) -> int:
     dp = world // (cfg.parallel.tp * cfg.parallel.pp)
     accumulation = batch_layout(cfg, dp)
     resume = find_resume(cfg, args.resume, cfg.parallel.tp, dp, args.reshape)
-    if cfg.model.init_from and resume is None:
-        check_hf_dir(cfg.model.init_from, cfg.model)
+    if cfg.model.init_from and resume is None:  # one of our checkpoints or a HF Llama (cplm_dist.checkpoint.init_from)
+        init_source(cfg)
     check_copy_impl(cfg.copy, torch.cuda.is_available())
     check_out_dir(cfg)
     samples = (t.train_steps * t.global_batch_size, t.eval_batches * t.micro_batch_size * dp, 0)
@@ -210,9 +209,9 @@ def train(cfg: Config, dims: ParallelDims, accumulation: int, resume: Manifest |
     # 4. model, 5. DeepSpeed engine (ZeRO over dp, our AdamW and schedule), the step -------------
     stop.enter("building the model and the DeepSpeed engine")
     model = build_training_model(cfg, dims, device)
-    if cfg.model.init_from and resume is None:  # a fresh run from a HF Llama; a resume reads its checkpoint
+    if cfg.model.init_from and resume is None:  # a fresh run from a checkpoint or a HF Llama; a resume reads its own
         stop.enter(f"loading {cfg.model.init_from}")
-        initialise_from_hf(model, cfg.model.init_from, dims.tp_rank, dims.tp_size)
+        initialise_from(model, cfg, dims.tp_rank, dims.tp_size)
     ckpt = Checkpointer(Path(t.out_dir) / "checkpoints", cfg, dims)
     resume = ckpt.newest_intact(resume) if resume is not None else None
     train_step = build_train_step(cfg, dims, device, model, load_universal=ckpt.loads_universal(resume))

@@ -4,6 +4,7 @@ transformers Llama imports at tp 1 and 2 with its own logits; an export is a sto
 log-probs and our greedy tokens; `model.init_from` starts a training run from a HF directory; bad
 HF directories give one line."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -75,7 +76,7 @@ def _import_worker(tp, cases):
 def test_a_random_transformers_llama_imports_with_its_own_logits(tmp_path):
     """Tied and padded + untied, at tp 1 and 2, copy off; and (tp 1) copy on: the backbone imports,
     the copy head keeps its fresh weights, the LM head's own loss is Llama's."""
-    variants = {"tied": [], "padded-untied": PADDED_UNTIED}
+    variants = {"tied": [], "padded-untied": PADDED_UNTIED, "linear": ["model.rope_scaling={type: linear, factor: 2}"]}
     want = {}
     for name, overrides in variants.items():
         _random_llama(tmp_path / name, overrides)
@@ -87,7 +88,7 @@ def test_a_random_transformers_llama_imports_with_its_own_logits(tmp_path):
             for name, res in zip(variants, rank):
                 torch.testing.assert_close(res["logprobs"], want[name], rtol=1e-5, atol=1e-5, msg=f"{name}, tp={tp}")
         if tp == 1:
-            on, ids = rank[2], _ids(512)
+            on, ids = rank[len(variants)], _ids(512)
             nll = -want["tied"][:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
             torch.testing.assert_close(on["lm_nll"][:, :-1], nll, rtol=1e-5, atol=1e-5)
             assert on["copy_kept"]
@@ -184,6 +185,21 @@ def test_bad_hf_directories_give_one_line(small_data, tmp_path):
     m.rope_theta = 500000.0
     with pytest.raises(HFImportError, match=r"RoPE default with theta 10000\.0, .* set model\.rope_theta=10000\.0"):
         check_hf_dir(tmp_path / "llama", m)
+    # scaled RoPE: a linear Llama needs the same model.rope_scaling; a plain one takes any (a context extension)
+    _random_llama(tmp_path / "linear", ["model.rope_scaling={type: linear, factor: 2}"])
+    plain = load_config("tiny").model
+    with pytest.raises(HFImportError, match=r"RoPE linear with factor 2\.0, the config has model\.rope_scaling=None: "
+                                            r"set model\.rope_scaling\.type=linear model\.rope_scaling\.factor=2\.0$"):
+        check_hf_dir(tmp_path / "linear", plain)
+    check_hf_dir(tmp_path / "llama", load_config("tiny", ["model.rope_scaling={type: ntk, factor: 4}"]).model)
+    config = json.loads((tmp_path / "linear" / "config.json").read_text())
+    (tmp_path / "yarn").mkdir()
+    (tmp_path / "yarn" / "model.safetensors").write_bytes((tmp_path / "linear" / "model.safetensors").read_bytes())
+    config["rope_parameters"] = {**config["rope_parameters"], "rope_type": "yarn"}
+    config.pop("rope_scaling", None)
+    (tmp_path / "yarn" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(HFImportError, match=r"RoPE yarn does not import \(plain and linear do\)"):
+        check_hf_dir(tmp_path / "yarn", plain)
     fresh = tmp_path / "fresh"  # through cplm-train: one line, exit 2, nothing written
     proc = run_cli(argv(small_data, fresh, f"model.init_from={tmp_path / 'llama'}", "model.num_layers=3"))
     assert proc.returncode == 2, proc.stderr[-2000:]
@@ -201,6 +217,11 @@ EXPORT_VARIANTS = {
     "joint-self": ["copy.mix=joint", "copy.paste=self"],
     "sentinel-next-rope": ["copy.mix=sentinel", "copy.rope=true"],
     "sentinel-self-2heads": ["copy.mix=sentinel", "copy.paste=self", "copy.num_heads=2"],
+    # context extension: scaled RoPE (docs/training.md), on the backbone and on the copy head's own RoPE
+    "off-linear": ["copy.enabled=false", "model.rope_scaling={type: linear, factor: 4}"],
+    "off-ntk": ["copy.enabled=false", "model.rope_scaling={type: ntk, factor: 4}"],
+    "gate-next-rope-linear": ["copy.rope=true", "model.rope_scaling={type: linear, factor: 2.5}"],
+    "joint-self-rope-ntk": ["copy.mix=joint", "copy.paste=self", "copy.rope=true", "model.rope_scaling={type: ntk, factor: 3}"],
 }
 
 
@@ -228,8 +249,15 @@ def test_every_mix_and_paste_exports_with_our_log_probs_and_greedy_tokens(tmp_pa
     ours = run_ranks(_export_worker, 1, args=(str(tmp_path),))[0]
     for name, r in ours.items():
         config = (tmp_path / name / "config.json").read_text()
-        assert ('"CPLMForCausalLM"' in config) == (name != "off")
-        hf = _hf_model(tmp_path / name, remote=name != "off")
+        copy_off = name.startswith("off")
+        assert ('"CPLMForCausalLM"' in config) == (not copy_off)
+        rope = json.loads(config)
+        if name.endswith("-linear"):  # transformers' linear type, both spellings; ntk: plain RoPE at the larger theta
+            assert rope["rope_scaling"]["rope_type"] == rope["rope_parameters"]["rope_type"] == "linear"
+        else:
+            assert "rope_scaling" not in rope and rope["rope_parameters"]["rope_type"] == "default"
+            assert (rope["rope_theta"] > 5000) == name.endswith("-ntk")
+        hf = _hf_model(tmp_path / name, remote=not copy_off)
         with torch.no_grad():
             got = torch.log_softmax(hf(input_ids=r["ids"]).logits.float(), dim=-1)
         torch.testing.assert_close(got, r["logprobs"], rtol=1e-5, atol=1e-5, msg=name)

@@ -10,6 +10,11 @@ Copy on: `AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)` loa
 `CPLMForCausalLM` written beside the weights (cplm_dist/hf_remote); its logits are the mixture's
 log-probabilities, so `generate()` samples from the mixture (no KV cache: each step recomputes the
 sequence). Both give our log-probabilities to 1e-5 (tests/test_hf.py).
+
+Scaled RoPE (model.rope_scaling, docs/training.md "Context extension"): linear is written as
+transformers' rope_type linear; ntk as the plain RoPE it exactly is, at rope_theta x
+factor^(d/(d-2)) (transformers' "dynamic" is another function). config.json's "cplm_dist" entry
+records the run's own rope_theta and rope_scaling.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 def export(checkpoint: str, out: Path, dtype: str) -> Path:
     from cplm_dist.checkpoint import load_model, tokenizer_files
+    from cplm_dist.config import to_dict
     from cplm_dist.hf_llama import write_hf_dir
     from cplm_dist.model.backbone import backbone, hf_llama_backbones
     from cplm_dist.model.sharding import full_state_dict
@@ -45,7 +51,8 @@ def export(checkpoint: str, out: Path, dtype: str) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         write_hf_dir(full, cfg.model, cfg.copy, tmp, DTYPES[dtype],
-                     extra={"cplm_dist": {"checkpoint": str(Path(info["root"]) / info["tag"]), "step": info["step"]}})
+                     extra={"cplm_dist": {"checkpoint": str(Path(info["root"]) / info["tag"]), "step": info["step"],
+                                          "rope_theta": cfg.model.rope_theta, "rope_scaling": to_dict(cfg)["model"]["rope_scaling"]}})
         for name, file in tokenizer_files(cfg).items():  # tokenizer.model, or tokenizer.json and its config
             shutil.copy2(file, tmp / name)
         if out.exists():

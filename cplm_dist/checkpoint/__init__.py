@@ -9,10 +9,12 @@ it for evaluation.
                  the out_dir pre-check
     reshape.py   resume at another tp, dp or ZeRO stage through DeepSpeed's universal checkpoint
     loading.py   `load_checkpoint_config`, `load_model` at any tp (no DeepSpeed engine)
+    init_from.py `model.init_from`: a new run from one of our checkpoints (weights only, any tp) or a HF Llama
 
     model, cfg, info = load_model("runs/quickstart-<time>")   # after init_distributed, at any tp
 """
 
+from cplm_dist.checkpoint.init_from import InitSource, init_source, initialise_from, load_checkpoint_weights
 from cplm_dist.checkpoint.loading import load_checkpoint_config, load_model, read_checkpoint
 from cplm_dist.checkpoint.manifest import (CARRIED_TOKENIZER, COMPLETE, FORMAT, LATEST, Layout, Manifest, ReshapeError,
                                            carry_tokenizer, check_config_change, check_intact, check_layout, check_reshape,
@@ -27,11 +29,11 @@ from cplm_dist.config import RESUMABLE_CHANGES
 from cplm_dist.errors import CheckpointError
 
 __all__ = [
-    "CARRIED_TOKENIZER", "COMPLETE", "FORMAT", "LATEST", "RESUMABLE_CHANGES", "CheckpointError", "Checkpointer", "Layout",
-    "Manifest", "ReshapeError", "carry_tokenizer", "check_config_change", "check_intact", "check_layout",
+    "CARRIED_TOKENIZER", "COMPLETE", "FORMAT", "LATEST", "RESUMABLE_CHANGES", "CheckpointError", "Checkpointer", "InitSource",
+    "Layout", "Manifest", "ReshapeError", "carry_tokenizer", "check_config_change", "check_intact", "check_layout",
     "check_out_dir", "check_reshape", "checkpoint_bytes", "checkpoint_files", "complete_tags", "damaged_files",
-    "deepspeed_safe_globals", "find_resume", "latest_tag", "layer_states_name", "layout_change", "load_checkpoint_config",
-    "load_model", "load_states", "model_states_file", "model_states_name", "newest_readable", "read_checkpoint",
+    "deepspeed_safe_globals", "find_resume", "init_source", "initialise_from", "latest_tag", "layer_states_name", "layout_change", "load_checkpoint_config",
+    "load_checkpoint_weights", "load_model", "load_states", "model_states_file", "model_states_name", "newest_readable", "read_checkpoint",
     "read_manifest", "resolve_checkpoint", "rng_state", "safe_load", "set_rng_state", "tag_for", "tokenizer_files",
     "upgrade", "use_safe_loading", "versions", "weights_only_torch_load", "write_manifest",
 ]

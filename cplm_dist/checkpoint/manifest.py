@@ -340,11 +340,26 @@ def check_config_change(manifest: Manifest, cfg: Config) -> None:
     """A resumed run may change only RESUMABLE_CHANGES; one line names any other difference."""
     saved, here = _flatten(manifest.config), _flatten(to_dict(cfg))
     changed = [k for k in sorted(saved) if k not in RESUMABLE_CHANGES and saved[k] != here.get(k)]
+    # a mapping set where the saved run had null (model.rope_scaling): its keys are new, their parent was None
+    parents = [k.rpartition(".")[0] for k in sorted(set(here) - set(saved))]
+    changed += [k for k in dict.fromkeys(parents) if k in saved and saved[k] is None and k not in RESUMABLE_CHANGES]
     if changed:
-        what = ", ".join(f"{k} {saved.get(k)!r} -> {here.get(k)!r}" for k in changed[:4]) + (" ..." if len(changed) > 4 else "")
+        what = ", ".join(f"{k} {_value(saved, k)!r} -> {_value(here, k)!r}" for k in changed[:4]) + (
+            " ..." if len(changed) > 4 else "")
+        longer = set(changed) & {"data.seq_length", "model.max_seq_len", "model.rope_theta", "model.rope_scaling",
+                                 "model.rope_scaling.type", "model.rope_scaling.factor"}
         raise CheckpointError(f"checkpoint {manifest.step_dir} was trained with another config ({what}): resume with "
-                              f"the saved values, or start a new out_dir; a resume may change only "
+                              f"the saved values, or start a new out_dir"
+                              + (f" (a context extension is a new run: model.init_from={manifest.step_dir})" if longer else "")
+                              + f"; a resume may change only "
                               f"{', '.join(RESUMABLE_CHANGES[:6])}, ... (cplm_dist.checkpoint.RESUMABLE_CHANGES)")
+
+
+def _value(flat: dict, key: str):
+    """A flattened tree's value at `key`: a leaf, or the mapping its dotted children make."""
+    if key in flat:
+        return flat[key]
+    return {k[len(key) + 1:]: v for k, v in flat.items() if k.startswith(key + ".")} or None
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict:

@@ -11,14 +11,14 @@ Every error is a `ConfigError`: one line naming the field, the value and what wo
 
 from cplm_dist.config.loading import CONFIG_DIR, apply_overrides, from_dict, load_config, parse_override, resolve_config_path
 from cplm_dist.config.tree import (RESUMABLE_CHANGES, BlendEntry, Config, CopyConfig, DataConfig, LossConfig, ModelConfig,
-                                   OptimConfig, ParallelConfig, TrainConfig, resumable, to_dict)
+                                   OptimConfig, ParallelConfig, RopeScaling, TrainConfig, resumable, to_dict)
 from cplm_dist.config.validation import (batch_layout, check_tp_divides, divisors, parse_split, validate, validate_data,
                                          validate_pipeline, validate_train)
 from cplm_dist.errors import ConfigError
 
 __all__ = [
     "CONFIG_DIR", "RESUMABLE_CHANGES", "BlendEntry", "Config", "ConfigError", "CopyConfig", "DataConfig", "LossConfig",
-    "ModelConfig", "OptimConfig", "ParallelConfig", "TrainConfig", "apply_overrides", "batch_layout", "check_tp_divides",
+    "ModelConfig", "OptimConfig", "ParallelConfig", "RopeScaling", "TrainConfig", "apply_overrides", "batch_layout", "check_tp_divides",
     "divisors", "from_dict", "load_config", "parse_override", "parse_split", "resolve_config_path", "resumable", "to_dict",
     "validate", "validate_data", "validate_pipeline", "validate_train",
 ]

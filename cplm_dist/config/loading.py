@@ -135,10 +135,12 @@ def load_config(path_or_name: str | Path | None = None, overrides: Sequence[str]
 
 def from_dict(data: Mapping, cls: type = Config, prefix: str = "") -> Any:
     """Build a dataclass tree from plain data, refusing unknown keys and wrongly typed values."""
-    if not isinstance(data, Mapping):
-        raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {data!r}")
     hints = typing.get_type_hints(cls)
     known = {f.name: f for f in dataclasses.fields(cls)}
+    if not isinstance(data, Mapping):
+        name = prefix.rstrip(".") or "config"
+        raise ConfigError(f"{name} must be a mapping, got {data!r}" + (
+            f": give its keys, e.g. {name}.{next(iter(known))}=..." if prefix else ""))
     kwargs = {}
     for key, value in data.items():
         if key not in known:
@@ -185,6 +187,8 @@ def _check_type(name: str, value: Any, hint: Any) -> Any:
         return [_check_type(f"{name}[{i}]", v, item) for i, v in enumerate(value)]
     if hint is Any:
         return value
+    if dataclasses.is_dataclass(hint):  # an optional mapping (model.rope_scaling)
+        return from_dict(value, hint, f"{name}.")
     if hint is bool:
         if not isinstance(value, bool):
             raise ConfigError(f"{name}={value!r} must be true or false")

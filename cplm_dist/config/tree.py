@@ -24,12 +24,24 @@ Schedule = Literal["cosine", "wsd", "constant"]
 Precision = Literal["fp32", "bf16"]
 GradAccumDtype = Literal["fp32", "bf16"]
 Arch = Literal["llama", "gpt2"]  # the backbones: cplm_dist.model.backbone's records
+RopeScalingType = Literal["linear", "ntk"]
 
 
 def resumable(default: Any = dataclasses.MISSING, *, default_factory: Any = dataclasses.MISSING) -> Any:
     """A field a resumed run may change (the run's length, batch sizes, intervals, schedule, the
     layout within the reshape rules, logging): listed in RESUMABLE_CHANGES."""
     return field(default=default, default_factory=default_factory, metadata={"resumable": True})
+
+
+@dataclass
+class RopeScaling:
+    """RoPE stretched for a longer context (docs/training.md, "Context extension"): `linear`
+    divides the positions by `factor` (position interpolation, transformers' rope_type linear);
+    `ntk` multiplies model.rope_theta by factor ** (d / (d - 2)) for head dim d (static
+    "NTK-aware" scaling: exactly a larger theta)."""
+
+    type: RopeScalingType
+    factor: float  # > 1: how many times longer a context the positions are stretched to
 
 
 @dataclass
@@ -48,8 +60,11 @@ class ModelConfig:
     vocab_size: int = 512
     max_seq_len: int = 2048
     tie_embeddings: bool = True
-    init_from: str | None = resumable(None)  # a local HF LlamaForCausalLM directory: a fresh run starts from its weights (cplm_dist.hf_llama)
+    # a fresh run starts from these weights (cplm_dist.checkpoint.init_from): one of our run, checkpoints/ or
+    # step-* directories (any tp; weights only), or a local HF LlamaForCausalLM directory (cplm_dist.hf_llama)
+    init_from: str | None = resumable(None)
     rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None  # null, or {type: linear | ntk, factor: F > 1} (context extension)
     norm_eps: float = 1e-5
     init_std: float = 0.02
     # Output projections (attention out, MLP down) start at init_std / sqrt(2 * num_layers).
@@ -109,6 +124,9 @@ class DataConfig:
     seed: int = 1234  # data order only, so matched runs can differ in init but not in data
     cache_dir: str | None = resumable(None)  # megatron's index cache; default: <first dataset's dir>/index-cache
     eod_mask_loss: bool = False  # do not train on predicting the token after an end-of-document
+    # packed documents do not see each other: position_ids restart after each end-of-document id, attention
+    # and the copy head's candidates stay inside a document (cplm_dist.model.documents; needs data made with eod)
+    document_mask: bool = False
     num_workers: int = resumable(2)  # DataLoader worker processes per rank
 
 

@@ -54,9 +54,7 @@ def validate(cfg: Config) -> None:
     validate_train(cfg)
     check_tp_divides(m, tp)
     validate_pipeline(cfg)
-    if m.init_from and not backbone(m).hf_llama:
-        raise ConfigError(f"model.init_from reads a HF Llama, which model.arch={m.arch} is not: drop model.init_from "
-                          f"or use model.arch={hf_llama_backbones()[0]}")
+    validate_rope_scaling(m)
     if cfg.parallel.sequence_parallel and tp > 1 and cfg.data.seq_length % tp:
         raise ConfigError(
             f"data.seq_length={cfg.data.seq_length} is not divisible by parallel.tp={tp}, which "
@@ -77,11 +75,27 @@ def validate_pipeline(cfg: Config) -> None:
                           "gradients across micro-batches itself, which ZeRO-2/3 would shard away; use train.zero_stage=1 "
                           "(it shards the optimizer states over dp)")
     if cfg.model.init_from:
-        raise ConfigError(f"model.init_from with parallel.pp={pp}: starting from a HF Llama is wired for pp=1 only; "
-                          "drop model.init_from or train at parallel.pp=1")
+        raise ConfigError(f"model.init_from with parallel.pp={pp}: starting from a HF Llama or a checkpoint is wired for "
+                          "pp=1 only; drop model.init_from or train at parallel.pp=1")
     if t.precision == "bf16" and t.zero_stage == 0:
         raise ConfigError(f"train.precision=bf16 with train.zero_stage=0 at parallel.pp={pp}: DeepSpeed's bf16 optimizer "
                           "would clip with a norm that misses later stages' replicated parameters; use train.zero_stage=1")
+
+
+def validate_rope_scaling(m: ModelConfig) -> None:
+    """model.rope_scaling: a rotary backbone, a factor > 1 (the type is checked as it loads)."""
+    r = m.rope_scaling
+    if r is None:
+        return
+    if backbone(m).positions != "rope":
+        raise ConfigError(f"model.rope_scaling is for rotary positions, which model.arch={m.arch} does not have (its "
+                          f"positions are a learned table): drop model.rope_scaling or use model.arch={hf_llama_backbones()[0]}")
+    if not r.factor > 1:
+        raise ConfigError(f"model.rope_scaling.factor={r.factor} must be > 1 (how many times longer the context gets; "
+                          "1 is no scaling: model.rope_scaling=null)")
+    if r.type == "ntk" and m.head_dim < 4:
+        raise ConfigError(f"model.rope_scaling.type=ntk needs a head dim of at least 4 (theta x factor^(d/(d-2))), "
+                          f"this model's is {m.head_dim}: use model.rope_scaling.type=linear")
 
 
 def check_tp_divides(m: ModelConfig, tp: int) -> None:

@@ -25,11 +25,18 @@ from .configuration_cplm import CPLMConfig
 NEG_INF = float("-inf")
 
 
-def _rope(x, theta):
-    """Rotate-half rotary embedding of x (B, H, T, d) at positions 0..T-1, in float32."""
+def _rope(x, theta, scaling=None):
+    """Rotate-half rotary embedding of x (B, H, T, d) at positions 0..T-1, in float32; `scaling`
+    {type, factor}: linear divides the positions by factor, ntk multiplies theta by
+    factor ** (d / (d - 2))."""
     d, T = x.shape[-1], x.shape[-2]
+    positions = torch.arange(T, device=x.device, dtype=torch.float32)
+    if scaling and scaling["type"] == "ntk":
+        theta = theta * scaling["factor"] ** (d / (d - 2))
+    elif scaling:
+        positions = positions / scaling["factor"]
     inv = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
-    ang = torch.outer(torch.arange(T, device=x.device, dtype=torch.float32), inv)
+    ang = torch.outer(positions, inv)
     ang = torch.cat([ang, ang], dim=-1)
     half = d // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
@@ -75,8 +82,10 @@ class CPLMForCausalLM(LlamaForCausalLM):
         q = self.copy_head.q(h).view(B, T, H, d).transpose(1, 2).float()
         k = self.copy_head.k(h).view(B, T, H, d).transpose(1, 2).float()
         if c.copy_rope:
-            theta = (getattr(c, "rope_parameters", None) or {}).get("rope_theta", getattr(c, "rope_theta", 10000.0))
-            q, k = _rope(q, theta), _rope(k, theta)
+            theta = getattr(c, "copy_rope_theta", None) or (getattr(c, "rope_parameters", None) or {}).get(
+                "rope_theta", getattr(c, "rope_theta", 10000.0))
+            scaling = getattr(c, "copy_rope_scaling", None)
+            q, k = _rope(q, theta, scaling), _rope(k, theta, scaling)
         shift = -1 if c.copy_paste == "next" else 0
         cand = torch.ones(T, T, dtype=torch.bool, device=h.device).tril(diagonal=shift)
         scores = (q @ k.transpose(-1, -2) / math.sqrt(d)).masked_fill(~cand, NEG_INF)  # (B, H, T, T)
