@@ -78,6 +78,21 @@ def attention_mask(docs: torch.Tensor, offset: int, rows: int):
     return block_causal_mask(docs, offset, rows)
 
 
+class MaskOfLastRow:
+    """The block-causal mask of the last position_ids seen, built once and handed to each later
+    caller with the same tensor: a pipeline stage's layers each receive the micro-batch's positions
+    and would otherwise build (on CUDA: create_block_mask over T x T) the same mask once a layer."""
+
+    def __init__(self):
+        self.positions, self.version, self.mask = None, None, None
+
+    def __call__(self, position_ids: torch.Tensor):
+        if position_ids is not self.positions or position_ids._version != self.version:  # another row, or changed in place
+            self.positions, self.version = position_ids, position_ids._version
+            self.mask = attention_mask(document_index(position_ids), 0, position_ids.shape[1])
+        return self.mask
+
+
 def flex_document_mask(docs: torch.Tensor, offset: int, rows: int):
     """FlexAttention BlockMask of the block-causal mask (queries offset.., keys 0..Tk-1)."""
     from torch.nn.attention.flex_attention import create_block_mask

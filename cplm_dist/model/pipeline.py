@@ -38,7 +38,7 @@ import torch
 from cplm_dist.config import Config
 from cplm_dist.megatron_compat import import_deepspeed
 from cplm_dist.model.block import TransformerLayer
-from cplm_dist.model.documents import attention_mask, document_index
+from cplm_dist.model.documents import MaskOfLastRow
 from cplm_dist.model.initialization import init_parameters
 from cplm_dist.model.parallelize import parallelize
 from cplm_dist.model.parts import Embedding, Head, PartSpec
@@ -64,6 +64,9 @@ def hand_weight_to_head(stage: EmbeddingStage, inputs):
     return (*inputs, stage.embedding.weight)
 
 
+STAGE_MASKS = MaskOfLastRow()
+
+
 class LayerStage(TransformerLayer):
     """Transformer layer `index`: (x, ids, labels) -> (x', ids, labels)."""
 
@@ -71,12 +74,13 @@ class LayerStage(TransformerLayer):
         super().__init__(spec)
         self.canonical_prefix = f"layers.{index}."
         self.model_cfg = spec.model
+        self.document_mask = STAGE_MASKS  # one mask a micro-batch for all of this process's layers
 
     def forward(self, inputs):
         x, ids, labels, *positions = inputs
         position_ids = positions[0] if positions else None
         cos, sin = layer_rope(self.model_cfg, ids.shape[1], device=x.device, position_ids=position_ids)
-        mask = None if position_ids is None else attention_mask(document_index(position_ids), 0, ids.shape[1])
+        mask = None if position_ids is None else self.document_mask(position_ids)
         return super().forward(x, cos, sin, None, mask), ids, labels, *positions
 
 
