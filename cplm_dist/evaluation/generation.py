@@ -54,13 +54,16 @@ def choose(logprobs: torch.Tensor, temperature: float, top_k: int, top_p: float,
 @torch.no_grad()
 def generate(model, prompt: torch.Tensor, max_new_tokens: int, *, temperature: float = 0.0, top_k: int = 0,
              top_p: float = 1.0, eos_id: int | None = None, seed: int = 0, mark_copies: bool = False,
-             generator: torch.Generator | None = None) -> Generation:
+             generator: torch.Generator | None = None, prefill_chunk: int | None = None) -> Generation:
     """generator: a CPU generator that goes on across calls (repeated sampled requests then differ);
-    default: a fresh one seeded with `seed`."""
+    default: a fresh one seeded with `seed`. prefill_chunk: feed a long prompt this many tokens at
+    a time into the cache (`prefill`), so that no chunk's activations are the whole prompt's."""
     gen = generator if generator is not None else torch.Generator().manual_seed(seed)
     cached = hasattr(model, "decode")
     state = model.new_decode_state() if cached else None
     ids, feed = prompt, prompt
+    if cached and prefill_chunk:
+        feed = prefill(model, prompt, state, prefill_chunk)
     tokens, copied = [], []
     done = torch.zeros(prompt.shape[0], dtype=torch.bool, device=prompt.device)
     for _ in range(max_new_tokens):
@@ -83,3 +86,16 @@ def generate(model, prompt: torch.Tensor, max_new_tokens: int, *, temperature: f
         if eos_id is not None and bool(done.all()):
             break
     return Generation(torch.stack(tokens, dim=1), torch.stack(copied, dim=1) if copied else None)
+
+
+@torch.no_grad()
+def prefill(model, prompt: torch.Tensor, state, chunk: int) -> torch.Tensor:
+    """Feed all but the last `chunk`-or-fewer tokens of `prompt` into the decode `state`, `chunk`
+    at a time, reading nothing (decode's last_only keeps a chunk at (B, 1, V)); returns the rest,
+    whose feed gives the first new token's distribution."""
+    if chunk < 1:
+        raise ValueError(f"prefill chunk must be >= 1, got {chunk}")
+    cut = ((prompt.shape[1] - 1) // chunk) * chunk
+    for t in range(0, cut, chunk):
+        model.decode(prompt[:, t:t + chunk], state, last_only=True)
+    return prompt[:, cut:]
