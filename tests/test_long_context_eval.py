@@ -125,3 +125,25 @@ def test_evaluate_by_length_refuses_what_cannot_run_in_one_line(trained, capsys)
         assert main([*checkpoint, *args]) == 2, args
         lines = capsys.readouterr().err.strip().splitlines()
         assert len(lines) == 1 and words in lines[0], (args, lines)
+
+
+def test_the_lm_eval_long_group_is_built_offline_from_the_same_generators():
+    """cplm_local_long: each task file names a generator of long_tasks.py, the group names every
+    task, and the rows are as long as asked (characters) with their answer after the question.
+    (Loading the group through lm_eval's TaskManager scans all of lm-eval's tasks, ~35 s: checked
+    by hand, docs/evaluation.md.)"""
+    import re
+
+    from cplm_dist.evaluation.harness_tasks import TASKS_DIR, long_tasks
+
+    group = (TASKS_DIR / "cplm_local_long.yaml").read_text()
+    names = re.findall(r"- (cplm_long_\w+)", group)
+    assert names == ["cplm_long_needle", "cplm_long_phonebook", "cplm_long_vartrack"]
+    for name in names:
+        spec = (TASKS_DIR / f"{name}.yaml").read_text()
+        fn = re.search(r"!function long_tasks\.(\w+)", spec).group(1)
+        data = getattr(long_tasks, fn)(n=2, lengths=[600, 3000])["test"]
+        assert len(data) == 4 and sorted(set(data["length"])) == [600, 3000]
+        for row in data:
+            assert row["length"] - 40 <= len(row["context"]) <= row["length"] and row["answer"]
+        assert [r["context"] for r in getattr(long_tasks, fn)(n=2, lengths=[600, 3000])["test"]] == data["context"]
