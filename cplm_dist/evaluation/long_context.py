@@ -31,7 +31,7 @@ from typing import Callable
 import torch
 
 from cplm_dist.evaluation.generation import device_of, generate
-from cplm_dist.evaluation.tasks import EvalContext, Sample, _name
+from cplm_dist.evaluation.tasks import EvalContext, Sample, _name, draw_pairs
 
 LONG_TASKS = ("needle", "phonebook", "mqar", "vartrack")
 TEXT_TASKS = ("needle", "phonebook", "vartrack")
@@ -187,9 +187,7 @@ def mqar_samples(ctx: EvalContext, hay: Haystack | None, length: int, n: int, se
     out = []
     for i in range(n):
         r = _rng(seed, "mqar", length, i)
-        pool = list(range(ctx.first_id, ctx.vocab_size))
-        r.shuffle(pool)
-        keys, values = pool[:pairs], [r.randrange(ctx.first_id, ctx.vocab_size) for _ in range(pairs)]
+        pool, keys, values = draw_pairs(r, ctx, pairs)
         if hay is not None:
             taken = set(keys)
             ids = [t for t in hay.window(2 * length, r) if t not in taken]

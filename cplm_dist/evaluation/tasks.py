@@ -61,6 +61,14 @@ def induction(ctx: EvalContext, setting: dict, n: int, seed: int) -> list[Sample
     return out
 
 
+def draw_pairs(r: random.Random, ctx: EvalContext, pairs: int) -> tuple[list[int], list[int], list[int]]:
+    """(the ids shuffled, `pairs` distinct keys: the pool's first, a random value for each): MQAR's
+    draw, here and at every context length (cplm_dist.evaluation.long_context)."""
+    pool = list(range(ctx.first_id, ctx.vocab_size))
+    r.shuffle(pool)
+    return pool, pool[:pairs], [r.randrange(ctx.first_id, ctx.vocab_size) for _ in range(pairs)]
+
+
 def mqar(ctx: EvalContext, setting: dict, n: int, seed: int) -> list[Sample]:
     pairs, length = setting["pairs"], setting["length"]
     if length < 4 * pairs:
@@ -68,9 +76,7 @@ def mqar(ctx: EvalContext, setting: dict, n: int, seed: int) -> list[Sample]:
     out = []
     for i in range(n):
         r = _rng(seed, "mqar", setting, i)
-        pool = list(range(ctx.first_id, ctx.vocab_size))
-        r.shuffle(pool)
-        keys, values = pool[:pairs], [r.randrange(ctx.first_id, ctx.vocab_size) for _ in range(pairs)]
+        pool, keys, values = draw_pairs(r, ctx, pairs)
         noise = pool[pairs:]  # never a key, so a query is unambiguous
         ids = [t for kv in zip(keys, values) for t in kv]
         region = length - 2 * pairs

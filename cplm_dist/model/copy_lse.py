@@ -188,6 +188,18 @@ def _compiled_flex_attention():
     return torch.compile(flex_attention, dynamic=False)
 
 
+def flex_attention_call(q, k, v, block_mask, compiled: bool, **kwargs):
+    """FlexAttention under `block_mask`: the kernel compiled once per process, or its unfused
+    eager reference (which announces itself on every call: silenced here). The copy LSE's and
+    document-masked attention's one way in."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    attend = _compiled_flex_attention() if compiled else flex_attention
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
+        return attend(q, k, v, block_mask=block_mask, **kwargs)
+
+
 @functools.lru_cache(maxsize=16)
 def candidate_block_mask(Tq: int, Tk: int, limit: int, device: torch.device):
     """(FlexAttention BlockMask of C_t for queries t = 0.. against keys j <= t + limit, its
@@ -211,15 +223,21 @@ def visible_blocks(full) -> tuple[torch.Tensor, torch.Tensor]:
     return num, order
 
 
-def document_block_mask(Tq: int, Tk: int, limit: int, offset: int, docs: torch.Tensor):
-    """candidate_block_mask's pair under document masking (per row of the batch, built per call:
-    the documents change every batch): C_t and doc_j == doc_t, t = offset + q_idx."""
+def document_candidates(Tq: int, Tk: int, limit: int, offset: int, docs: torch.Tensor):
+    """The BlockMask of keys j <= t + limit in t's document, for queries t = offset + q_idx (per
+    row of the batch, built per call: the documents change every batch). limit = offset + shift:
+    the copy head's C_t; limit = offset: document-masked attention (cplm_dist.model.documents)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     def candidates(b, h, q_idx, kv_idx):
         return (kv_idx <= q_idx + limit) & (docs[b, kv_idx] == docs[b, q_idx + offset])
 
-    full = create_block_mask(candidates, docs.shape[0], None, Tq, Tk, device=docs.device)
+    return create_block_mask(candidates, docs.shape[0], None, Tq, Tk, device=docs.device)
+
+
+def document_block_mask(Tq: int, Tk: int, limit: int, offset: int, docs: torch.Tensor):
+    """candidate_block_mask's pair under document masking: `document_candidates` and its visible blocks."""
+    full = document_candidates(Tq, Tk, limit, offset, docs)
     return full, visible_blocks(full)
 
 
@@ -238,11 +256,8 @@ def flex_copy_lse(q: torch.Tensor, k: torch.Tensor, src: torch.Tensor, labels: t
     """Per-head (A, M), as `chunked_copy_lse`'s arguments, from FlexAttention's LSE (module
     docstring); compiled: the fused kernel (default on CUDA) or FlexAttention's unfused eager
     reference (default elsewhere; forward only on CPU)."""
-    from torch.nn.attention.flex_attention import flex_attention
-
     if compiled is None:
         compiled = q.device.type == "cuda"
-    attend = _compiled_flex_attention() if compiled else flex_attention
     B, H, Tq, _ = q.shape
     limit = offset + shift
     blocks = (candidate_block_mask(Tq, k.shape[2], limit, q.device) if docs is None
@@ -251,9 +266,7 @@ def flex_copy_lse(q: torch.Tensor, k: torch.Tensor, src: torch.Tensor, labels: t
     values = q.new_zeros(B, H, k.shape[2], FLEX_VALUE_DIM)
 
     def lse(block_mask):
-        with warnings.catch_warnings():  # the unfused reference announces itself on every call
-            warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
-            return attend(q, k, values, block_mask=block_mask, **_lse_request())[1]
+        return flex_attention_call(q, k, values, block_mask, compiled, **_lse_request())[1]
 
     a = _lse_tensor(lse(full))
     if labels is None:

@@ -24,11 +24,10 @@ FlexAttention with a document mask_mod (its BlockMask skips the blocks between d
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from cplm_dist.errors import UsageError
+from cplm_dist.model.copy_lse import candidate_mask, document_candidates, flex_attention_call
 
 
 def check_positions(position_ids: torch.Tensor, input_ids: torch.Tensor, full_row: bool) -> None:
@@ -60,14 +59,9 @@ def continued_positions(last: torch.Tensor, length: int) -> torch.Tensor:
 
 def block_causal_mask(docs: torch.Tensor, offset: int, rows: int) -> torch.Tensor:
     """(B, 1, rows, Tk) bool for queries at positions offset.. against keys 0..Tk-1 whose document
-    indices are docs (B, Tk): True where the key is at or before the query in its document."""
-    causal = torch.ones(rows, docs.shape[1], dtype=torch.bool, device=docs.device).tril(diagonal=offset)
-    return (causal & same_document(docs, offset, rows)).unsqueeze(1)
-
-
-def same_document(docs: torch.Tensor, offset: int, rows: int) -> torch.Tensor:
-    """(B, rows, Tk) bool: key j and the query at position offset + i are in one document."""
-    return docs[:, offset : offset + rows, None] == docs[:, None, :]
+    indices are docs (B, Tk): True where the key is at or before the query in its document (the
+    copy head's candidate mask with no shift)."""
+    return candidate_mask(rows, docs.shape[1], offset, 0, docs.device, docs).unsqueeze(1)
 
 
 def attention_mask(docs: torch.Tensor, offset: int, rows: int):
@@ -94,32 +88,13 @@ class MaskOfLastRow:
 
 
 def flex_document_mask(docs: torch.Tensor, offset: int, rows: int):
-    """FlexAttention BlockMask of the block-causal mask (queries offset.., keys 0..Tk-1)."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    def document_causal(b, h, q_idx, kv_idx):
-        t = q_idx + offset
-        return (kv_idx <= t) & (docs[b, kv_idx] == docs[b, t])
-
-    return create_block_mask(document_causal, docs.shape[0], None, rows, docs.shape[1], device=docs.device)
-
-
-@functools.cache
-def _compiled_flex_attention():
-    from torch.nn.attention.flex_attention import flex_attention
-
-    return torch.compile(flex_attention, dynamic=False)
+    """FlexAttention BlockMask of the block-causal mask (queries offset.., keys 0..Tk-1): the copy
+    head's document candidates with no shift."""
+    return document_candidates(rows, docs.shape[1], offset, offset, docs)
 
 
 def flex_attend(q, k, v, block_mask, enable_gqa: bool, compiled: bool | None = None) -> torch.Tensor:
     """FlexAttention under a BlockMask: compiled (one fused kernel) on CUDA, the unfused eager
     reference elsewhere (forward only on CPU; what tests compare with SDPA)."""
-    import warnings
-
-    from torch.nn.attention.flex_attention import flex_attention
-
     compiled = q.device.type == "cuda" if compiled is None else compiled
-    attend = _compiled_flex_attention() if compiled else flex_attention
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
-        return attend(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
+    return flex_attention_call(q, k, v, block_mask, compiled, enable_gqa=enable_gqa)
