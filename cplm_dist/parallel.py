@@ -1,13 +1,16 @@
-"""Process groups: joins the job the launcher started and builds the TP x DP x PP groups.
+"""Process groups: joins the job the launcher started and builds the TP x CP x DP x PP groups.
 
     dims = init_distributed(tp_size=2, pp_size=2)   # torchrun, slurm, mpirun, DeepSpeed's launcher, or one process
+    dims = init_distributed(tp_size=2, cp_size=2)   # context parallelism (cplm_dist.model.context_parallel)
     dims.tp_group, dims.dp_group, dims.pp_group      # passed explicitly to everything below
+    dims.cp_group, dims.dp_cp_group                  # the cp ranks of one sequence; dp x cp (gradients, token counts)
 
 Where this process sits comes from cplm_dist.launch_env, the one reader of launcher variables.
 Groups come from `megatron.core.parallel_state`; the backend is gloo on CPU and nccl on GPU.
 Ranks are laid out Megatron's way, which is also DeepSpeed's pipeline topology (axes pipe, data,
-model): the tp ranks of one group are consecutive, then dp, and the pipeline stage varies slowest,
-rank = (pp_rank x dp + dp_rank) x tp + tp_rank.
+model): the tp ranks of one group are consecutive, then cp, then dp, and the pipeline stage varies
+slowest, rank = ((pp_rank x dp + dp_rank) x cp + cp_rank) x tp + tp_rank (megatron's order
+tp-cp-ep-dp-pp; cp > 1 with pp > 1 is refused at load, cplm_dist.config.validation).
 """
 
 from __future__ import annotations
@@ -43,6 +46,16 @@ class ParallelDims:
     pp_rank: int = 0
     pp_size: int = 1
     pp_group: dist.ProcessGroup | None = None
+    cp_rank: int = 0
+    cp_size: int = 1
+    cp_group: dist.ProcessGroup | None = None  # the ranks that share one sequence (None: cp = 1)
+    dp_cp_group: dist.ProcessGroup | None = None  # dp x cp: where gradients and token counts are summed (None: dp_group)
+
+    @property
+    def grad_group(self) -> dist.ProcessGroup:
+        """The ranks a gradient and a step's token counts are summed over: dp x cp (Megatron's
+        data-parallel group with context parallelism), dp alone at cp = 1."""
+        return self.dp_cp_group if self.dp_cp_group is not None else self.dp_group
 
     @property
     def is_first(self) -> bool:
@@ -85,7 +98,11 @@ def evaluation_tp(saved_tp: int | None = None, asked: int | None = None, world: 
     return tp
 
 
-def check_world(tp_size: int, world_size: int, pp_size: int = 1) -> None:
+def check_world(tp_size: int, world_size: int, pp_size: int = 1, cp_size: int = 1) -> None:
+    if cp_size > 1 and world_size % (tp_size * cp_size * pp_size):
+        raise ConfigError(f"parallel.tp={tp_size} x parallel.cp={cp_size} x parallel.pp={pp_size} = "
+                          f"{tp_size * cp_size * pp_size} does not divide WORLD_SIZE={world_size} (dp = world / (tp x cp x pp) "
+                          f"must be whole; tp x cp x pp must be one of {divisors(world_size)})")
     if world_size % (tp_size * pp_size):
         valid = divisors(world_size)
         if pp_size == 1:
@@ -95,10 +112,10 @@ def check_world(tp_size: int, world_size: int, pp_size: int = 1) -> None:
                           f"WORLD_SIZE={world_size} (dp = world / (tp x pp) must be whole; tp x pp must be one of {valid})")
 
 
-def init_distributed(tp_size: int = 1, *, pp_size: int = 1, backend: str | None = None,
+def init_distributed(tp_size: int = 1, *, pp_size: int = 1, cp_size: int = 1, backend: str | None = None,
                      timeout_minutes: float = 10, join_timeout_minutes: float = 5,
                      shared_dir: str | os.PathLike | None = None) -> ParallelDims:
-    """Join the job (once per process) and build the TP, DP and PP groups through parallel_state.
+    """Join the job (once per process) and build the TP, CP, DP and PP groups through parallel_state.
     Joining (every rank arriving, the hosts' addresses checked, `shared_dir` the same directory on
     every host) takes at most `join_timeout_minutes` (cplm_dist.hosts); each collective at most
     `timeout_minutes`."""
@@ -106,7 +123,7 @@ def init_distributed(tp_size: int = 1, *, pp_size: int = 1, backend: str | None 
     # queue per device to keep the order (Megatron's own launchers set this). Harmless on CPU.
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     env = LaunchEnv.from_environ()
-    check_world(tp_size, env.world_size, pp_size)
+    check_world(tp_size, env.world_size, pp_size, cp_size)
     if not dist.is_initialized():
         if backend is None:
             backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -128,15 +145,15 @@ def init_distributed(tp_size: int = 1, *, pp_size: int = 1, backend: str | None 
         os.environ.update(RANK=str(env.rank), WORLD_SIZE=str(env.world_size), LOCAL_RANK=str(env.local_rank),
                           MASTER_ADDR=host, MASTER_PORT=port)
     else:
-        check_world(tp_size, dist.get_world_size(), pp_size)
+        check_world(tp_size, dist.get_world_size(), pp_size, cp_size)
     if parallel_state.model_parallel_is_initialized():
-        if (parallel_state.get_tensor_model_parallel_world_size(),
-                parallel_state.get_pipeline_model_parallel_world_size()) != (tp_size, pp_size):
-            raise RuntimeError("parallel groups already built with another tp or pp size; call destroy_distributed first")
+        if (parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_pipeline_model_parallel_world_size(),
+                parallel_state.get_context_parallel_world_size()) != (tp_size, pp_size, cp_size):
+            raise RuntimeError("parallel groups already built with another tp, pp or cp size; call destroy_distributed first")
     else:
         parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=tp_size, pipeline_model_parallel_size=pp_size, create_gloo_process_groups=False,
-            distributed_timeout_minutes=timeout_minutes,
+            tensor_model_parallel_size=tp_size, pipeline_model_parallel_size=pp_size, context_parallel_size=cp_size,
+            create_gloo_process_groups=False, distributed_timeout_minutes=timeout_minutes,
         )
     return parallel_dims()
 
@@ -155,7 +172,18 @@ def parallel_dims() -> ParallelDims:
         pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
         pp_size=parallel_state.get_pipeline_model_parallel_world_size(),
         pp_group=parallel_state.get_pipeline_model_parallel_group(),
+        **context_dims(),
     )
+
+
+def context_dims() -> dict:
+    """ParallelDims' context-parallel fields from parallel_state (cp = 1: no cp groups)."""
+    cp = parallel_state.get_context_parallel_world_size()
+    if cp == 1:
+        return {}
+    return dict(cp_rank=parallel_state.get_context_parallel_rank(), cp_size=cp,
+                cp_group=parallel_state.get_context_parallel_group(),
+                dp_cp_group=parallel_state.get_data_parallel_group(with_context_parallel=True))
 
 
 def destroy_distributed() -> None:

@@ -132,13 +132,17 @@ class DataConfig:
 
 @dataclass
 class ParallelConfig:
-    tp: int = resumable(1)  # tensor-parallel size; dp = world_size / (tp x pp)
+    tp: int = resumable(1)  # tensor-parallel size; dp = world_size / (tp x cp x pp)
     # Megatron sequence parallelism (tp > 1): norms, residuals and the copy head's queries on
     # sequence shards between the tp regions (docs/parallelism.md); a no-op at tp = 1
     sequence_parallel: bool = resumable(False)
     # pipeline stages (DeepSpeed's 1F1B pipeline engine, docs/parallelism.md): the layers split by
     # parameters over pp stages; dp = world_size / (tp x pp); needs train.zero_stage <= 1
     pp: int = resumable(1)
+    # context parallelism (docs/parallelism.md): each sequence cut into 2 x cp chunks, cp rank r
+    # holding chunks r and 2cp-1-r; attention and the copy head all-gather keys over cp;
+    # dp = world_size / (tp x cp x pp); gradients summed over cp, averaged over dp
+    cp: int = resumable(1)
 
 
 @dataclass

@@ -27,7 +27,7 @@ def validate(cfg: Config) -> None:
         "model.ffn_hidden_size": m.ffn_hidden_size, "model.vocab_size": m.vocab_size,
         "model.max_seq_len": m.max_seq_len, "model.make_vocab_size_divisible_by": m.make_vocab_size_divisible_by,
         "copy.num_heads": c.num_heads, "copy.head_dim": c.head_dim, "copy.chunk_size": c.chunk_size,
-        "parallel.tp": tp, "parallel.pp": cfg.parallel.pp,
+        "parallel.tp": tp, "parallel.pp": cfg.parallel.pp, "parallel.cp": cfg.parallel.cp,
     }
     for name, value in positive.items():
         if value < 1:
@@ -54,6 +54,7 @@ def validate(cfg: Config) -> None:
     validate_train(cfg)
     check_tp_divides(m, tp)
     validate_pipeline(cfg)
+    validate_context_parallel(cfg)
     validate_rope_scaling(m)
     if cfg.parallel.sequence_parallel and tp > 1 and cfg.data.seq_length % tp:
         raise ConfigError(
@@ -80,6 +81,23 @@ def validate_pipeline(cfg: Config) -> None:
     if t.precision == "bf16" and t.zero_stage == 0:
         raise ConfigError(f"train.precision=bf16 with train.zero_stage=0 at parallel.pp={pp}: DeepSpeed's bf16 optimizer "
                           "would clip with a norm that misses later stages' replicated parameters; use train.zero_stage=1")
+
+
+def validate_context_parallel(cfg: Config) -> None:
+    """parallel.cp > 1: the sequence cuts into 2 x cp equal chunks (each rank's two, Megatron's
+    causal load balance), each of them whole under sequence parallelism too; no pipeline."""
+    cp, tp, T = cfg.parallel.cp, cfg.parallel.tp, cfg.data.seq_length
+    if cp == 1:
+        return
+    if cfg.parallel.pp > 1:
+        raise ConfigError(f"parallel.cp={cp} with parallel.pp={cfg.parallel.pp}: DeepSpeed's pipeline grid has pipe, data and "
+                          "model axes only, no context axis; use parallel.pp=1 with cp, or parallel.cp=1 with pp")
+    unit = 2 * cp * (tp if cfg.parallel.sequence_parallel and tp > 1 else 1)
+    if T % unit:
+        what = f"2 x cp x tp = {unit} (sequence parallelism splits each chunk over tp)" if unit > 2 * cp else f"2 x cp = {unit}"
+        near = [v for v in (T // unit * unit, T // unit * unit + unit) if v > 0]
+        raise ConfigError(f"data.seq_length={T} is not divisible by {what}, which parallel.cp={cp} needs (each cp rank "
+                          f"holds 2 of 2 x cp equal chunks): use data.seq_length={' or '.join(map(str, near))}, or another cp")
 
 
 def validate_rope_scaling(m: ModelConfig) -> None:

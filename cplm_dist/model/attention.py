@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from cplm_dist.config import ModelConfig
 from cplm_dist.megatron_compat import ModelParallelConfig, tensor_parallel
 from cplm_dist.model.backbone import backbone
+from cplm_dist.model.context_parallel import ContextAttention
 from cplm_dist.model.documents import flex_attend
 from cplm_dist.model.initialization import deferred_init
 from cplm_dist.model.rotary import apply_rope
@@ -62,6 +63,9 @@ class Attention(torch.nn.Module):
         v = qkv[:, :, :, self.group + 1].transpose(1, 2)  # (B, nkv, T, hd)
         if cos is not None:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if isinstance(mask, ContextAttention):
+            y = mask.attend(q, k, v, enable_gqa=self.group > 1)
+            return self._project(y, B, T)
         causal = mask is None
         if cache is not None:
             past = cache["k"].shape[2] if "k" in cache else 0
@@ -76,6 +80,10 @@ class Attention(torch.nn.Module):
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                                enable_gqa=self.group > 1)  # (B, nh, T, hd)
+        return self._project(y, B, T)
+
+    def _project(self, y: torch.Tensor, B: int, T: int) -> torch.Tensor:
+        """The heads' outputs y (B, nh, T, hd) through the output projection."""
         if self.sequence_parallel:  # (T, B, ..): the projection reduce-scatters along the sequence
             y = y.permute(2, 0, 1, 3).reshape(T, B, self.heads * self.head_dim)
         else:

@@ -38,6 +38,10 @@ floats; backward reduce-scatters their gradient), scores its own query rows agai
 and all-gathers the per-token results (A_t, M_t, gate: at most 3 floats a token; backward keeps
 its own rows, the loss being replicated over tp). The hidden states themselves never move. The
 head's weights then see this rank's positions only, so their gradients are summed over tp.
+
+Under context parallelism each cp rank holds two chunks of the sequence: its queries score the
+keys all-gathered over cp (the source ids from the gathered input ids), chunk by chunk, by the
+same paths with the chunk's offset (cplm_dist.model.context_parallel).
 """
 
 from __future__ import annotations
@@ -167,23 +171,44 @@ class CopyHead(torch.nn.Module):
     # --- training: per-token terms ----------------------------------------------------------------
 
     def forward(self, h: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tensor | None,
-                docs: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> CopyTerms:
+                docs: torch.Tensor | None = None, positions: torch.Tensor | None = None, context=None) -> CopyTerms:
         """h (B, T, D) final-norm states, input_ids (B, T), labels (B, T) global ids or -100;
         under document masking the document index `docs` and `positions` (B, T) of every position
         (cplm_dist.model.documents). Under sequence parallelism h is this rank's (T/tp, B, D)
         positions and the terms come back for all T positions, sequence-first (T, B), as the loss
-        takes them."""
+        takes them. Under context parallelism (`context`, a ContextInputs) input_ids, labels and
+        positions are this rank's chunks, docs the whole row's, and the keys are all-gathered
+        over cp (cplm_dist.model.context_parallel)."""
         sp, offset = self.sp_group is not None, 0
+        rows = h.shape[0] if sp else h.shape[1]
         if sp:
-            offset = self.sp_group.rank() * h.shape[0]
-            labels = None if labels is None else labels[:, offset : offset + h.shape[0]]
-            positions = None if positions is None else positions[:, offset : offset + h.shape[0]]
+            offset = self.sp_group.rank() * rows
+            labels = None if labels is None else labels[:, offset : offset + rows]
+            positions = None if positions is None else positions[:, offset : offset + rows]
         q, k = self._arrange(self.q(h), self.k(h), offset, sp, positions)  # (B, H, T or T/tp, d)
         if self.sp_group is not None:  # every key, from every rank: (B, H, T, d)
             k = gather_sequence(k.permute(2, 0, 1, 3), self.sp_group, sum_grad=True).permute(1, 2, 0, 3)
-        a_heads, m_heads = self.log_sum_exps(q, k, self.source_ids(input_ids), labels, offset, docs)  # (B, H, Tq) each
+        if context is None:
+            a_heads, m_heads = self.log_sum_exps(q, k, self.source_ids(input_ids), labels, offset, docs)  # (B, H, Tq) each
+        else:
+            a_heads, m_heads = self._context_log_sum_exps(q, k, labels, offset, input_ids.shape[1], context)
         terms = self._terms(a_heads, m_heads, h, q, seq_first=sp)
         return self._gather_terms(terms) if sp else terms
+
+    def _context_log_sum_exps(self, q, k, labels, offset: int, local_length: int, context):
+        """Context parallelism: the keys of every cp rank (all-gathered; backward returns each
+        key's gradient to its owner), and (A, M) of this rank's query rows offset.. of its
+        `local_length`, run by run of consecutive positions, each over the prefix it sees."""
+        k = context.shard.gather(k, dim=2)  # (B, H, T, d) in sequence order
+        src = self.source_ids(context.ids)
+        outs = []
+        for a, b, pos in context.shard.runs(offset, offset + q.shape[2], local_length):
+            keys = min(k.shape[2], pos + b - a)
+            rows = slice(a - offset, b - offset)
+            outs.append(self.log_sum_exps(q[:, :, rows], k[:, :, :keys], src[:, :keys],
+                                          None if labels is None else labels[:, rows], pos, context.docs))
+        a_heads = torch.cat([o[0] for o in outs], dim=2)
+        return a_heads, None if labels is None else torch.cat([o[1] for o in outs], dim=2)
 
     def lse_path(self, q: torch.Tensor, k: torch.Tensor) -> str:
         """Which of dense, chunked, flex computes (A, M) for these queries and keys (copy.impl).

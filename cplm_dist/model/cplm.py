@@ -20,6 +20,9 @@ Under sequence parallelism (docs/parallelism.md) the trunk runs in Megatron's se
     h (T/tp, B, D) -> LM head (all-gathers the sequence) -> logits (T, B, V/tp)
     h (T/tp, B, D) -> CopyHead (keys and per-token terms all-gathered) -> A_t, M_t, gate (T, B)
 and the loss, replicated over tp as without it, comes back as (B, T).
+Under context parallelism (parallel.cp, cplm_dist.model.context_parallel) input_ids and labels are
+this rank's two chunks of each row (B, T/cp): every layer all-gathers K and V over cp, the copy head
+its keys and the ids, and the loss comes back for this rank's tokens (B, T/cp).
 Copy on or off, the loss is the same function (copy off: no copy terms), so the matched baseline
 shares every line of loss code except the copy terms. The model never calls torch.distributed
 itself: collectives live in the megatron layers and in cplm_dist.vocab_parallel, on the tp group
@@ -40,6 +43,7 @@ from cplm_dist.config import Config, ModelConfig
 from cplm_dist.megatron_compat import parallel_state
 from cplm_dist.model.documents import attention_mask, check_positions, continued_positions, document_index
 from cplm_dist.model.block import TransformerLayer
+from cplm_dist.model.context_parallel import ContextInputs, ContextShard, context_inputs
 from cplm_dist.model.initialization import init_parameters
 from cplm_dist.model.parallelize import parallelize
 from cplm_dist.model.parts import Embedding, Head, PartSpec
@@ -85,10 +89,12 @@ class ModelParts(NamedTuple):
 
 
 class CPLM(torch.nn.Module):
-    def __init__(self, embed: Embedding, layers: list[TransformerLayer], head: Head, model_cfg: ModelConfig):
+    def __init__(self, embed: Embedding, layers: list[TransformerLayer], head: Head, model_cfg: ModelConfig,
+                 context: ContextShard | None = None):
         """The parts in a row; `build_model` builds them (the matched baseline without a copy head:
-        copy.enabled=false)."""
+        copy.enabled=false). `context`: this rank's place in its cp group (parallel.cp > 1)."""
         super().__init__()
+        self.context = context
         self.model_cfg, self.copy_cfg, self.loss_cfg, self.tp_group = model_cfg, head.copy_cfg, head.loss_cfg, head.tp_group
         self.tp_rank, self.tp_size = vocab_parallel.tp_rank_size(head.tp_group)
         self.vocab_size = model_cfg.vocab_size
@@ -111,22 +117,45 @@ class CPLM(torch.nn.Module):
         """Final-norm hidden states h (B, T, D), identical on every tp rank; with a decode
         `state`, of positions state.length.. (its caches are extended). Sequence parallel: this
         rank's positions, (T/tp, B, D). position_ids (B, T): document masking (module docstring
-        of cplm_dist.model.documents); None: one document a row, or continuing the state's."""
+        of cplm_dist.model.documents); None: one document a row, or continuing the state's.
+        Context parallel: input_ids are this rank's two chunks (cplm_dist.model.context_parallel)."""
+        if self.context is not None:
+            return self._trunk(input_ids, 0, *self._context_inputs(input_ids, position_ids, state)[1:3], None)
         T, offset = input_ids.shape[1], (state.length if state is not None else 0)
         if self.sequence_parallel and state is not None:
             raise RuntimeError("a sequence-parallel model trains only: load its checkpoint with "
                                "cplm_dist.checkpoint.load_model (built without it) to decode")
-        if self.sequence_parallel and T % self.tp_size:
-            raise ValueError(f"sequence length {T} is not divisible by tp={self.tp_size} (sequence parallelism)")
-        if offset + T > self.model_cfg.max_seq_len:
-            raise ValueError(f"sequence length {offset + T} exceeds model.max_seq_len={self.model_cfg.max_seq_len}")
+        self._check_length(T, offset + T)
         positions, docs = self._documents(input_ids, state, position_ids)
-        cos, sin = layer_rope(self.model_cfg, T, offset, device=input_ids.device, position_ids=positions)
         mask = None if docs is None else attention_mask(docs, offset, T)
+        return self._trunk(input_ids, offset, positions, mask, state)
+
+    def _check_length(self, local: int, total: int) -> None:
+        if self.sequence_parallel and local % self.tp_size:
+            raise ValueError(f"sequence length {local} is not divisible by tp={self.tp_size} (sequence parallelism)")
+        if total > self.model_cfg.max_seq_len:
+            raise ValueError(f"sequence length {total} exceeds model.max_seq_len={self.model_cfg.max_seq_len}")
+
+    def _trunk(self, input_ids: torch.Tensor, offset: int, positions: torch.Tensor | None, mask,
+               state: DecodeState | None) -> torch.Tensor:
+        """The embedding, the layers and the final norm over input_ids at positions offset.. (or
+        `positions`), every layer's attention under `mask`."""
+        cos, sin = layer_rope(self.model_cfg, input_ids.shape[1], offset, device=input_ids.device, position_ids=positions)
         x = self.parts.embed(input_ids, offset, positions)  # (B, T, D)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, state.layers[i] if state is not None else None, mask)
         return self.final_norm(x)
+
+    def _context_inputs(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None,
+                        state: DecodeState | None = None) -> ContextInputs:
+        """Context parallelism: this rank's global positions, every layer's ContextAttention and
+        what the copy head reads of the whole sequence."""
+        if state is not None:
+            raise RuntimeError("a context-parallel model trains only: load its checkpoint with "
+                               "cplm_dist.checkpoint.load_model (built without cp) to decode")
+        inputs = context_inputs(self.context, input_ids, position_ids)
+        self._check_length(input_ids.shape[1], inputs.ids.shape[1])
+        return inputs
 
     def _documents(self, input_ids: torch.Tensor, state: DecodeState | None, position_ids: torch.Tensor | None):
         """(positions (B, T) of input_ids, document indices (B, offset + T) of every position) under
@@ -163,8 +192,14 @@ class CPLM(torch.nn.Module):
         position_ids (B, T): positions restarting at 0 where a document starts (document masking:
         a token sees, and the copy head pastes from, earlier tokens of its own document only);
         None: one document a row."""
+        if labels is None and self.context is not None:
+            raise ValueError("a context-parallel forward needs its labels: the next id of a chunk's last token is another rank's")
         if labels is None:
             labels = torch.cat([input_ids[:, 1:], torch.full_like(input_ids[:, :1], vocab_parallel.IGNORE_INDEX)], 1)
+        if self.context is not None:
+            inputs = self._context_inputs(input_ids, position_ids)
+            h = self._trunk(input_ids, 0, inputs.positions, inputs.attention, None)
+            return self.parts.head.token_loss(h, input_ids, labels, self.tied, context=inputs)
         h = self.hidden_states(input_ids, None, position_ids)
         return self.parts.head.token_loss(h, input_ids, labels, self.tied, position_ids)
 
@@ -257,13 +292,18 @@ def place(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
 
 def build_model(cfg: Config, *, tp_group: dist.ProcessGroup | None = None, device=None, dtype=torch.float32,
                 activation_checkpointing: bool | None = None, compile_layers: bool | None = None,
-                sequence_parallel: bool | None = None) -> CPLM:
+                sequence_parallel: bool | None = None, cp_group: dist.ProcessGroup | None = None) -> CPLM:
     """The model for this rank from cfg.model, cfg.copy, cfg.loss and cfg.seed, its tp group taken
     from the initialised parallel state unless given: its parts built, initialised from the seed
     (the same weights at every tp), then activation checkpointing and compilation applied as
     cfg.train says unless given (cplm_dist.model.parallelize); sequence parallelism as
     cfg.parallel says unless given (training only: the same parameters, so a checkpoint evaluates
-    without it)."""
+    without it); its cp group (parallel.cp > 1) likewise from the parallel state unless given."""
+    if cp_group is None and cfg.parallel.cp > 1 and parallel_state.model_parallel_is_initialized():
+        cp_group = parallel_state.get_context_parallel_group()
+    context = ContextShard.of(cp_group)
+    if (context.size if context else 1) != cfg.parallel.cp:
+        raise ValueError(f"parallel.cp={cfg.parallel.cp} but the context-parallel group has {context.size if context else 1} ranks")
     if tp_group is None:
         if not parallel_state.model_parallel_is_initialized():
             raise RuntimeError("build_model needs the parallel groups: call cplm_dist.parallel.init_distributed first")
@@ -279,7 +319,7 @@ def build_model(cfg: Config, *, tp_group: dist.ProcessGroup | None = None, devic
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     spec = PartSpec.of(cfg, tp_group, device, dtype, sequence_parallel)
-    model = place(CPLM(Embedding(spec), [TransformerLayer(spec) for _ in range(m.num_layers)], Head(spec), m), device)
+    model = place(CPLM(Embedding(spec), [TransformerLayer(spec) for _ in range(m.num_layers)], Head(spec), m, context), device)
     init_parameters(model, m, cfg.copy, cfg.seed, model.tp_rank, model.tp_size)
     t = cfg.train
     return parallelize(model, device=device,

@@ -150,12 +150,17 @@ class Head(torch.nn.Module):
         return logits
 
     def token_loss(self, h: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tensor,
-                   tied: torch.Tensor | None = None, position_ids: torch.Tensor | None = None) -> vocab_parallel.TokenLoss:
+                   tied: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                   context=None) -> vocab_parallel.TokenLoss:
         """Per-token loss terms (B, T) of final-norm states h (sequence parallel: this rank's
         (T/tp, B, D) positions), input_ids and labels (B, T); position_ids (B, T) under document
-        masking (the copy head's candidates stay in their document: cplm_dist.model.documents)."""
+        masking (the copy head's candidates stay in their document: cplm_dist.model.documents).
+        Context parallel: `context` (cplm_dist.model.context_parallel.ContextInputs) and this
+        rank's chunks, (B, T/cp) each."""
         copy = None
-        if self.copy_head is not None:
+        if self.copy_head is not None and context is not None:
+            copy = self.copy_head(h, input_ids, labels, context.docs, context.positions, context)
+        elif self.copy_head is not None:
             docs = None if position_ids is None else document_index(position_ids)
             copy = self.copy_head(h, input_ids, labels, docs, position_ids)
         sp = self.sequence_parallel
