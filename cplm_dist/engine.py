@@ -37,7 +37,7 @@ from cplm_dist.parallel import ParallelDims
 
 class DeepSpeedMPU:
     """What DeepSpeed asks of an `mpu` (model-parallel unit), answered from our groups (PP = 1:
-    model parallel = tensor parallel)."""
+    model parallel = tensor parallel; context parallel = DeepSpeed's sequence parallel)."""
 
     def __init__(self, dims: ParallelDims):
         self.dims = dims
@@ -70,6 +70,28 @@ class DeepSpeedMPU:
     def get_pipeline_model_parallel_world_size(self):
         return 1
 
+    # Context parallelism answered through the hooks DeepSpeed's Ulysses sequence parallelism reads
+    # (deepspeed.utils.groups): gradients all-reduced over dp x cp and divided by dp x cp / cp = dp
+    # (summed over cp, averaged over dp), ZeRO partitioned over dp x cp, while the batch
+    # arithmetic counts dp alone (get_data_parallel_world_size). At cp = 1 they are dp's.
+    def get_sequence_parallel_world_size(self):
+        return self.dims.cp_size
+
+    def get_sequence_parallel_rank(self):
+        return self.dims.cp_rank
+
+    def get_sequence_parallel_group(self):
+        return self.dims.cp_group
+
+    def get_sequence_data_parallel_world_size(self):
+        return self.dims.dp_size * self.dims.cp_size
+
+    def get_sequence_data_parallel_rank(self):
+        return self.dims.dp_rank * self.dims.cp_size + self.dims.cp_rank
+
+    def get_sequence_data_parallel_group(self):
+        return self.dims.grad_group
+
 
 def deepspeed_config(cfg: Config, dims: ParallelDims, load_universal: bool = False) -> dict:
     t = cfg.train
@@ -89,6 +111,7 @@ def deepspeed_config(cfg: Config, dims: ParallelDims, load_universal: bool = Fal
             "reduce_bucket_size": t.reduce_bucket_size,
             "allgather_bucket_size": t.allgather_bucket_size,
             "stage3_prefetch_bucket_size": t.stage3_prefetch_bucket_size,
+            **zero3_context_reduction(cfg),
         },
         "bf16": {"enabled": t.precision == "bf16"},
         # fp32 accumulation is reduced over dp in fp32 too (DeepSpeed would cast it back to bf16 to reduce)
@@ -102,21 +125,43 @@ def deepspeed_config(cfg: Config, dims: ParallelDims, load_universal: bool = Fal
     }
 
 
+def zero3_context_reduction(cfg: Config) -> dict:
+    """ZeRO-3 under context parallelism reduces gradients by all-reduce into contiguous buckets:
+    its reduce-scatter path (DeepSpeed 0.19.8, stage3 __avg_scatter_grads) divides by the whole
+    dp x cp group, ignoring the sequence-parallel size that its all-reduce path divides back out,
+    which averages the cp ranks' partial gradients instead of summing them (measured: cp 2 at
+    ZeRO-3 left one rank's trajectory at step 2)."""
+    if cfg.parallel.cp == 1 or cfg.train.zero_stage != 3:
+        return {}
+    return {"reduce_scatter": False, "contiguous_gradients": True}
+
+
 def build_engine(model: torch.nn.Module, cfg: Config, dims: ParallelDims, load_universal: bool = False):
     """(engine, optimizer we built, scheduler) for the model; DeepSpeed's init joins our process
     group. `load_universal`: the engine will resume from a universal checkpoint (a reshape)."""
     deepspeed = import_deepspeed()
+    config = deepspeed_config(cfg, dims, load_universal)
     if cfg.model.tie_embeddings and cfg.train.zero_stage == 3:
         # ZeRO-3 gathers a parameter only around its own module's forward: the LM head reads the
         # embedding's weight, so it must be declared to that module.
         deepspeed.zero.register_external_parameter(model.lm_head, model.embedding.weight)
     optimizer = build_optimizer(model, cfg)
     scheduler = build_scheduler(optimizer, cfg)
+    if dims.cp_size > 1 and cfg.train.zero_stage == 3:
+        # ZeRO-3 would partition the parameters over mpu.get_data_parallel_group() (dp alone, the
+        # group the batch arithmetic counts: DeepSpeed 0.19.8 parameter_offload), so the cp ranks'
+        # partial gradients would never be summed (measured: cp 2 at ZeRO-3 left one rank's
+        # trajectory at step 2). Partitioned over dp x cp here, after the optimizer's groups are
+        # made from whole parameters, as the engine itself does at ZeRO-1/2; Init gets the config's
+        # ZeRO keys alone (it checks batch keys against a world of its own).
+        zero_keys = {k: config[k] for k in ("train_micro_batch_size_per_gpu", "zero_optimization", "bf16", "fp16")}
+        deepspeed.zero.Init(module=model, data_parallel_group=dims.grad_group, config_dict_or_path=zero_keys,
+                            mpu=DeepSpeedMPU(dims), dtype=next(model.parameters()).dtype)
     pipeline = dims.pp_size > 1
     if pipeline and cfg.train.zero_stage == 0:
         clip_before_step(optimizer, model, dims, cfg.optim.clip_grad)
     engine, _, _, _ = deepspeed.initialize(
-        model=model, optimizer=optimizer, lr_scheduler=scheduler, config=deepspeed_config(cfg, dims, load_universal),
+        model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config,
         mpu=None if pipeline else DeepSpeedMPU(dims), dist_init_required=False,  # a pipeline brings its own grid
     )
     use_safe_loading(engine)  # a resume never unpickles code from a received checkpoint

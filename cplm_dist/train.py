@@ -39,6 +39,7 @@ from cplm_dist.cli import config_parser, exit_on_usage_error, load_from_args
 from cplm_dist.config import Config, batch_layout
 from cplm_dist.data.gpt_data import build_datasets, check_data
 from cplm_dist.data.loader import ResumableLoader, model_inputs
+from cplm_dist.model.context_parallel import context_of
 from cplm_dist.heartbeat import Heartbeat
 from cplm_dist.launch_env import LaunchEnv
 from cplm_dist.model.copy_head import check_copy_impl
@@ -115,7 +116,7 @@ def lost_rank_message(e: Exception, stop: StopRequest, timeout_minutes: float) -
 @torch.no_grad()
 def evaluate(engine, dataset, cfg: Config, dims: ParallelDims, device) -> float:
     """Mean per-token loss over the first eval_batches micro-batches of the validation split."""
-    loader = ResumableLoader(dataset, cfg.train.micro_batch_size, dims.dp_rank, dims.dp_size)
+    loader = ResumableLoader(dataset, cfg.train.micro_batch_size, dims.dp_rank, dims.dp_size, context=context_of(dims))
     if dims.pp_size > 1:
         return evaluate_pipeline(engine, loader, cfg, dims, device)
     engine.eval()
@@ -123,7 +124,7 @@ def evaluate(engine, dataset, cfg: Config, dims: ParallelDims, device) -> float:
     for _, batch in zip(range(cfg.train.eval_batches), loader):
         out = engine(*model_inputs(batch, device))
         total += torch.stack([out.nll.double().sum(), (batch["labels"] != IGNORE_INDEX).sum().to(device).double()])
-    dist.all_reduce(total, group=dims.dp_group)
+    dist.all_reduce(total, group=dims.grad_group)  # context parallel: each cp rank's tokens are its own
     engine.train()
     return float(total[0] / total[1])
 
@@ -170,8 +171,9 @@ def run(argv, stop: StopRequest) -> int:
     # 2. everything the user can get wrong, checked before the first byte or connection ---------
     stop.enter("checking the launch, checkpoint and data")
     world = LaunchEnv.from_environ(mpi_rendezvous=False).world_size
-    check_world(cfg.parallel.tp, world, cfg.parallel.pp)
-    dp = world // (cfg.parallel.tp * cfg.parallel.pp)
+    p = cfg.parallel
+    check_world(p.tp, world, p.pp, p.cp)
+    dp = world // (p.tp * p.cp * p.pp)
     accumulation = batch_layout(cfg, dp)
     resume = find_resume(cfg, args.resume, cfg.parallel.tp, dp, args.reshape)
     if cfg.model.init_from and resume is None:  # one of our checkpoints or a HF Llama (cplm_dist.checkpoint.init_from)
@@ -183,7 +185,7 @@ def run(argv, stop: StopRequest) -> int:
 
     # 3. distributed: process group, TP x DP groups; from here on one teardown -------------------
     stop.enter("joining the process group")
-    dims = init_distributed(cfg.parallel.tp, pp_size=cfg.parallel.pp, timeout_minutes=t.collective_timeout_minutes,
+    dims = init_distributed(cfg.parallel.tp, pp_size=cfg.parallel.pp, cp_size=cfg.parallel.cp, timeout_minutes=t.collective_timeout_minutes,
                             join_timeout_minutes=t.join_timeout_minutes, shared_dir=t.out_dir)
     stop.heartbeat = Heartbeat.start(phase=stop.phase)
     try:
@@ -221,7 +223,7 @@ def train(cfg: Config, dims: ParallelDims, accumulation: int, resume: Manifest |
     stop.enter("indexing the data")
     data = build_datasets(cfg, samples, tokenizer)
     loader = ResumableLoader(data.train, t.micro_batch_size, dims.dp_rank, dims.dp_size,
-                             num_workers=cfg.data.num_workers, pin_memory=device.type == "cuda")
+                             num_workers=cfg.data.num_workers, pin_memory=device.type == "cuda", context=context_of(dims))
 
     # 7. resume: weights, optimizer, schedule (DeepSpeed) + step, data position, RNG (ours) -------
     step, skipped_total, skipped_in_a_row = 0, 0, 0
@@ -300,7 +302,8 @@ def banner(cfg: Config, dims: ParallelDims, accumulation: int, resume_tag: str |
     t = cfg.train
     return (f"cplm_dist: {cfg.model.name} {parameter_count(cfg)['total'] / 1e6:.1f}M parameters, "
             f"copy {cfg.copy.mix + '/' + cfg.copy.paste if cfg.copy.enabled else 'off'}, tp={dims.tp_size} "
-            + (f"pp={dims.pp_size} " if dims.pp_size > 1 else "") + f"dp={dims.dp_size} ZeRO-{t.zero_stage} {t.precision}, global batch {t.global_batch_size} = "
+            + (f"pp={dims.pp_size} " if dims.pp_size > 1 else "") + (f"cp={dims.cp_size} " if dims.cp_size > 1 else "")
+            + f"dp={dims.dp_size} ZeRO-{t.zero_stage} {t.precision}, global batch {t.global_batch_size} = "
             f"{t.micro_batch_size} x {accumulation} x {dims.dp_size}, "
             f"{t.global_batch_size * cfg.data.seq_length:,} tokens/step" + (f", resuming {resume_tag}" if resume_tag else "")
             + (f"\npipeline (balanced by parameters): {stage_summary(cfg, dims.pp_size)}" if dims.pp_size > 1 else ""))

@@ -6,6 +6,8 @@ profiler cannot time something training does not do; and how both build it.
 
 A step reads `accumulation` micro-batches. Each micro-batch's loss is its summed per-token loss
 over its trained tokens (labels != -100); DeepSpeed averages the micro-batches and the dp ranks.
+Under context parallelism a rank's loss is its own tokens' share of the sequence's mean (the
+token count summed over cp), and DeepSpeed sums the gradients over cp (cplm_dist.engine).
 The figures returned (loss, the LM head's own loss, the copy share) are averaged the same way over
 the dp group, so every rank gets the same numbers. `phases` (a dict) adds forward, backward and
 optimizer seconds to it, synchronising the device between them (the profiler's breakdown steps;
@@ -90,7 +92,7 @@ class TrainStep:
             labels = inputs[1]
             with _phase(phases, "forward", device):
                 out = engine(*inputs)
-                tokens = (labels != IGNORE_INDEX).sum()
+                tokens = self._tokens(labels)
                 loss = out.nll.sum() / tokens
                 if inject_nonfinite:
                     loss = loss * float("nan")
@@ -104,12 +106,20 @@ class TrainStep:
                 engine.step()
             sums += torch.stack([loss.detach().double(), (out.lm_nll.sum() / tokens).double(),
                                  (out.copy_share.sum() / tokens).double()])
-        dist.all_reduce(sums, group=self.dims.dp_group)
+        dist.all_reduce(sums, group=self.dims.grad_group)  # cp ranks hold parts of one mean: summed
         loss_v, lm_v, share_v = (sums / (self.accumulation * self.dims.dp_size)).tolist()
         if norm is None:
             norm = engine.get_global_grad_norm()
         skipped = self.optimizer.skipped_last or engine.skipped_steps > skipped_before
         return StepResult(loss_v, lm_v, share_v, float(norm) if norm is not None else float("nan"), lr, skipped, data_wait)
+
+    def _tokens(self, labels: torch.Tensor) -> torch.Tensor:
+        """The micro-batch's trained tokens, over the whole sequence: under context parallelism
+        summed over the cp ranks that share it (each rank's loss is its tokens' part of one mean)."""
+        tokens = (labels != IGNORE_INDEX).sum()
+        if self.dims.cp_size > 1:
+            dist.all_reduce(tokens, group=self.dims.cp_group)
+        return tokens
 
     def _pipeline_step(self, batches, inject_nonfinite: bool, phases: dict | None) -> StepResult:
         engine = self.engine

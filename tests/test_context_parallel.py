@@ -5,6 +5,8 @@ parallelism; the chunk arithmetic; training at cp 2 x dp 2 follows one rank at Z
 a stopped and resumed cp run equals the straight one; --reshape from cp 2 to cp 1; bad layouts get
 one line."""
 
+import json
+
 import pytest
 import torch
 
@@ -99,3 +101,112 @@ def test_chunks_balance_the_causal_work_and_gather_back_in_order():
     rank_order = torch.cat([s.take(x) for s in shards], dim=1)[0]
     assert rank_order.index_select(0, shards[0].global_order(T // cp)).tolist() == list(range(T))
     assert shards[1].runs(0, 4, 4) == [(0, 2, 2), (2, 4, 12)] and shards[1].runs(3, 4, 4) == [(3, 4, 13)]
+
+
+# --- training: cp 2 x dp 2 follows one rank; resume; reshape ------------------------------------
+
+CP_STEPS = 10
+
+
+def _cp_args(small_data, out, *extra):
+    """Global batch 4 of 64 tokens: one rank takes micro 4; dp 2 micro 2 each (cp ranks share a sample)."""
+    from tests.test_train import argv
+
+    return argv(small_data, out, f"train.train_steps={CP_STEPS}", "train.global_batch_size=4", "optim.clip_grad=1.0",
+                "train.save_interval=5", "train.eval_interval=10", *extra)
+
+
+@pytest.fixture(scope="module")
+def cp_training(small_data, tmp_path_factory):
+    """{name: out_dir}: one rank, and cp 2 x dp 2 at ZeRO-1 and ZeRO-3."""
+    from tests.test_train import train
+
+    root = tmp_path_factory.mktemp("cp_training")
+    runs = {"one": (1, ["train.micro_batch_size=4", "train.zero_stage=1"]),
+            "cp2-dp2-z1": (4, ["train.micro_batch_size=2", "train.zero_stage=1", "parallel.cp=2"]),
+            "cp2-dp2-z3": (4, ["train.micro_batch_size=2", "train.zero_stage=3", "parallel.cp=2"])}
+    for name, (world, extra) in runs.items():
+        assert train(world, _cp_args(small_data, root / name, *extra)) == [0] * world, name
+    return root
+
+
+def _assert_follows(got_dir, want_dir, tolerance, steps=range(1, CP_STEPS + 1)):
+    from tests.test_train import losses
+
+    got, want = losses(got_dir), losses(want_dir)
+    assert sorted(got) == list(steps), sorted(got)
+    for step in got:
+        assert abs(got[step] - want[step]) < tolerance, (step, got[step], want[step])
+
+
+@pytest.mark.parametrize("run", ["cp2-dp2-z1", "cp2-dp2-z3"])
+def test_cp2_dp2_training_follows_one_rank(cp_training, run):
+    from cplm_dist.run_log import read_metrics
+
+    _assert_follows(cp_training / run, cp_training / "one", 1e-4)
+    valid = [read_metrics(cp_training / d / "logs" / "metrics.jsonl", "valid")[CP_STEPS]["loss"] for d in (run, "one")]
+    assert abs(valid[0] - valid[1]) < 1e-4, valid
+    manifest = json.loads((cp_training / run / "checkpoints" / "step-00000010" / "complete.json").read_text())
+    assert manifest["layout"]["cp"] == 2 and manifest["layout"]["dp"] == 2
+
+
+def test_a_stopped_and_resumed_cp_run_equals_the_straight_one(small_data, cp_training, tmp_path):
+    """cp 2 x dp 2 resumed from the straight run's step 5 (a new out_dir) repeats steps 6-10 exactly."""
+    from tests.test_train import losses, train
+
+    source = cp_training / "cp2-dp2-z1" / "checkpoints" / "step-00000005"
+    out = tmp_path / "resumed"
+    args = _cp_args(small_data, out, "train.micro_batch_size=2", "train.zero_stage=1", "parallel.cp=2")
+    assert train(4, args + ["--resume", str(source)]) == [0] * 4
+    got, want = losses(out), losses(cp_training / "cp2-dp2-z1")
+    assert sorted(got) == list(range(6, CP_STEPS + 1))
+    for step in got:
+        assert abs(got[step] - want[step]) <= 1e-6, (step, got[step], want[step])
+
+
+def test_reshape_from_cp2_to_cp1_follows_one_rank(small_data, cp_training, tmp_path):
+    from tests.test_train import losses, train
+
+    source = cp_training / "cp2-dp2-z1" / "checkpoints" / "step-00000005"
+    out = tmp_path / "cp1"
+    args = _cp_args(small_data, out, "train.micro_batch_size=2", "train.zero_stage=1")
+    assert train(2, args + ["--resume", str(source), "--reshape"]) == [0, 0]
+    got, want = losses(out), losses(cp_training / "one")
+    assert sorted(got) == list(range(6, CP_STEPS + 1))
+    for step in got:
+        assert abs(got[step] - want[step]) < 1e-4, (step, got[step], want[step])
+
+
+def test_bad_cp_layouts_get_one_line(small_data, cp_training, tmp_path):
+    from cplm_dist.checkpoint.manifest import check_layout, read_manifest
+    from cplm_dist.errors import CheckpointError, ConfigError
+    from cplm_dist.parallel import check_world
+    from tests.test_train import argv, run_cli
+
+    refusals = {
+        ("parallel.cp=2", "parallel.pp=2"): "parallel.cp=2 with parallel.pp=2: DeepSpeed's pipeline grid has pipe, data and "
+                                            "model axes only, no context axis; use parallel.pp=1 with cp, or parallel.cp=1 with pp",
+        ("parallel.cp=4", "data.seq_length=20"): "data.seq_length=20 is not divisible by 2 x cp = 8, which parallel.cp=4 needs "
+                                                 "(each cp rank holds 2 of 2 x cp equal chunks): use data.seq_length=16 or 24, or another cp",
+        ("parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true", "data.seq_length=20"):
+            "data.seq_length=20 is not divisible by 2 x cp x tp = 8 (sequence parallelism splits each chunk over tp), which "
+            "parallel.cp=2 needs (each cp rank holds 2 of 2 x cp equal chunks): use data.seq_length=16 or 24, or another cp",
+        ("parallel.cp=0",): "parallel.cp=0 must be a positive integer",
+    }
+    for overrides, message in refusals.items():
+        with pytest.raises(ConfigError) as e:
+            load_config("tiny", list(overrides))
+        assert str(e.value) == message
+    with pytest.raises(ConfigError, match=r"parallel.tp=1 x parallel.cp=4 x parallel.pp=1 = 4 does not divide WORLD_SIZE=6"):
+        check_world(1, 6, 1, 4)
+    cfg = load_config("tiny", ["train.zero_stage=1"])
+    with pytest.raises(CheckpointError, match=r"saved with another layout \(cp 2 -> 1, dp 2 -> 2|cp 2 -> 1"):
+        check_layout(read_manifest(cp_training / "cp2-dp2-z1" / "checkpoints" / "step-00000005"), cfg, 1, 2)
+    fresh = tmp_path / "fresh"
+    proc = run_cli(argv(small_data, fresh, "parallel.cp=2"), {"RANK": "0", "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1",
+                                                             "MASTER_PORT": "1"})
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "error: parallel.tp=1 x parallel.cp=2 x parallel.pp=1 = 2 does not divide WORLD_SIZE=3 (dp = world / (tp x cp x pp) "
+        "must be whole; tp x cp x pp must be one of [1, 3])")
+    assert not fresh.exists()

@@ -111,7 +111,7 @@ def load_model(path: str | Path, device=None, dtype=torch.float32):
         check_tp_divides(cfg.model, tp)
     except ConfigError as e:
         raise CheckpointError(f"{path} (saved at tp={manifest.layout.tp}) cannot be loaded with {tp} ranks: {e}") from None
-    cfg.parallel.tp = tp
+    cfg.parallel.tp, cfg.parallel.cp = tp, 1  # a cp run's weights are whole on every cp rank: evaluated without cp
     model = build_model(cfg, device=device, dtype=dtype, activation_checkpointing=False, compile_layers=False,
                         sequence_parallel=False)
     shards = _saved_shards(manifest, cfg)

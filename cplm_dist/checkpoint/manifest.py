@@ -8,7 +8,7 @@ complete.json, format 2 (`Manifest`), is what a reader needs without unpickling 
 
     format            2
     step, time        the step it holds, when it was written
-    layout            {tp, pp, dp, zero_stage}
+    layout            {tp, pp, dp, zero_stage[, cp]}  (cp: context parallelism; absent = 1)
     cwd               the directory training ran in (relative data paths resolve from it)
     consumed_samples  the loader position (all ranks' samples), and consumed_tokens
     config            the resolved config
@@ -126,13 +126,18 @@ class Layout:
     pp: int
     dp: int
     zero_stage: int
+    cp: int = 1  # an optional field of format 2: a checkpoint saved without it is cp 1
 
     @classmethod
     def of(cls, cfg: Config, tp: int, dp: int) -> "Layout":
-        return cls(tp=tp, pp=cfg.parallel.pp, dp=dp, zero_stage=cfg.train.zero_stage)
+        return cls(tp=tp, pp=cfg.parallel.pp, dp=dp, zero_stage=cfg.train.zero_stage, cp=cfg.parallel.cp)
+
+    def as_json(self) -> dict:
+        """The manifest's layout: cp only where it is > 1 (what earlier readers know stays as it was)."""
+        return {k: v for k, v in asdict(self).items() if k != "cp" or v > 1}
 
     def __str__(self) -> str:
-        return f"tp={self.tp} pp={self.pp} dp={self.dp} ZeRO-{self.zero_stage}"
+        return f"tp={self.tp} pp={self.pp}" + (f" cp={self.cp}" if self.cp > 1 else "") + f" dp={self.dp} ZeRO-{self.zero_stage}"
 
 
 @dataclass(frozen=True)
@@ -160,7 +165,7 @@ class Manifest:
         return self.step_dir.name
 
     def to_json(self) -> dict:
-        return {"format": FORMAT, "step": self.step, "time": self.time, "layout": asdict(self.layout), "cwd": self.cwd,
+        return {"format": FORMAT, "step": self.step, "time": self.time, "layout": self.layout.as_json(), "cwd": self.cwd,
                 "consumed_samples": self.consumed_samples, "consumed_tokens": self.consumed_tokens, "config": self.config,
                 "versions": self.versions, "files": self.files, "tokenizer_files": list(self.tokenizer_files)}
 
@@ -170,9 +175,10 @@ class Manifest:
 
     def layout_change(self, cfg: Config, tp: int, dp: int) -> dict:
         """{field: (saved, now)} of the layout fields that differ in a way the saved files cannot
-        be read in place (ZeRO shards by dp, so dp counts only under ZeRO > 0)."""
+        be read in place (ZeRO shards by dp x cp, so dp counts only under ZeRO > 0; cp always, as
+        the checkpoint records which ranks held which part of each sequence)."""
         saved, here = self.layout, Layout.of(cfg, tp, dp)
-        must_match = ["tp", "pp", "zero_stage"] + (["dp"] if here.zero_stage > 0 or saved.zero_stage > 0 else [])
+        must_match = ["tp", "pp", "cp", "zero_stage"] + (["dp"] if here.zero_stage > 0 or saved.zero_stage > 0 else [])
         return {k: (getattr(saved, k), getattr(here, k)) for k in must_match if getattr(saved, k) != getattr(here, k)}
 
 
@@ -192,7 +198,7 @@ def _typed(data: dict, fmt: int, step_dir: Path, path: Path) -> Manifest:
     try:
         data = upgrade(data) if fmt == 1 else data
         lay = data["layout"]
-        layout = Layout(**{k: int(lay[k]) for k in ("tp", "pp", "dp", "zero_stage")})
+        layout = Layout(**{k: int(lay[k]) for k in ("tp", "pp", "dp", "zero_stage")}, cp=int(lay.get("cp", 1)))
         if not isinstance(data["config"], dict) or not isinstance(data["files"], dict):
             raise TypeError("config and files must be mappings")
         return Manifest(step_dir=step_dir, step=int(data["step"]), layout=layout, config=data["config"],

@@ -4,7 +4,8 @@ The dataset (megatron's GPTDataset / BlendedDataset) is already shuffled by the 
 sample i is the same on every rank and in every run. Step k of the run reads the samples
 [c, c + micro * dp) where c is the number consumed so far; data-parallel rank r takes the r-th
 block of `micro` of them (Megatron's pretraining sampler). Every tp rank of one dp rank reads the
-same samples. The state a checkpoint stores is that one number, so a resumed run continues with
+same samples, and so does every cp rank, keeping its two chunks of each row (parallel.cp:
+cplm_dist.model.context_parallel, Megatron's get_batch_on_this_cp_rank). The state a checkpoint stores is that one number, so a resumed run continues with
 exactly the next samples: none repeated, none skipped, whatever the prefetching was.
 """
 
@@ -67,8 +68,10 @@ class ResumableLoader:
     """Iterates micro-batches for this dp rank; `state_dict()` / `load_state_dict()` resume it."""
 
     def __init__(self, dataset: Dataset, micro_batch_size: int, dp_rank: int = 0, dp_size: int = 1,
-                 num_workers: int = 0, consumed_samples: int = 0, pin_memory: bool = False):
+                 num_workers: int = 0, consumed_samples: int = 0, pin_memory: bool = False, context=None):
+        """context: this rank's ContextShard under parallel.cp > 1 (it keeps its two chunks of each row)."""
         self.dataset, self.micro, self.dp_rank, self.dp_size = dataset, micro_batch_size, dp_rank, dp_size
+        self.context = context
         self.num_workers, self.pin_memory = num_workers, pin_memory
         self.consumed_samples = consumed_samples
         self._iter = None
@@ -93,6 +96,8 @@ class ResumableLoader:
             self._iter = iter(loader)
         batch = next(self._iter)
         self.consumed_samples += self.samples_per_step
+        if self.context is not None:
+            batch = {k: self.context.take(v) for k, v in batch.items()}
         return batch
 
     def skip(self, micro_batches: int) -> None:

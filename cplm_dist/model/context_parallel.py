@@ -112,6 +112,11 @@ class ContextShard:
         return full.index_select(0, self.global_order(x.shape[1], x.device)).t().contiguous()
 
 
+def context_of(dims) -> ContextShard | None:
+    """This rank's ContextShard from its ParallelDims (None at cp = 1)."""
+    return ContextShard(dims.cp_rank, dims.cp_size, dims.cp_group) if dims.cp_size > 1 else None
+
+
 def chunk_mask(docs: torch.Tensor | None, offset: int, rows: int, device: torch.device):
     """The mask of `rows` queries at positions offset.. against keys 0..offset + rows - 1:
     causal with the offset (document masking: block-causal over `docs` (B, >= offset + rows)),
