@@ -1,0 +1,188 @@
+"""Context parallelism measured: one training forward and backward of a long sequence at cp = 1, 2,
+4 (each cp a fresh job of cp ranks on this machine): peak memory per rank above the built model,
+tokens/s, and the bytes a rank receives over cp a step, traced (counted in the collectives
+cplm_dist.model.context_parallel makes) against modelled (the formula below), with the copy head's
+part apart. A benchmark: figures go to the console (and --json), never into a test.
+
+    python tools/bench_context_parallel.py                            # tiny, T = 4096 8192 16384, cp 1 2 4, CPU
+    python tools/bench_context_parallel.py --seq-lens 16384 --cps 1 2 --copy-impl chunked
+
+Modelled bytes a rank receives a step (B sequences of T tokens, L layers, n_kv x d_h K and V,
+H_c x d_c copy keys, (cp-1)/cp of each all-gathered tensor comes from the other ranks; backward's
+reduce-scatter of the K, V and copy-key gradients moves as much again):
+    attention  2 (K, V) x L x B T n_kv d_h x act bytes x 2 (fwd + bwd) x (cp-1)/cp
+    copy head  B T H_c d_c x 4 x 2 x (cp-1)/cp  +  B T x 8 (the ids) x (cp-1)/cp
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+from cplm_dist.cli import exit_on_usage_error
+from cplm_dist.errors import UsageError
+
+
+def modelled_bytes(cfg, batch: int, T: int, cp: int, act: int) -> dict:
+    """{"attention", "copy"}: the bytes one rank receives over cp in a step (module docstring),
+    K and V of `act` bytes an element (4 in fp32, 2 in bf16)."""
+    if cp == 1:
+        return {"attention": 0, "copy": 0}
+    share, m, c = (cp - 1) / cp, cfg.model, cfg.copy
+    attention = 2 * m.num_layers * batch * T * m.num_kv_heads * m.head_dim * act * 2 * share
+    copy = (batch * T * c.num_heads * c.head_dim * 4 * 2 * share + batch * T * 8 * share) if c.enabled else 0
+    return {"attention": int(attention), "copy": int(copy)}
+
+
+class CountedGathers:
+    """Counts the bytes this rank receives in the cp collectives: each all-gather's output less
+    its own rows, and (a hook on that output) the gradient's reduce-scatter in backward; the copy
+    head's key gather and the ids are filed under "copy"."""
+
+    def __init__(self):
+        self.bytes = {"attention": 0, "copy": 0}
+        self.kind = "attention"
+
+    def install(self):
+        from cplm_dist.model import context_parallel as cpm
+
+        counts, plain_gather, plain_ids = self, cpm.ContextShard.gather, cpm.ContextShard.gather_ids
+
+        def gather(shard, x, dim, sum_grad=True):
+            full = plain_gather(shard, x, dim, sum_grad)
+            kind, moved = counts.kind, full.numel() * full.element_size() * (shard.size - 1) // shard.size
+            counts.bytes[kind] += moved
+            if full.requires_grad:
+                full.register_hook(lambda g: counts.bytes.__setitem__(kind, counts.bytes[kind] + moved))
+            return full
+
+        def gather_ids(shard, x):
+            full = plain_ids(shard, x)
+            counts.bytes["copy"] += full.numel() * full.element_size() * (shard.size - 1) // shard.size
+            return full
+
+        cpm.ContextShard.gather, cpm.ContextShard.gather_ids = gather, gather_ids
+        from cplm_dist.model.copy_head import CopyHead
+
+        plain_context = CopyHead._context_log_sum_exps
+
+        def copy_keys(head, *args):
+            counts.kind = "copy"
+            try:
+                return plain_context(head, *args)
+            finally:
+                counts.kind = "attention"
+
+        CopyHead._context_log_sum_exps = copy_keys
+
+
+def rank_main(args) -> dict:
+    import torch.distributed as dist
+
+    from cplm_dist.config import load_config
+    from cplm_dist.model import build_model
+    from cplm_dist.model.context_parallel import ContextShard
+    from cplm_dist.parallel import init_distributed
+    from cplm_dist.profiling.measure import PeakMeter, current_memory_bytes, release_freed_memory_on_cpu
+
+    dims = init_distributed(1, cp_size=args.cp)
+    T = args.seq_len
+    cfg = load_config(args.config, [f"model.max_seq_len={T}", f"data.seq_length={T}", f"parallel.cp={args.cp}",
+                                    f"copy.impl={args.copy_impl}", "seed=0"])
+    counts = CountedGathers()
+    counts.install()
+    model = build_model(cfg, device=torch.device("cpu"), activation_checkpointing=False, compile_layers=False)
+    g = torch.Generator().manual_seed(0)
+    span = torch.randint(3, cfg.model.vocab_size, (args.batch, T // 2), generator=g)
+    ids = torch.cat([span, span], dim=1)
+    labels = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], 1)
+    shard = ContextShard.of(dims.cp_group) if args.cp > 1 else None
+    mine = (lambda t: shard.take(t)) if shard else (lambda t: t)  # noqa: E731
+    model(mine(ids), mine(labels)).nll.sum().backward()  # warm-up: first-call costs out of the figures
+    model.zero_grad(set_to_none=True)
+    counts.bytes = {"attention": 0, "copy": 0}
+    release_freed_memory_on_cpu()
+    base = current_memory_bytes(torch.device("cpu"))
+    dist.barrier()
+    with PeakMeter(torch.device("cpu")) as meter:
+        start = time.perf_counter()
+        out = model(mine(ids), mine(labels))
+        out.nll.sum().backward()
+        dist.barrier()
+        seconds = time.perf_counter() - start
+    nll = out.nll.detach().double().sum()
+    if args.cp > 1:
+        dist.all_reduce(nll, group=dims.cp_group)
+    return {"cp": args.cp, "rank": dims.rank, "seq_len": T, "peak_gb": (meter.peak - base) / 1e9, "seconds": seconds,
+            "tokens_per_s": args.batch * T / seconds, "traced": counts.bytes, "modelled": modelled_bytes(cfg, args.batch, T, args.cp, act=4),
+            "nll_sum": float(nll)}
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", default="tiny")
+    p.add_argument("--seq-lens", type=int, nargs="+", default=[4096, 8192, 16384])
+    p.add_argument("--cps", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--copy-impl", default="chunked", choices=["dense", "chunked", "auto"])
+    p.add_argument("--json", help="write every rank's figures here")
+    p.add_argument("--port", type=int, default=29541)
+    p.add_argument("--cp", type=int, help=argparse.SUPPRESS)  # a rank of one job, in a child
+    p.add_argument("--seq-len", type=int, help=argparse.SUPPRESS)
+    return p
+
+
+def run_job(args, cp: int, T: int) -> list[dict]:
+    own = [a for a in sys.argv[1:]]
+    procs = []
+    for rank in range(cp):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(cp), "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(args.port), "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // cp))}
+        procs.append(subprocess.Popen([sys.executable, __file__, *own, "--cp", str(cp), "--seq-len", str(T)], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    rows = []
+    for p in procs:
+        out, err = p.communicate(timeout=3600)
+        if p.returncode != 0:
+            raise RuntimeError(f"cp={cp} T={T} failed: {err.strip()[-800:]}")
+        rows.append(json.loads(out.strip().splitlines()[-1]))
+    return rows
+
+
+@exit_on_usage_error
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    if args.cp:
+        print(json.dumps(rank_main(args)))
+        return 0
+    bad = [T for T in args.seq_lens for cp in args.cps if T % (2 * cp)]
+    if bad or min(args.cps) < 1:
+        raise UsageError(f"every --seq-lens value must be divisible by 2 x cp for every --cps value (not {bad[:3]})")
+    rows = []
+    print(f"{args.config}, batch {args.batch}, copy.impl={args.copy_impl}, one forward + backward, CPU")
+    print("| T | cp | peak GB / rank (max) | tokens/s | cp MB / rank traced: attention + copy | modelled | copy head's share | nll sum |")
+    print("|---|---|---|---|---|---|---|---|")
+    for T in args.seq_lens:
+        for cp in args.cps:
+            job = run_job(args, cp, T)
+            rows += job
+            r0 = job[0]
+            tr, mo = r0["traced"], r0["modelled"]
+            total = tr["attention"] + tr["copy"]
+            print(f"| {T} | {cp} | {max(r['peak_gb'] for r in job):.3f} | {min(r['tokens_per_s'] for r in job):,.0f} | "
+                  f"{tr['attention'] / 1e6:.1f} + {tr['copy'] / 1e6:.1f} | {mo['attention'] / 1e6:.1f} + {mo['copy'] / 1e6:.1f} | "
+                  f"{(tr['copy'] / total if total else 0):.1%} | {r0['nll_sum']:.3f} |", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
