@@ -138,6 +138,17 @@ class ContextAttention:
         self.shard = shard
         self.runs = shard.runs(0, local_length, local_length)
         self.masks = [chunk_mask(docs, pos, b - a, device) for a, b, pos in self.runs]
+        self._float: dict = {}
+
+    def _additive(self, i: int, dtype: torch.dtype) -> torch.Tensor:
+        """Run i's boolean mask as the additive one SDPA converts it to, made once a forward and
+        dtype and shared by every layer (each layer's SDPA would otherwise keep a converted copy
+        for its backward: c x (offset + c) floats a layer)."""
+        key = (i, dtype)
+        if key not in self._float:
+            mask = self.masks[i]
+            self._float[key] = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+        return self._float[key]
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enable_gqa: bool) -> torch.Tensor:
         """q (B, nh, T/cp, d) of this rank's positions, k and v (B, nkv, T/cp, d) -> (B, nh, T/cp, d)."""
@@ -145,11 +156,12 @@ class ContextAttention:
 
         k, v = self.shard.gather(k, dim=2), self.shard.gather(v, dim=2)
         outs = []
-        for (a, b, pos), mask in zip(self.runs, self.masks):
+        for i, ((a, b, pos), mask) in enumerate(zip(self.runs, self.masks)):
             keys = pos + b - a
             qi, ki, vi = q[:, :, a:b], k[:, :, :keys], v[:, :, :keys]
             if isinstance(mask, torch.Tensor):
-                outs.append(F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, enable_gqa=enable_gqa))
+                outs.append(F.scaled_dot_product_attention(qi, ki, vi, attn_mask=self._additive(i, q.dtype),
+                                                          enable_gqa=enable_gqa))
             else:  # a BlockMask (CUDA)
                 outs.append(flex_attend(qi, ki, vi, mask, enable_gqa=enable_gqa))
         return torch.cat(outs, dim=2)
