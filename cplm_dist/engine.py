@@ -27,6 +27,7 @@ DeepSpeed, which steps them at accumulation boundaries and saves them in its che
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from cplm_dist.checkpoint.safe_io import use_safe_loading
 from cplm_dist.config import Config, batch_layout
@@ -87,7 +88,8 @@ class DeepSpeedMPU:
         return self.dims.dp_size * self.dims.cp_size
 
     def get_sequence_data_parallel_rank(self):
-        return self.dims.dp_rank * self.dims.cp_size + self.dims.cp_rank
+        # the rank inside the group itself (DeepSpeed picks the ranks that save ZeRO files by it)
+        return dist.get_rank(self.dims.grad_group)
 
     def get_sequence_data_parallel_group(self):
         return self.dims.grad_group
@@ -154,6 +156,9 @@ def build_engine(model: torch.nn.Module, cfg: Config, dims: ParallelDims, load_u
         # trajectory at step 2). Partitioned over dp x cp here, after the optimizer's groups are
         # made from whole parameters, as the engine itself does at ZeRO-1/2; Init gets the config's
         # ZeRO keys alone (it checks batch keys against a world of its own).
+        # a parameter larger than the bucket would take the reduce-scatter path all the same
+        zero = config["zero_optimization"]
+        zero["reduce_bucket_size"] = max(int(zero["reduce_bucket_size"]), max(p.numel() for p in model.parameters()))
         zero_keys = {k: config[k] for k in ("train_micro_batch_size_per_gpu", "zero_optimization", "bf16", "fp16")}
         deepspeed.zero.Init(module=model, data_parallel_group=dims.grad_group, config_dict_or_path=zero_keys,
                             mpu=DeepSpeedMPU(dims), dtype=next(model.parameters()).dtype)
