@@ -1,5 +1,5 @@
 """What a job submission can check before it waits in a queue: the config resolves and validates,
-tp x pp divides the job's world, and the batch arithmetic holds. No data, no checkpoint, no
+tp x cp x pp divides the job's world, and the batch arithmetic holds. No data, no checkpoint, no
 process group: it runs on a login node (launch/submit.sh calls it before sbatch).
 
     python -m cplm_dist.preflight --world 16 --config configs/runs/cplm-7b.yaml parallel.pp=2
@@ -28,10 +28,11 @@ def main(argv=None) -> int:
         raise UsageError(f"--world {args.world} must be a positive number of processes")
     cfg = load_from_args(args)
     p = cfg.parallel
-    check_world(p.tp, args.world, p.pp)
-    dp = args.world // (p.tp * p.pp)
+    check_world(p.tp, args.world, p.pp, p.cp)
+    dp = args.world // (p.tp * p.cp * p.pp)
     accumulation = batch_layout(cfg, dp)
-    print(f"layout: {args.world} processes = tp {p.tp} x pp {p.pp} x dp {dp}, ZeRO-{cfg.train.zero_stage}, "
+    cp = f" x cp {p.cp}" if p.cp > 1 else ""
+    print(f"layout: {args.world} processes = tp {p.tp}{cp} x pp {p.pp} x dp {dp}, ZeRO-{cfg.train.zero_stage}, "
           f"global batch {cfg.train.global_batch_size} = micro {cfg.train.micro_batch_size} x accumulation "
           f"{accumulation} x dp {dp}", file=sys.stderr)
     return 0

@@ -148,13 +148,39 @@ def test_gpu_run_configs_add_up_at_their_node_count(path):
 
     from cplm_dist.config import batch_layout
 
+    from cplm_dist.parallel import check_world
+
     cfg = load_config(path)
-    nodes = int(re.search(r"--nnodes (\d+)", path.read_text()).group(1))
-    world = nodes * 8
-    model_parallel = cfg.parallel.tp * cfg.parallel.pp
-    assert world % model_parallel == 0 and cfg.parallel.tp <= 8, "tp stays inside a node"
+    text = path.read_text()
+    nodes = int(re.search(r"--nnodes (\d+)", text).group(1))
+    per_node = int(re.search(r"on nodes of (\d+) x 80 GB GPUs", text.splitlines()[0]).group(1))
+    world = nodes * per_node
+    p = cfg.parallel
+    model_parallel = p.tp * p.cp * p.pp  # dp = world / (tp x cp x pp): the batch arithmetic counts dp alone
+    check_world(p.tp, world, p.pp, p.cp)
+    assert world % model_parallel == 0 and p.tp <= 8, "tp stays inside a node"
     assert batch_layout(cfg, world // model_parallel) >= 1
     assert cfg.train.precision == "bf16" and cfg.data.seq_length <= cfg.model.max_seq_len
+    if p.cp > 1:  # each sequence over cp ranks: 2 x cp chunks, and the cp group inside a node (K/V gathered on NVLink)
+        assert p.pp == 1 and cfg.data.seq_length % (2 * p.cp) == 0 and p.tp * p.cp <= per_node
+
+
+def test_long_context_run_config_and_preflight_count_cp(capsys):
+    """configs/runs/cplm-1.7b-32k.yaml: 32k positions (max_seq_len and rope_theta raised with it),
+    cp 2 on one node; preflight's layout counts dp = world / (tp x cp x pp) and refuses a world
+    that tp x cp x pp does not divide."""
+    from cplm_dist.preflight import main
+
+    run = CONFIG_DIR / "runs" / "cplm-1.7b-32k.yaml"
+    cfg = load_config(run)
+    assert (cfg.data.seq_length, cfg.model.max_seq_len, cfg.parallel.cp) == (32768, 32768, 2)
+    assert cfg.model.rope_theta > load_config("cplm-1.7b").model.rope_theta
+    assert main(["--world", "8", "--config", str(run)]) == 0
+    assert "layout: 8 processes = tp 1 x cp 2 x pp 1 x dp 4, ZeRO-1, global batch 64 = micro 1 x accumulation 16 x dp 4" \
+        in capsys.readouterr().err
+    assert main(["--world", "12", "--config", str(run), "parallel.cp=8"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "parallel.tp=1 x parallel.cp=8 x parallel.pp=1 = 8 does not divide WORLD_SIZE=12" in err[0], err
 
 
 def test_no_tool_shadows_a_standard_library_module():

@@ -122,6 +122,8 @@ def test_real_shape_dry_run_of_1_7b_at_tp2(tmp_path, capsys):
     (["--gpus", "6", "parallel.tp=4"], "parallel.tp=4 does not divide WORLD_SIZE=6"),
     (["--gpus", "4", "train.global_batch_size=6", "train.micro_batch_size=4"], "train.global_batch_size=6 is not"),
     (["parallel.pp=3"], "parallel.pp=3 exceeds model.num_layers=2"),
+    (["--gpus", "6", "parallel.cp=4"], "parallel.tp=1 x parallel.cp=4 x parallel.pp=1 = 4 does not divide WORLD_SIZE=6"),
+    (["parallel.cp=2", "parallel.pp=2"], "parallel.cp=2 with parallel.pp=2"),
     (["--json", "no/such/dir/dry.json"], "its parent directory no/such/dir does not exist"),
 ])
 def test_a_layout_that_cannot_exist_is_one_line_and_exit_2(capsys, args, message):
@@ -142,6 +144,39 @@ def test_a_layout_that_does_not_fit_exits_1_naming_the_rank(capsys, tmp_path):
     err = captured.err.strip().splitlines()
     assert len(err) == 1 and "tp rank 0 of pipeline stage 0 needs" in err[0] and "0.001 GiB" in err[0], err
     assert json.loads(out.read_text())["fits"] is False
+
+
+CP_DRY = ["train.overlap_comm=false", "train.global_batch_size=8", "train.micro_batch_size=4", "train.precision=fp32",
+          "train.reduce_bucket_size=1000", "copy.impl=dense"]  # small buckets: the activations are what is compared
+
+
+def test_context_parallel_dry_run_traces_every_cp_rank(tmp_path, capsys):
+    """cp 2 x dp 2: both cp ranks traced in the fake world (megatron's cp groups), their cp
+    collectives (K/V, the copy keys, the ids) exactly the communication model's, the dp ones
+    modelled over dp x cp; each rank's traced peak about half that of cp 1 at the same sequence,
+    and the estimator as far from the trace as at cp 1 with as many tokens a rank."""
+    from cplm_dist_tools.dry_run import main
+
+    out = tmp_path / "dry.json"
+    assert main(["--config", "tiny", "--gpus", "4", *CP_DRY, "parallel.cp=2", "data.seq_length=512", "--json", str(out)]) == 0
+    stdout = capsys.readouterr().out
+    assert "| stage | cp rank | tp ranks |" in stdout and "world 4 = tp 1 x cp 2 x pp 1 x dp 2" in stdout
+    result = json.loads(out.read_text())
+    assert result["layout"] == {"tp": 1, "pp": 1, "cp": 2, "dp": 2, "zero_stage": 1} and result["accumulation"] == 1
+    roles = result["roles"]
+    assert [(r["tp_rank"], r["cp_rank"]) for r in roles] == [(0, 0), (0, 1)]
+    cfg = load_config("tiny", [*CP_DRY, "parallel.cp=2", "data.seq_length=512"])
+    model = step_bytes(cfg, tp=1, dp=2, zero=1, micro_batch=4, accumulation=1, seq_len=512, precision="fp32",
+                       activation_checkpointing=False, sequence_parallel=False, cp=2)
+    for role in roles:
+        assert role["collectives_traced"] == pytest.approx({k: v for k, v in model.items() if k.startswith("cp/")}, rel=1e-9)
+        assert role["collectives_modelled"] == {k: v for k, v in model.items() if k.startswith("dp/")}
+    flat = {seq: dry_run(load_config("tiny", [*CP_DRY, f"data.seq_length={seq}"]), gpus=2, device=DEVICES["h200"]).roles[0]
+            for seq in (256, 512)}
+    for role in roles:
+        assert 0.4 < role["traced"]["peak_bytes"] / flat[512].trace.peak_bytes < 0.55
+        error = (role["estimate_bytes"] - role["peak_bytes"]) / role["peak_bytes"]
+        assert abs(error - flat[256].error) < 0.05, (error, flat[256].error)  # tiny's own offset, not cp's
 
 
 def test_the_planner_confirms_its_choice(capsys):

@@ -19,7 +19,7 @@ from cplm_dist.model.stages import layer_parameters, partition
 from cplm_dist.profiling.communication import step_bytes
 from cplm_dist.profiling.memory import (Stage, bubble, estimate, layer_activation_bytes_per_token, pipeline_stages,
                                         stage_estimates, state_bytes_per_parameter)
-from cplm_dist.profiling.planner import Cluster, pipeline_links, plan, predict, stage_flops_per_token
+from cplm_dist.profiling.planner import Cluster, layouts, pipeline_links, plan, predict, stage_flops_per_token
 from cplm_dist.profiling.throughput import flops_per_token
 from tests.spawn import run_ranks
 
@@ -100,8 +100,23 @@ def _pp_config(tp, pp, dp, overrides):
                                 f"train.global_batch_size={MICRO * ACCUMULATION * dp}"])
 
 
+# context-parallel layouts, four ranks each (the same job as PP_CASES): (tp, cp, dp, overrides)
+CP_CASES = [
+    (1, 2, 2, ["train.zero_stage=1"], "cp2 x dp2 ZeRO-1: K/V, copy keys and ids over cp, gradients over dp x cp"),
+    (2, 2, 1, ["train.zero_stage=2", "parallel.sequence_parallel=true", "train.activation_checkpointing=true"],
+     "tp2 x cp2 with sp, recomputed, ZeRO-2: the dp x cp group is the cp ranks"),
+]
+
+
+def _cp_config(tp, cp, dp, overrides):
+    return load_config("tiny", [*overrides, f"parallel.tp={tp}", f"parallel.cp={cp}", "train.precision=fp32",
+                                f"train.micro_batch_size={MICRO}", f"data.seq_length={SEQ}",
+                                f"train.global_batch_size={MICRO * ACCUMULATION * dp}"])
+
+
 def _measured_pipeline_volumes_worker():
-    """Every rank's measured bytes by collective, and its stage, for each of PP_CASES (the
+    """Every rank's measured bytes by collective, and its stage, for each of PP_CASES, then (its
+    cp rank, its bytes by collective, the profiler's comm_cp_mb) for each of CP_CASES (the
     parallel groups rebuilt between cases on the same process group)."""
     from cplm_dist.megatron_compat import parallel_state
     from cplm_dist.parallel import default_device, init_distributed
@@ -118,6 +133,14 @@ def _measured_pipeline_volumes_worker():
         r = measure(step, cfg, dims, warmup=1, steps=1, breakdown_steps=1, seq_len=SEQ, device=default_device(),
                     baseline_bytes=0)
         out.append((dims.pp_rank, {k: v["mb"] * 1e6 for k, v in r["comm_by_collective"].items()}))
+    for tp, cp, dp, overrides in [c[:4] for c in CP_CASES]:
+        parallel_state.destroy_model_parallel()
+        dims = init_distributed(tp, cp_size=cp)
+        cfg = _cp_config(tp, cp, dp, overrides)
+        step = build(cfg, dims, default_device())
+        r = measure(step, cfg, dims, warmup=0, steps=1, breakdown_steps=1, seq_len=SEQ, device=default_device(),
+                    baseline_bytes=0)
+        out.append((dims.cp_rank, {k: v["mb"] * 1e6 for k, v in r["comm_by_collective"].items()}, r["comm_cp_mb"]))
     return out
 
 
@@ -148,6 +171,61 @@ def test_predicted_pipeline_bytes_equal_the_profilers(measured_pipeline, case):
         assert not missing, (what, rank, missing)
 
 
+@pytest.mark.parametrize("case", range(len(CP_CASES)), ids=[c[4].split(":")[0] for c in CP_CASES])
+def test_predicted_context_parallel_bytes_equal_the_profilers(measured_pipeline, case):
+    """Every rank of a cp layout: the timer files the cp group's collectives under "cp" and the
+    dp x cp group's under "dp"; each volume step_bytes(cp=) predicts (every layer's K and V
+    gathered and scattered, recomputed; the copy head's keys; the ids; tp at T/cp tokens; dp's
+    over dp x cp) within 10% of the measured, nothing sizeable unpredicted, comm_cp_mb their sum."""
+    tp, cp, dp, overrides, what = CP_CASES[case]
+    cfg = _cp_config(tp, cp, dp, overrides)
+    t = cfg.train
+    predicted = step_bytes(cfg, tp=tp, dp=dp, zero=t.zero_stage, micro_batch=MICRO, accumulation=ACCUMULATION, seq_len=SEQ,
+                           precision="fp32", activation_checkpointing=t.activation_checkpointing,
+                           sequence_parallel=cfg.parallel.sequence_parallel, cp=cp)
+    assert {"cp/all_gather_into_tensor", "cp/reduce_scatter_tensor", "cp/all_gather", "dp/all_reduce"} <= set(predicted)
+    for rank in range(4):
+        _, got, cp_mb = measured_pipeline[rank][len(PP_CASES) + case]
+        for key, size in predicted.items():
+            assert key in got, (what, rank, key, got)
+            assert abs(got[key] / size - 1) < 0.10, (what, rank, key, got[key], size)
+        total = sum(got.values())
+        missing = {k: v for k, v in got.items() if k not in predicted and v > 0.01 * total}
+        assert not missing, (what, rank, missing)
+        assert cp_mb * 1e6 == pytest.approx(sum(v for k, v in got.items() if k.startswith("cp/")))
+
+
+def test_cp_bytes_by_part_and_what_the_copy_head_adds():
+    """The cp volumes by part add up to step_bytes' "cp/"; the copy head adds its keys (8 N H_c d_c
+    a micro-batch: gathered and scattered), recomputation adds one more K/V gather a layer, and
+    tp's volumes at cp are those of T/cp tokens."""
+    from cplm_dist.profiling.communication import cp_step_parts
+
+    cfg = load_config("cplm-7b", ["train.precision=bf16"])
+    layout = dict(tp=2, dp=4, zero=1, micro_batch=1, accumulation=4, seq_len=32768, precision="bf16",
+                  activation_checkpointing=False, sequence_parallel=True)
+    volumes = step_bytes(cfg, **layout, cp=4)
+    parts = cp_step_parts(cfg, tp=2, cp=4, micro_batch=1, accumulation=4, seq_len=32768, precision="bf16",
+                          activation_checkpointing=False)
+    assert sum(parts.values()) == sum(v for k, v in volumes.items() if k.startswith("cp/"))
+    N, m, c = 32768, cfg.model, cfg.copy
+    assert parts["copy_head"] == 4 * 2 * 4 * N * c.num_heads * c.head_dim
+    assert parts["attention"] == 4 * 2 * 2 * N * (m.num_kv_heads // 2) * m.head_dim * 2 * m.num_layers
+    assert parts["ids"] == 4 * 8 * N and parts["copy_head"] < parts["attention"] / 50
+    off = cp_step_parts(load_config("cplm-7b", ["copy.enabled=false"]), tp=2, cp=4, micro_batch=1, accumulation=4,
+                        seq_len=32768, precision="bf16", activation_checkpointing=False)
+    assert "copy_head" not in off and off["attention"] == parts["attention"]
+    recomputed = cp_step_parts(cfg, tp=2, cp=4, micro_batch=1, accumulation=4, seq_len=32768, precision="bf16",
+                               activation_checkpointing=True)
+    assert recomputed["attention"] == parts["attention"] * 3 / 2
+    flat = step_bytes(cfg, **{**layout, "seq_len": 32768 // 4}, cp=1)
+    assert all(volumes[k] == v for k, v in flat.items() if k.startswith("tp/"))
+    # gradients over dp x cp: dp 4 x cp 4 moves what dp 16 does, and dp 1 x cp 4 still reduces
+    dp_cp = {k: v for k, v in volumes.items() if k.startswith("dp/")}
+    assert dp_cp and dp_cp == {k: v for k, v in step_bytes(cfg, **{**layout, "dp": 16}, cp=1).items() if k.startswith("dp/")}
+    assert "dp/all_reduce" in step_bytes(cfg, **{**layout, "dp": 1}, cp=4)
+
+
 def test_tensor_sizes_add_up_to_the_parameters_a_device_holds():
     for name, overrides in (("tiny", []), ("cplm-1.7b", ["copy.mix=sentinel", "model.tie_embeddings=false"]),
                             ("cplm-70b", ["copy.mix=joint"])):
@@ -164,12 +242,12 @@ def test_plans_fit_obey_the_batch_and_rank_fastest_first():
     assert 0 < len(fits) < considered
     for p in fits:
         assert p.memory_gib <= 0.9 * cluster.memory_gib
-        assert p.micro_batch * p.accumulation * p.dp == 256 and p.tp * p.pp * p.dp == 16
+        assert p.micro_batch * p.accumulation * p.dp == 256 and p.tp * p.cp * p.pp * p.dp == 16
         assert 0 < p.mfu <= cluster.achievable + 1e-9  # communication and recomputation only cost
     fastest = min(p.step_s for p in fits)
     assert fits[0].step_s <= fastest * 1.02
-    # 64 x 2048 tokens of a 1.7B model's activations on one GPU do not fit; one sequence does
-    assert not any(p.tp == 1 and p.micro_batch == 64 and not p.activation_checkpointing for p in fits)
+    # 64 x 2048 tokens of a 1.7B model's activations on one GPU do not fit (cp 1: whole sequences); one sequence does
+    assert not any(p.tp == 1 and p.cp == 1 and p.micro_batch == 64 and not p.activation_checkpointing for p in fits)
     assert any(p.tp == 1 and p.zero == 1 and p.micro_batch == 1 for p in fits)
 
 
@@ -192,7 +270,7 @@ def test_cli_writes_a_run_config_and_says_when_no_layout_fits(tmp_path, capsys):
     shutil.copy(REPO / "configs/runs/cplm-7b.yaml", run)
     assert main(["--config", str(run), "--gpus", "64", "--top", "3", "--write", str(run)]) == 0
     out = capsys.readouterr().out
-    assert "| tp | pp | dp | ZeRO |" in out and f"wrote {run}" in out
+    assert "| tp | cp | pp | dp | ZeRO |" in out and f"wrote {run}" in out
     text = run.read_text()
     assert text.startswith("# cplm-7b") and "# layout from tools/plan.py --gpus 64" in text  # comments kept
     assert "compile: true  # regional torch.compile" in text
@@ -342,7 +420,7 @@ def test_cli_writes_parallel_pp(tmp_path, capsys):
     assert "needs pipeline parallelism" in capsys.readouterr().out
     assert main([*common, "--top", "3", "--write", str(run)]) == 0
     out = capsys.readouterr().out
-    assert "| tp | pp | dp | ZeRO |" in out and "without pipeline parallelism" in out
+    assert "| tp | cp | pp | dp | ZeRO |" in out and "without pipeline parallelism" in out
     cfg = load_config(str(run))  # validates: pp > 1 with ZeRO-1
     best = out.split("best: ")[1]
     assert cfg.parallel.pp > 1 and f"pp={cfg.parallel.pp} " in best and f"ZeRO-{cfg.train.zero_stage} " in best
@@ -374,3 +452,70 @@ def test_estimate_memory_refuses_zero_2_and_3_with_pipeline_stages(capsys):
             f"error: ZeRO-{zero} with --pp 2: DeepSpeed's pipeline engine trains with ZeRO 0-1 only (training refuses "
             "this layout); use --zero 1 or --pp 1")
     assert main(["--config", "cplm-7b", "--tp", "2", "--pp", "2", "--dp", "4", "--zero", "1"]) == 0
+
+
+def _long(name, seq, overrides=()):
+    return load_config(name, ["train.precision=bf16", f"model.max_seq_len={seq}", f"data.seq_length={seq}", *overrides])
+
+
+def test_layouts_enumerate_cp_as_training_accepts_it():
+    """cp: powers of two dividing gpus / tp, the sequence divisible by 2 x cp (x tp under sequence
+    parallelism), never with pp > 1; tp x cp x pp x dp the GPUs, the batch counting dp alone."""
+    cfg = load_config("cplm-1.7b", ["train.precision=bf16"])
+    seen = set()
+    for tp, pp, zero, micro, ckpt, sp, cp in layouts(cfg, Cluster(gpus=16), seq_len=40, global_batch=64):
+        dp = 16 // (tp * cp * pp)
+        assert tp * cp * pp * dp == 16 and 64 % (micro * dp) == 0
+        assert cp & (cp - 1) == 0 and 40 % (2 * cp) == 0 and (cp == 1 or pp == 1)
+        assert not sp or 40 % (tp * (2 * cp if cp > 1 else 1)) == 0
+        seen.add((tp, cp, sp))
+    assert {cp for _, cp, _ in seen} == {1, 2, 4} and (2, 2, True) in seen and (4, 2, True) not in seen  # 40 % 16
+
+
+def test_estimator_under_cp_shards_the_sequence_and_partitions_zero_over_dp_x_cp():
+    cfg = _long("cplm-1.7b", 32768)
+    kw = dict(tp=1, micro_batch=1, seq_len=32768, zero=1, accumulation=16)
+    one, two = estimate(cfg, dp=8, cp=1, **kw), estimate(cfg, dp=4, cp=2, **kw)
+    assert two.optimizer == one.optimizer and two.gradients == one.gradients  # ZeRO over dp 4 x cp 2 = dp 8
+    assert two.parameters == one.parameters and two.logits == one.logits / 2
+    assert 0.5 < two.activations / one.activations < 0.6  # halved, plus every layer's gathered K and V
+    cp2 = load_config(str(REPO / "configs/runs/cplm-1.7b-32k.yaml"))
+    assert cp2.parallel.cp == 2 and estimate(cp2, tp=1, dp=4, micro_batch=1, seq_len=32768).total == two.total  # cp from the config
+    with pytest.raises(ValueError, match="pp = 1 only"):
+        estimate(cfg, tp=1, dp=2, micro_batch=1, seq_len=32768, cp=2, pp=2)
+
+
+def test_the_planner_proposes_context_parallelism_where_nothing_fits_without_it():
+    """cplm-1.7b at 32k tokens on 8 single-GPU nodes (no tp) of 24 GiB: no layout at cp = 1 fits,
+    pipelines included; at cp >= 2 they do, each a whole sequence over cp ranks."""
+    cfg = _long("cplm-1.7b", 32768)
+    cluster = Cluster(gpus=8, gpus_per_node=1, memory_gib=24.0)
+    flat, _ = plan(cfg, cluster, seq_len=32768, global_batch=16, max_cp=1)
+    assert flat == []
+    fits, _ = plan(cfg, cluster, seq_len=32768, global_batch=16)
+    assert fits and all(p.cp > 1 and p.pp == 1 and p.tp * p.cp * p.dp == 8 for p in fits)
+    for p in fits:
+        assert p.memory_gib <= 0.9 * 24 and p.micro_batch * p.accumulation * p.dp == 16 and p.cp_comm_s > 0
+        assert p.step_s == pytest.approx(p.compute_s + p.tp_comm_s + p.cp_comm_s + p.exposed_dp_s)
+
+
+def test_long_context_plans_pick_cp(tmp_path, capsys):
+    """cplm-1.7b at 32k on one node of 8 x 80 GB and cplm-7b at 128k on 64 GPUs: the fastest
+    layouts are context parallel (at cp = 1, 7B needs recomputation), and --write sets parallel.cp,
+    the layout configs/runs/cplm-1.7b-32k.yaml ships."""
+    from cplm_dist_tools.plan import main
+
+    shipped = REPO / "configs/runs/cplm-1.7b-32k.yaml"
+    run = tmp_path / "run.yaml"
+    run.write_text(shipped.read_text().replace("base: cplm-1.7b.yaml", f"base: {REPO / 'configs/runs/cplm-1.7b.yaml'}"))
+    assert main(["--config", str(run), "--gpus", "8", "--top", "2", "--write", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "| tp | cp | pp | dp |" in out and "best: tp=1 cp=2 pp=1 dp=4 ZeRO-1" in out
+    written, ours = load_config(str(run)), load_config(str(shipped))
+    assert written.parallel == ours.parallel and written.train == ours.train and written.data.seq_length == 32768
+    cfg = _long("cplm-7b", 131072)
+    fits, _ = plan(cfg, Cluster(gpus=64), seq_len=131072, global_batch=32)
+    flat, _ = plan(cfg, Cluster(gpus=64), seq_len=131072, global_batch=32, max_cp=1)
+    best = fits[0]
+    assert best.cp > 1 and best.tp * best.cp * best.dp == 64 and not best.activation_checkpointing
+    assert all(p.activation_checkpointing for p in flat) and best.step_s < flat[0].step_s

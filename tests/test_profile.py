@@ -20,7 +20,7 @@ from tests.spawn import run_ranks
 
 REPO = Path(__file__).resolve().parent.parent
 FIELDS = ["tokens_per_s", "tokens_per_s_per_device", "step_time_s", "forward_s", "backward_s", "optimizer_s",
-          "comm_tp_s", "comm_dp_s", "comm_tp_calls", "comm_dp_calls", "tflops_per_device", "mfu", "peak_memory_gb",
+          "comm_tp_s", "comm_dp_s", "comm_cp_s", "comm_cp_mb", "comm_cp_calls", "cp", "comm_tp_calls", "comm_dp_calls", "tflops_per_device", "mfu", "peak_memory_gb",
           "step_memory_gb", "estimated_memory_gb", "estimate_error", "tp", "dp", "zero", "precision", "seq_len"]
 
 
@@ -76,6 +76,16 @@ def test_sweep_skips_points_the_config_refuses_and_refuses_a_grid_of_none():
     assert valid[2][2].parallel.pp == 2 and valid[1][2].train.zero_stage == 2
     with pytest.raises(UsageError, match=r"^no valid sweep point: \{'pp': '2', 'zero': '2'\}: train\.zero_stage=2 with parallel\.pp=2"):
         sweep_points("tiny", [], parse_sweep(["pp=2", "zero=2,3"]))
+
+
+def test_sweep_crosses_cp_and_skips_it_with_pp():
+    """--sweep cp=: parallel.cp points (launched on tp x cp x pp processes); cp with pp is refused."""
+    from cplm_dist.profiling.sweep import parse_sweep, sweep_points
+
+    valid, skipped = sweep_points("tiny", [], parse_sweep(["cp=1,2", "pp=1,2"]))
+    assert [p for p, _, _ in valid] == [{"cp": "1", "pp": "1"}, {"cp": "1", "pp": "2"}, {"cp": "2", "pp": "1"}]
+    assert [p for p, _ in skipped] == [{"cp": "2", "pp": "2"}] and "parallel.cp=2 with parallel.pp=2" in skipped[0][1]
+    assert valid[2][2].parallel.cp == 2
 
 
 def test_sweep_writes_csv_and_plots(tmp_path):
@@ -156,6 +166,100 @@ def test_layer_activation_formula_equals_what_autograd_keeps(precision, act_byte
     # in bf16 each of the two norms also keeps an fp32 copy of its weight (and gpt2's of its bias)
     per_layer_constant = (2 if arch == "gpt2" else 1) * 2 * 4 * cfg.model.hidden_size if act_bytes == 2 else 0
     assert measured * 120 == layer_activation_bytes_per_token(cfg, tp, act_bytes) * 120 + per_layer_constant
+
+
+# (arch, precision, tp, sequence parallel, extra overrides) of one layer's saved bytes at cp = 2, in one 4-rank job
+CP_LAYER_CASES = [("llama", "fp32", 1, False, []), ("llama", "bf16", 1, False, []), ("gpt2", "fp32", 1, False, []),
+                  ("gpt2", "fp32", 1, False, ["model.num_kv_heads=8"]), ("llama", "fp32", 2, True, [])]
+CP_SEQ, CP_BATCH = 48, 3
+
+
+def _cp_config(arch, tp, sp, extra, layers=1):
+    return load_config("tiny", [f"model.num_layers={layers}", f"parallel.tp={tp}", "parallel.cp=2", "model.ffn_hidden_size=384",
+                                f"model.arch={arch}", f"parallel.sequence_parallel={str(sp).lower()}",
+                                f"data.seq_length={CP_SEQ}", *extra])
+
+
+def _storage_bytes(fn, exclude):
+    """Bytes of the distinct storages autograd saves while fn() runs (those in `exclude` left out)."""
+    storages = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in exclude:
+            storages[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(storages.values())
+
+
+def _cp_saved_bytes_worker():
+    """At cp = 2 (4 ranks: cp 2 x dp 2, then tp 2 x cp 2 with sequence parallelism): the bytes one
+    layer saves for backward per token of this rank, and a whole tiny model's forward."""
+    from cplm_dist.megatron_compat import parallel_state
+    from cplm_dist.model import build_model
+    from cplm_dist.model.context_parallel import ContextShard, context_inputs
+    from cplm_dist.model.rotary import layer_rope
+    from cplm_dist.parallel import init_distributed
+
+    out, whole = {}, None
+    for tp in (1, 2):
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+        dims = init_distributed(tp, cp_size=2)
+        shard = ContextShard(dims.cp_rank, 2, dims.cp_group)
+        ids = torch.randint(0, 500, (CP_BATCH, CP_SEQ), generator=torch.Generator().manual_seed(0))
+        for i, (arch, precision, case_tp, sp, extra) in enumerate(CP_LAYER_CASES):
+            if case_tp != tp:
+                continue
+            cfg = _cp_config(arch, tp, sp, extra)
+            dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+            model = build_model(cfg).to(dtype)
+            inputs = context_inputs(shard, shard.take(ids), None)
+            local = CP_SEQ // 2
+            x = torch.randn(*((local // tp, CP_BATCH) if sp else (CP_BATCH, local)), cfg.model.hidden_size, dtype=dtype,
+                            requires_grad=True)
+            cos, sin = layer_rope(cfg.model, local, 0, position_ids=inputs.positions)
+            exclude = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *(t for t in (cos, sin) if t is not None)]}
+            out[i] = _storage_bytes(lambda: model.layers[0](x, cos, sin, None, inputs.attention), exclude)
+        if tp == 1:  # a whole forward, loss included: what the estimator's activations, logits and copy head keep
+            cfg = _cp_config("llama", 1, False, ["model.vocab_size=4096", "train.precision=fp32"], layers=2)
+            model = build_model(cfg)
+            big = torch.randint(0, 4096, (8, 512), generator=torch.Generator().manual_seed(0))
+            labels = torch.cat([big[:, 1:], torch.full_like(big[:, :1], -100)], 1)
+            cfg.data.seq_length = 512
+            whole = _storage_bytes(lambda: model(shard.take(big), shard.take(labels)),
+                                   {p.untyped_storage().data_ptr() for p in model.parameters()})
+    return out, whole
+
+
+def test_context_parallel_activations_equal_what_autograd_keeps():
+    """cp = 2: one layer's saved bytes equal layer_activation_bytes_per_token(cp=2) per token plus
+    the gathers' reorderings (16 T) and CPU SDPA's float copies of the two chunks' masks (not
+    estimated: CUDA runs block masks), for both backbones, GQA and MHA, fp32 and bf16 and tp 2 with
+    sequence parallelism; a whole forward is within 15% of the estimate's activations + logits +
+    the copy head's q, k, A, M, and falls about as 1/cp."""
+    from cplm_dist.profiling.memory import CP_ORDER_BYTES
+
+    measured, whole = run_ranks(_cp_saved_bytes_worker, 4, timeout=300)[0]
+    for i, (arch, precision, tp, sp, extra) in enumerate(CP_LAYER_CASES):
+        cfg = _cp_config(arch, tp, sp, extra)
+        b = 2 if precision == "bf16" else 4
+        tokens = CP_BATCH * CP_SEQ // 2
+        c = CP_SEQ // 4  # the chunk: T / (2 cp)
+        masks = b * (2 * 2 + 1) * c * c  # rows x keys of the two chunks, (cp rank r + 1) c and (2 cp - r) c keys
+        norm_copies = (2 if arch == "gpt2" else 1) * 2 * 4 * cfg.model.hidden_size if b == 2 else 0
+        predicted = layer_activation_bytes_per_token(cfg, tp, b, cp=2) * tokens + CP_ORDER_BYTES * CP_SEQ
+        assert measured[i] == predicted + masks + norm_copies, (CP_LAYER_CASES[i], measured[i], predicted)
+    cfg = _cp_config("llama", 1, False, ["model.vocab_size=4096", "train.precision=fp32", "data.seq_length=512"], layers=2)
+    e, flat = (estimate(cfg, tp=1, dp=2, micro_batch=8, seq_len=512, cp=cp) for cp in (2, 1))
+    h, d, rows = cfg.copy.num_heads, cfg.copy.head_dim, 8 * 512 // 2
+    copy_kept = 8 * 512 * 4 * h * d + rows * 4 * h * (d + 2)  # the gathered k; q, A, M of this rank's rows
+    predicted = e.activations + e.logits + copy_kept
+    assert abs(whole / predicted - 1) < 0.15, (whole, predicted)
+    assert 0.4 < e.activations / flat.activations < 0.7 and e.logits == flat.logits / 2
 
 
 def _forward_saved_bytes_worker():

@@ -3,6 +3,7 @@
     python tools/cplm_profile.py --config tiny                                    # CPU, one process
     OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 tools/cplm_profile.py --config tiny parallel.tp=2
     OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 tools/cplm_profile.py --config tiny parallel.pp=2 --accumulation 4
+    OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 tools/cplm_profile.py --config tiny parallel.cp=2     # context parallel
     torchrun --nproc-per-node 8 tools/cplm_profile.py --config cplm-1.7b train.precision=bf16 train.zero_stage=2 --seq-len 2048
     python tools/cplm_profile.py --config tiny --sweep zero=0,1,2 micro=1,2,4 --nproc 2     # each point a fresh launch
     python tools/cplm_profile.py --config cplm-135m --copy-overhead                 # copy on / off, alternating
@@ -10,7 +11,7 @@
     python tools/cplm_profile.py --config cplm-135m --decode                        # KV-cache decoding, copy on / off
 
 Reports tokens/s (global, per device), the step-time breakdown (forward, backward, optimizer;
-tensor-parallel and data-parallel / ZeRO communication), TFLOP/s and MFU (cplm_dist.profiling.throughput),
+tensor-parallel, data-parallel / ZeRO, context-parallel (parallel.cp) and pipeline communication), TFLOP/s and MFU (cplm_dist.profiling.throughput),
 peak memory and the estimate of cplm_dist.profiling.memory, as a console table, a JSON file (--json) and one
 row appended to a CSV (--csv). --trace FILE writes a torch.profiler Chrome trace of one step.
 
@@ -48,7 +49,7 @@ def parser():
     p.add_argument("--csv", default="runs/profile/profile.csv", help="append one row per run here ('' to skip)")
     p.add_argument("--label", default="", help="a name for this run in the CSV")
     p.add_argument("--sweep", nargs="+", metavar="NAME=V1,V2", help=f"grid over {sorted(SWEEPABLE)}; each point a fresh launch")
-    p.add_argument("--nproc", type=int, help="--sweep: processes per point (default: the point's tp x pp)")
+    p.add_argument("--nproc", type=int, help="--sweep: processes per point (default: the point's tp x cp x pp)")
     p.add_argument("--out-dir", default="runs/profile", help="--sweep: CSV and plots go here")
     p.add_argument("--copy-overhead", action="store_true", help="copy head on and off, alternating, same shapes")
     p.add_argument("--peer", action="store_true", help="also transformers' LlamaForCausalLM, same shapes, tp=1")
@@ -68,13 +69,18 @@ def setup(cfg: Config, args):
     from cplm_dist.parallel import default_device, init_distributed
     from cplm_dist.profiling.measure import release_freed_memory_on_cpu
 
-    dims = init_distributed(cfg.parallel.tp, pp_size=cfg.parallel.pp)
+    dims = init_distributed(cfg.parallel.tp, pp_size=cfg.parallel.pp, cp_size=cfg.parallel.cp)
     device = default_device()
     if device.type == "cpu":
         release_freed_memory_on_cpu()
     seq = args.seq_len or cfg.data.seq_length
     if seq > cfg.model.max_seq_len:
         raise UsageError(f"--seq-len {seq} exceeds model.max_seq_len={cfg.model.max_seq_len}: raise it with model.max_seq_len={seq}")
+    p = cfg.parallel
+    unit = 2 * p.cp * (p.tp if p.sequence_parallel and p.tp > 1 and p.cp > 1 else 1)
+    if p.cp > 1 and seq % unit:
+        raise UsageError(f"--seq-len {seq} is not divisible by {unit}, which parallel.cp={p.cp} needs (2 x cp chunks"
+                         f"{', each split over tp' if unit > 2 * p.cp else ''})")
     cfg.train.global_batch_size = cfg.train.micro_batch_size * args.accumulation * dims.dp_size
     cfg.data.seq_length = seq
     return dims, device, seq, batch_layout(cfg, dims.dp_size)
@@ -90,7 +96,7 @@ def describe(cfg: Config, dims, seq: int, accumulation: int, args, mode: str | N
         "date": datetime.date.today().isoformat(), "device": device, "config": cfg.model.name,
         "parameters": parameter_count(cfg)["total"], "copy": f"{cfg.copy.mix}/{cfg.copy.paste}" if cfg.copy.enabled else "off",
         "copy_impl": f"{cfg.copy.impl}/{cfg.copy.chunk_size}" if cfg.copy.impl == "chunked" else cfg.copy.impl,
-        "tp": dims.tp_size, "pp": dims.pp_size, "dp": dims.dp_size, "world": dims.world_size, "zero": cfg.train.zero_stage,
+        "tp": dims.tp_size, "pp": dims.pp_size, "cp": dims.cp_size, "dp": dims.dp_size, "world": dims.world_size, "zero": cfg.train.zero_stage,
         "precision": cfg.train.precision, "micro_batch": cfg.train.micro_batch_size, "accumulation": accumulation,
         "global_batch": cfg.train.global_batch_size, "seq_len": seq, "activation_checkpointing": cfg.train.activation_checkpointing,
         "label": args.label, **({"mode": mode} if mode else {}),

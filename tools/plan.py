@@ -1,14 +1,15 @@
-"""Plan a training layout: which tp x pp x dp x ZeRO x micro-batch x checkpointing x sequence
+"""Plan a training layout: which tp x cp x pp x dp x ZeRO x micro-batch x checkpointing x sequence
 parallelism fits a cluster, and which is fastest (cplm_dist/profiling/planner.py, docs/parallelism.md).
 
     python tools/plan.py --config cplm-1.7b --gpus 8
+    python tools/plan.py --config cplm-1.7b --gpus 8 --seq-len 32768 --global-batch 64 model.max_seq_len=32768
     python tools/plan.py --config cplm-70b --gpus 512 --seq-len 4096 --global-batch 1024 --top 5
     python tools/plan.py --config configs/runs/cplm-7b.yaml --gpus 64 --write configs/runs/cplm-7b.yaml
 
 The sequence length and global batch default to the config's data.seq_length and
 train.global_batch_size; precision is train.precision. Predictions, not measurements: compute at
 --achievable x the GPU's dense peak, communication at the stated bandwidths. --write sets the
-chosen layout's fields in a run config, parallel.pp included (a file keeps its other sections; a
+chosen layout's fields in a run config, parallel.pp and parallel.cp included (a file keeps its other sections; a
 shipped name becomes `base: <name>`).
 """
 
@@ -25,9 +26,9 @@ from cplm_dist.model.counting import parameter_count
 from cplm_dist.profiling.planner import Cluster, Plan, plan
 
 PLAN_NOTE = "# layout from tools/plan.py"
-COLUMNS = [("tp", "tp"), ("pp", "pp"), ("dp", "dp"), ("zero", "ZeRO"), ("micro_batch", "micro"), ("accumulation", "accum"),
+COLUMNS = [("tp", "tp"), ("cp", "cp"), ("pp", "pp"), ("dp", "dp"), ("zero", "ZeRO"), ("micro_batch", "micro"), ("accumulation", "accum"),
            ("activation_checkpointing", "ckpt"), ("sequence_parallel", "sp"), ("memory_gib", "GiB"),
-           ("compute_s", "compute s"), ("tp_comm_s", "tp s"), ("exposed_dp_s", "dp s (exposed)"),
+           ("compute_s", "compute s"), ("tp_comm_s", "tp s"), ("cp_comm_s", "cp s"), ("exposed_dp_s", "dp s (exposed)"),
            ("pp_comm_s", "pp s"), ("bubble", "bubble"), ("step_s", "step s"), ("mfu", "MFU"), ("tokens_per_s", "tokens/s")]
 
 
@@ -84,7 +85,8 @@ def _yaml(value) -> str:
 
 def layout_fields(best: Plan, seq_len: int, global_batch: int) -> dict[tuple[str, str], object]:
     """{(section, field): value} of the chosen layout: what --write sets and --dry-run traces."""
-    return {("parallel", "tp"): best.tp, ("parallel", "pp"): best.pp, ("parallel", "sequence_parallel"): best.sequence_parallel,
+    return {("parallel", "tp"): best.tp, ("parallel", "pp"): best.pp, ("parallel", "cp"): best.cp,
+            ("parallel", "sequence_parallel"): best.sequence_parallel,
             ("data", "seq_length"): seq_len, ("train", "micro_batch_size"): best.micro_batch,
             ("train", "global_batch_size"): global_batch, ("train", "zero_stage"): best.zero,
             ("train", "activation_checkpointing"): best.activation_checkpointing}
@@ -141,6 +143,7 @@ def main(argv=None) -> int:
     p.add_argument("--inter-gbps", type=float, default=40.0, help="GB/s per GPU between nodes")
     p.add_argument("--overlap", type=float, default=0.8, help="share of ZeRO communication under compute that it hides")
     p.add_argument("--max-pp", type=int, help="largest pipeline degree to consider (default: any; 1: no pipelining)")
+    p.add_argument("--max-cp", type=int, help="largest context-parallel degree to consider (default: any; 1: none)")
     p.add_argument("--seq-len", type=int, help="default: data.seq_length")
     p.add_argument("--global-batch", type=int, help="sequences per step (default: train.global_batch_size)")
     p.add_argument("--top", type=int, default=8, help="layouts to print")
@@ -155,12 +158,17 @@ def main(argv=None) -> int:
         raise UsageError(f"--achievable {args.achievable} must be in (0, 1] and --overlap {args.overlap} in [0, 1]")
     if args.max_pp is not None and args.max_pp < 1:
         raise UsageError(f"--max-pp {args.max_pp} must be a positive integer")
+    if args.max_cp is not None and args.max_cp < 1:
+        raise UsageError(f"--max-cp {args.max_cp} must be a positive integer")
     seq = args.seq_len or cfg.data.seq_length
     batch = args.global_batch or cfg.train.global_batch_size
+    if (args.write or args.dry_run) and seq > cfg.model.max_seq_len:
+        raise UsageError(f"--seq-len {seq} exceeds model.max_seq_len={cfg.model.max_seq_len}: the layout written or traced "
+                         f"would not load; add model.max_seq_len={seq} (and a model.rope_theta for that length)")
     cluster = Cluster(gpus=args.gpus, gpus_per_node=args.gpus_per_node, memory_gib=args.gpu_gb,
                       peak_tflops=args.peak_tflops, achievable=args.achievable, intra_gbps=args.intra_gbps,
                       inter_gbps=args.inter_gbps, overlap=args.overlap)
-    fits, considered = plan(cfg, cluster, seq_len=seq, global_batch=batch, max_pp=args.max_pp)
+    fits, considered = plan(cfg, cluster, seq_len=seq, global_batch=batch, max_pp=args.max_pp, max_cp=args.max_cp)
     n = parameter_count(cfg)["total"]
     head = (f"{cfg.model.name} ({n / 1e9:.2f}B parameters, {cfg.train.precision}) on {args.gpus} GPUs "
             f"({args.gpus_per_node} a node, {args.gpu_gb:g} GiB), {batch} x {seq} tokens a step: "
@@ -179,17 +187,22 @@ def main(argv=None) -> int:
     if best.pp > 1 and not any(p.pp == 1 for p in fits):
         print(f"no layout fits {cluster.headroom:.0%} of {args.gpu_gb:g} GiB without pipeline parallelism: "
               f"this size needs pp > 1 on {args.gpus} GPUs")
-    print(f"best: tp={best.tp} pp={best.pp} dp={best.dp} ZeRO-{best.zero} micro {best.micro_batch} x accumulation {best.accumulation}, "
+    if best.cp > 1 and not any(p.cp == 1 for p in fits):
+        print(f"no layout fits {cluster.headroom:.0%} of {args.gpu_gb:g} GiB without context parallelism: "
+              f"{seq} tokens a sequence need cp > 1 on {args.gpus} GPUs")
+    print(f"best: tp={best.tp} cp={best.cp} pp={best.pp} dp={best.dp} ZeRO-{best.zero} micro {best.micro_batch} x accumulation {best.accumulation}, "
           f"checkpointing {'on' if best.activation_checkpointing else 'off'}, sequence parallel "
           f"{'on' if best.sequence_parallel else 'off'}: predicted {best.step_s:.3g} s a step"
-          f"{f' (bubble {best.bubble:.1%})' if best.pp > 1 else ''}, MFU {best.mfu:.1%}, {best.memory_gib:.1f} GiB a GPU")
+          f"{f' (bubble {best.bubble:.1%})' if best.pp > 1 else ''}{f' (cp {best.cp_comm_s:.3g} s exposed)' if best.cp > 1 else ''}"
+          f", MFU {best.mfu:.1%}, {best.memory_gib:.1f} GiB a GPU")
     if args.dry_run:
         status = confirm(best, args, cluster, seq, batch)
         if status:
             return status
     if args.write:
         note = (f"{PLAN_NOTE} --gpus {args.gpus} (a prediction, docs/parallelism.md): predicted {best.step_s:.3g} s "
-                f"a step{f' (pp={best.pp}, bubble {best.bubble:.1%})' if best.pp > 1 else ''}, MFU {best.mfu:.1%}, "
+                f"a step{f' (pp={best.pp}, bubble {best.bubble:.1%})' if best.pp > 1 else ''}"
+                f"{f' (cp={best.cp})' if best.cp > 1 else ''}, MFU {best.mfu:.1%}, "
                 f"{best.memory_gib:.1f} GiB a GPU")
         write_run_config(Path(args.write), args.config, best, seq, batch, note)
         print(f"wrote {args.write}")

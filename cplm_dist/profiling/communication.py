@@ -43,6 +43,24 @@ loss's and the copy head's to the last), per micro-batch with a = n D b the acti
     tied/all_reduce    the tied embedding's gradient between first and last stage, once a step
                        (V/tp x D x b)
     dp                 as above over the stage's own parameters
+Context parallelism (cp = c > 1, pp = 1; cplm_dist.model.context_parallel): everything above is
+counted for this rank's n = micro-batch x seq / c tokens, and on the cp group, per micro-batch,
+with N = micro-batch x seq the positions of the whole sequences ("cp/<collective>"; by part,
+`cp_bytes_per_micro_batch`):
+    attention   all_gather_into_tensor  2 N nkv/tp hd b x L (each layer's K and V) + L more with
+                                        activation checkpointing (the recomputed forward gathers
+                                        them again)
+                reduce_scatter_tensor   2 N nkv/tp hd b x L (their gradients, to their owners)
+    copy head   all_gather_into_tensor  4 N H_c d_c (its fp32 keys, once a forward), and
+                reduce_scatter_tensor   4 N H_c d_c (their gradient)
+    ids         all_gather              8 N (the input ids, once a forward: the copy head's source
+                                        ids) + 8 N under data.document_mask (the position ids); the
+                                        model gathers the ids copy on or off
+so what the copy head adds to cp's communication is its keys' 8 N H_c d_c bytes (and, read by it
+alone, the ids' 8 N), beside attention's 4 N nkv hd b L (+ 2 N nkv hd b L recomputed).
+The dp collectives run over dp x cp ranks (DeepSpeed's sequence-data-parallel group: gradients
+summed over cp, ZeRO partitioned over dp x cp), with the same volumes, filed under "dp/".
+The step's token count summed over cp (8 bytes a micro-batch) is bookkeeping, not counted.
 Small bookkeeping collectives (gradient norm, overflow checks, loss averaging) are not counted,
 nor collectives over a single rank (they move nothing; the profiler skips them too).
 """
@@ -108,9 +126,39 @@ def pp_bytes_per_micro_batch(cfg: Config, *, tp: int, pp: int, stage: int, token
     return out
 
 
+def cp_bytes_per_micro_batch(cfg: Config, *, tp: int, cp: int, micro_batch: int, seq_len: int, act_bytes: int,
+                             activation_checkpointing: bool) -> dict[str, dict[str, float]]:
+    """{part: {collective: bytes}} of one micro-batch's forward and backward on the cp group, by
+    part: "attention" (every layer's K and V), "copy_head" (its keys), "ids" (the input ids, and
+    the position ids under document masking); {} at cp = 1 (module docstring)."""
+    if cp == 1:
+        return {}
+    m, c = cfg.model, cfg.copy
+    positions = micro_batch * seq_len  # of the whole sequences: every gather's output
+    kv = 2 * positions * (m.num_kv_heads // tp) * m.head_dim * act_bytes * m.num_layers
+    parts = {"attention": {"all_gather_into_tensor": kv * (2 if activation_checkpointing else 1),
+                           "reduce_scatter_tensor": kv}}
+    if c.enabled:
+        keys = 4 * positions * c.num_heads * c.head_dim
+        parts["copy_head"] = {"all_gather_into_tensor": keys, "reduce_scatter_tensor": keys}
+    parts["ids"] = {"all_gather": 8 * positions * (2 if cfg.data.document_mask else 1)}
+    return parts
+
+
+def cp_step_parts(cfg: Config, *, tp: int, cp: int, micro_batch: int, accumulation: int, seq_len: int, precision: str,
+                  activation_checkpointing: bool) -> dict[str, float]:
+    """{part: bytes} one rank moves on the cp group in an optimizer step: what `step_bytes` files
+    under "cp/", by part (attention, copy_head, ids); {} at cp = 1."""
+    parts = cp_bytes_per_micro_batch(cfg, tp=tp, cp=cp, micro_batch=micro_batch, seq_len=seq_len,
+                                     act_bytes=2 if precision == "bf16" else 4,
+                                     activation_checkpointing=activation_checkpointing)
+    return {part: sum(sizes.values()) * accumulation for part, sizes in parts.items()}
+
+
 def dp_bytes_per_step(cfg: Config, *, tp: int, dp: int, zero: int, accumulation: int, param_bytes: int,
                       pp: int = 1, stage: int = 0) -> dict[str, float]:
-    """{collective: bytes} of one optimizer step on the dp group (of pipeline `stage`'s parameters)."""
+    """{collective: bytes} of one optimizer step on the dp group (of pipeline `stage`'s parameters);
+    `dp` its ranks (dp x cp under context parallelism)."""
     if dp == 1:
         return {}
     sizes = stage_tensor_sizes(cfg, tp, pp, stage)
@@ -130,12 +178,16 @@ def dp_bytes_per_step(cfg: Config, *, tp: int, dp: int, zero: int, accumulation:
 
 def step_bytes(cfg: Config, *, tp: int, dp: int, zero: int, micro_batch: int, accumulation: int, seq_len: int,
                precision: str, activation_checkpointing: bool, sequence_parallel: bool, pp: int = 1,
-               stage: int = 0) -> dict[str, float]:
+               stage: int = 0, cp: int = 1) -> dict[str, float]:
     """{"<group>/<collective>": bytes} one rank moves in an optimizer step (the module docstring);
-    with pipeline stages (pp > 1), a rank of `stage`."""
+    with pipeline stages (pp > 1), a rank of `stage`; with context parallelism (cp > 1) a rank
+    holding seq_len / cp positions of each sequence, "cp/" its cp group's and "dp/" the dp x cp
+    group's (dp is the data-parallel size alone)."""
+    if cp > 1 and pp > 1:
+        raise ValueError(f"cp={cp} with pp={pp}: context parallelism trains at pp = 1 only")
     b = 2 if precision == "bf16" else 4
     sp = sequence_parallel and tp > 1
-    tokens = micro_batch * seq_len
+    tokens = micro_batch * seq_len // cp  # this rank's
     out: dict[str, float] = defaultdict(float)
     first, last = stage == 0, stage == pp - 1
     layers = None if pp == 1 else pipeline_stages(cfg, pp, tp)[stage].layers
@@ -150,7 +202,11 @@ def step_bytes(cfg: Config, *, tp: int, dp: int, zero: int, micro_batch: int, ac
         m = cfg.model
         if m.tie_embeddings and (first or last):
             out["tied/all_reduce"] += padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp) // tp * m.hidden_size * b
-    for name, size in dp_bytes_per_step(cfg, tp=tp, dp=dp, zero=zero, accumulation=accumulation, param_bytes=b,
+    for sizes in cp_bytes_per_micro_batch(cfg, tp=tp, cp=cp, micro_batch=micro_batch, seq_len=seq_len, act_bytes=b,
+                                          activation_checkpointing=activation_checkpointing).values():
+        for name, size in sizes.items():
+            out[f"cp/{name}"] += size * accumulation
+    for name, size in dp_bytes_per_step(cfg, tp=tp, dp=dp * cp, zero=zero, accumulation=accumulation, param_bytes=b,
                                         pp=pp, stage=stage).items():
         out[f"dp/{name}"] += size
     return dict(out)

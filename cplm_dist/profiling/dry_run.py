@@ -9,10 +9,16 @@ collectives the model issues.
     result = dry_run(cfg, gpus=512, device=DEVICES["h200"])
     result.fits, result.heaviest, result.as_json()
 
-A rank's role is its tp rank and pipeline stage (its dp replicas are alike). tp ranks differ only
+A rank's role is its tp rank, pipeline stage and cp rank (its dp replicas are alike). tp ranks differ only
 in how much of their vocabulary shard is Megatron's padding and, under sequence parallelism, in
 which positions their copy-head queries are (`alike_ranks`): one tp rank is traced per distinct
-kind and the others share its figures (`traced_as`). What each role runs:
+kind and the others share its figures (`traced_as`). Under context parallelism (parallel.cp = c > 1,
+pp = 1) every cp rank is traced: each holds T/c positions of each sequence (its two chunks), runs
+attention and the copy head over the prefix its chunks see (cp rank 0's second chunk sees all T,
+the largest blocks), and issues the cp group's gathers, which the collective counter files under
+"cp/" and the communication model (cplm_dist.profiling.communication) predicts. The dp x cp group
+reduces the gradients and partitions ZeRO's states: modelled as dp over dp x cp ranks. What each
+role runs:
 
     pp = 1   min(accumulation, 2) micro-batches, each forward then backward: the second runs with
              the first one's gradients alive, as in a step that accumulates
@@ -88,19 +94,24 @@ class Layout:
     def act_bytes(self) -> int:
         return 2 if self.precision == "bf16" else 4
 
+    @property
+    def grad_ranks(self) -> int:
+        """The ranks gradients are reduced over and ZeRO partitions over: dp x cp."""
+        return self.dp * self.cp
+
     def as_json(self) -> dict:
         return {"tp": self.tp, "pp": self.pp, "cp": self.cp, "dp": self.dp, "zero_stage": self.zero_stage}
 
 
 def layout_of(cfg: Config, gpus: int) -> Layout:
     """The layout cfg trains with on `gpus` ranks, or the ConfigError training would raise (a tp x
-    pp that does not divide the world, batch arithmetic that does not work; the heads and pp
+    cp x pp that does not divide the world, batch arithmetic that does not work; the heads and pp
     bounds are checked when the config loads)."""
     p, t = cfg.parallel, cfg.train
-    check_world(p.tp, gpus, p.pp)
-    dp = gpus // (p.tp * p.pp)
+    check_world(p.tp, gpus, p.pp, p.cp)
+    dp = gpus // (p.tp * p.cp * p.pp)
     return Layout(world=gpus, tp=p.tp, pp=p.pp, dp=dp, zero_stage=t.zero_stage, micro_batch=t.micro_batch_size,
-                  accumulation=batch_layout(cfg, dp), seq_len=cfg.data.seq_length, precision=t.precision)
+                  accumulation=batch_layout(cfg, dp), seq_len=cfg.data.seq_length, precision=t.precision, cp=p.cp)
 
 
 def alike_ranks(cfg: Config, tp: int, last_stage: bool) -> dict[int, list[int]]:
@@ -145,6 +156,7 @@ class Role:
     peak_bytes: float
     estimate_bytes: float
     modelled_collectives: dict[str, float] = field(default_factory=dict)  # the communication model of the same collectives
+    cp_rank: int = 0
 
     @property
     def error(self) -> float:
@@ -153,7 +165,7 @@ class Role:
 
     def as_json(self) -> dict:
         t = self.trace
-        return {"tp_rank": self.tp_rank, "pp_stage": self.pp_stage, "cp_rank": 0, "traced_as": self.traced_as,
+        return {"tp_rank": self.tp_rank, "pp_stage": self.pp_stage, "cp_rank": self.cp_rank, "traced_as": self.traced_as,
                 "parameters": t.parameters, "peak_bytes": self.peak_bytes, "estimate_bytes": self.estimate_bytes,
                 "traced": {"peak_bytes": t.peak_bytes, "by_kind": t.by_kind, "micro_batches": t.micro_batches,
                            "flops_per_micro_batch": t.flops, "roofline_s_per_micro_batch": t.roofline_s},
@@ -204,15 +216,18 @@ class DryRun:
                 "seconds": self.seconds, "roles": [r.as_json() for r in self.roles]}
 
 
-def _micro_batch(cfg: Config, layout: Layout, stage, device):
-    """(the stage's inputs, labels) of one micro-batch: ids and labels (B, T); at a later stage
+def _micro_batch(cfg: Config, layout: Layout, stage, device, context=None):
+    """(the stage's inputs, labels) of one micro-batch: ids and labels (B, T), or this cp rank's
+    two chunks (B, T/cp) under context parallelism (`context`, its ContextShard); at a later stage
     also the received hidden states, (B, T, D) or sequence-first (T/tp, B, D) under sequence
     parallelism, to be differentiated."""
     B, T, D = layout.micro_batch, layout.seq_len, cfg.model.hidden_size
-    ids = torch.randint(0, cfg.model.vocab_size, (B, T), device=device)
+    local = T // layout.cp
+    ids = torch.randint(0, cfg.model.vocab_size, (B, local), device=device)
     labels = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], 1)
     # data.document_mask: the positions travel with ids and labels (one document a row: the mask's shape is what costs)
-    positions = (torch.arange(T, device=device).expand(B, T),) if cfg.data.document_mask else ()
+    whole = torch.arange(T, device=device).expand(B, T)
+    positions = ((whole if context is None else context.take(whole)),) if cfg.data.document_mask else ()
     if stage is None or stage.first:
         return (ids, labels, *positions), labels, None
     sp = cfg.parallel.sequence_parallel and layout.tp > 1
@@ -235,14 +250,15 @@ def _ids_bytes(ids: torch.Tensor) -> float:
 class _Schedule:
     """Runs one role's micro-batches (module docstring) and counts the pipeline boundary."""
 
-    def __init__(self, module, cfg: Config, layout: Layout, stage, device):
+    def __init__(self, module, cfg: Config, layout: Layout, stage, device, context=None):
         self.module, self.cfg, self.layout, self.stage, self.device = module, cfg, layout, stage, device
+        self.context = context
         self.pending: list = []
         self.boundary = defaultdict(float)
         self.micro_batches = 0
 
     def forward(self):
-        inputs, labels, x = _micro_batch(self.cfg, self.layout, self.stage, self.device)
+        inputs, labels, x = _micro_batch(self.cfg, self.layout, self.stage, self.device, self.context)
         out = self.module(*inputs) if self.stage is None else self.module(inputs)
         sent = lambda t: _sent_bytes(t, self.layout.tp, self.cfg.parallel.sequence_parallel)  # noqa: E731
         if self.stage is None:
@@ -286,7 +302,7 @@ def _build(cfg: Config, dims: ParallelDims, layout: Layout, device):
     dtype = torch.bfloat16 if layout.precision == "bf16" else torch.float32  # DeepSpeed's bf16 copy of the model
     if layout.pp > 1:
         return build_pipeline_model(cfg, dims, device=device, dtype=dtype)
-    return build_model(cfg, tp_group=dims.tp_group, device=device, dtype=dtype, compile_layers=False)
+    return build_model(cfg, tp_group=dims.tp_group, device=device, dtype=dtype, compile_layers=False, cp_group=dims.cp_group)
 
 
 def trace_rank(cfg: Config, dims: ParallelDims, layout: Layout, device: torch.device | str = "cpu",
@@ -294,6 +310,7 @@ def trace_rank(cfg: Config, dims: ParallelDims, layout: Layout, device: torch.de
     """Build this rank's modules and run its micro-batches (module docstring), in whatever world
     and tensor mode is active: a fake rank under FakeTensorMode (`dry_run`), or a real job of
     real tensors (how the tests hold the dry run to the real thing)."""
+    from cplm_dist.model.context_parallel import context_of
     from cplm_dist.profiling.live_tensors import StepTracker, peak_by_kind
     from cplm_dist.profiling.measure import CommTimer
     from cplm_dist.profiling.roofline import DEVICES
@@ -307,7 +324,7 @@ def trace_rank(cfg: Config, dims: ParallelDims, layout: Layout, device: torch.de
     hooks = []
     if layout.zero_stage >= 2:  # DeepSpeed reduces each gradient as it is made and keeps only its partition
         hooks = [p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None)) for p in params if p.requires_grad]
-    schedule = _Schedule(module, cfg, layout, stage, device)
+    schedule = _Schedule(module, cfg, layout, stage, device, context_of(dims))
     roof = Roofline(roofline_device or DEVICES["h200"], layout.precision)
     with StepTracker() as tracker, CommTimer(dims, device) as comm, roof:
         tracker.track_external(module)
@@ -324,12 +341,12 @@ def trace_rank(cfg: Config, dims: ParallelDims, layout: Layout, device: torch.de
                      roofline_s=roof.seconds / n, flops=roof.flops / n, seconds=time.perf_counter() - start)
 
 
-def trace_role(cfg: Config, layout: Layout, *, tp_rank: int, pp_stage: int, device: Device) -> RoleTrace:
+def trace_role(cfg: Config, layout: Layout, *, tp_rank: int, pp_stage: int, device: Device, cp_rank: int = 0) -> RoleTrace:
     """`trace_rank` of one role in a fake job of layout.world ranks, under FakeTensorMode."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    rank = rank_of(tp_rank=tp_rank, pp_stage=pp_stage, tp=layout.tp, dp=layout.dp)
-    with fake_rank(rank=rank, world=layout.world, tp=layout.tp, pp=layout.pp) as dims, FakeTensorMode():
+    rank = rank_of(tp_rank=tp_rank, pp_stage=pp_stage, tp=layout.tp, dp=layout.dp, cp_rank=cp_rank, cp=layout.cp)
+    with fake_rank(rank=rank, world=layout.world, tp=layout.tp, pp=layout.pp, cp=layout.cp) as dims, FakeTensorMode():
         with contextlib.redirect_stdout(io.StringIO()):  # DeepSpeed prints the whole rank topology at rank 0
             return trace_rank(cfg, dims, layout, "cpu", device)
 
@@ -338,35 +355,37 @@ def modelled(cfg: Config, layout: Layout, trace: RoleTrace, stage: int) -> dict:
     """What DeepSpeed's engine adds to a traced role (module docstring), from the estimator's arithmetic."""
     t = cfg.train
     n = trace.parameters
-    _, g_b, o_b = state_bytes_per_parameter(layout.precision, layout.zero_stage, layout.dp, t.grad_accum_dtype)
+    _, g_b, o_b = state_bytes_per_parameter(layout.precision, layout.zero_stage, layout.grad_ranks, t.grad_accum_dtype)
     collectives = {}
     full = communication.step_bytes(cfg, tp=layout.tp, dp=layout.dp, zero=layout.zero_stage, micro_batch=layout.micro_batch,
                                     accumulation=layout.accumulation, seq_len=layout.seq_len, precision=layout.precision,
                                     activation_checkpointing=t.activation_checkpointing,
-                                    sequence_parallel=cfg.parallel.sequence_parallel, pp=layout.pp, stage=stage)
+                                    sequence_parallel=cfg.parallel.sequence_parallel, pp=layout.pp, stage=stage, cp=layout.cp)
     for key, size in full.items():  # what the engine moves: dp, the tied gradient, the partitioned p2p gathers
         if key.startswith(("dp/", "tied/")) or (key.startswith("tp/") and layout.pp > 1 and key == "tp/all_gather_into_tensor"
                                                 and not cfg.parallel.sequence_parallel):
             collectives[key] = size
     buckets = bucket_bytes(cfg, zero=layout.zero_stage, pp=layout.pp, act_bytes=layout.act_bytes)
-    return {"optimizer_states": n * o_b, "gradient_buckets": buckets, "optimizer_step": n * g_b + 4 * n / (layout.dp if layout.zero_stage >= 1 else 1),
+    return {"optimizer_states": n * o_b, "gradient_buckets": buckets, "optimizer_step": n * g_b + 4 * n / (layout.grad_ranks if layout.zero_stage >= 1 else 1),
             "collectives": collectives, "communication_model": full}
 
 
-def _role(cfg: Config, layout: Layout, trace: RoleTrace, tp_rank: int, traced_as: int, stage: int, estimate) -> Role:
+def _role(cfg: Config, layout: Layout, trace: RoleTrace, tp_rank: int, traced_as: int, stage: int, estimate,
+          cp_rank: int = 0) -> Role:
     extra = modelled(cfg, layout, trace, stage)
     activity = trace.peak_bytes - trace.parameter_bytes
-    params = trace.parameter_bytes if layout.zero_stage < 3 else trace.parameter_bytes / layout.dp
+    params = trace.parameter_bytes if layout.zero_stage < 3 else trace.parameter_bytes / layout.grad_ranks
     peak = params + extra["optimizer_states"] + extra["gradient_buckets"] + max(activity, extra["optimizer_step"])
     model = extra.pop("communication_model")  # less what the engine moves: the model's own collectives, as traced
     return Role(tp_rank, stage, traced_as, trace, extra, peak, estimate.total,
-                {k: v for k, v in model.items() if k not in extra["collectives"]})
+                {k: v for k, v in model.items() if k not in extra["collectives"]}, cp_rank)
 
 
 def roofline_step(cfg: Config, layout: Layout, roles: list[Role], cluster: Cluster) -> float:
     """The slowest stage's traced micro-batch at the roofline plus its traced tp bytes at the
-    intra-node bandwidth, over the step's micro-batches and the 1F1B bubble, plus the modelled dp
-    and tied bytes unhidden (module docstring)."""
+    intra-node bandwidth and its traced cp bytes at the link its cp group spans, over the step's
+    micro-batches and the 1F1B bubble, plus the modelled dp (over dp x cp) and tied bytes unhidden
+    (module docstring)."""
     def link(ranks: int) -> float:
         return cluster.intra_gbps if ranks <= cluster.gpus_per_node else cluster.inter_gbps
 
@@ -374,9 +393,12 @@ def roofline_step(cfg: Config, layout: Layout, roles: list[Role], cluster: Clust
     for r in roles:
         tp_s = sum(size * communication.ring_factor(key.split("/")[1], layout.tp) / (cluster.intra_gbps * 1e9)
                    for key, size in r.trace.collectives.items() if key.startswith("tp/"))
+        cp_s = sum(size * communication.ring_factor(key.split("/")[1], layout.cp) / (link(layout.tp * layout.cp) * 1e9)
+                   for key, size in r.trace.collectives.items() if key.startswith("cp/"))
         p2p_s = sum(r.trace.boundary.values()) / (link(layout.tp * layout.dp * 2) * 1e9)
-        slot = r.trace.roofline_s * layout.accumulation + tp_s + p2p_s
-        dp_s = sum(size * communication.ring_factor(key.split("/")[1], layout.dp) / (link(layout.tp * layout.dp) * 1e9)
+        slot = r.trace.roofline_s * layout.accumulation + tp_s + cp_s + p2p_s
+        dp_s = sum(size * communication.ring_factor(key.split("/")[1], layout.grad_ranks)
+                   / (link(layout.tp * layout.grad_ranks) * 1e9)
                    for key, size in r.modelled["collectives"].items() if key.startswith("dp/"))
         worst = max(worst, slot / (1 - bubble(layout.pp, layout.accumulation)) + dp_s)
     return worst
@@ -391,17 +413,19 @@ def dry_run(cfg: Config, *, gpus: int, device: Device, cluster: Cluster | None =
     cluster = cluster or Cluster(gpus=gpus, memory_gib=device.memory_gib, peak_tflops=device.peak_flops(layout.precision) / 1e12)
     t = cfg.train
     estimates = stage_estimates(cfg, tp=layout.tp, dp=layout.dp, micro_batch=layout.micro_batch, seq_len=layout.seq_len,
-                                pp=layout.pp, accumulation=layout.accumulation)
+                                pp=layout.pp, accumulation=layout.accumulation, cp=layout.cp)
     roles = []
     for stage in range(layout.pp):
         for traced, alike in alike_ranks(cfg, layout.tp, stage == layout.pp - 1).items():
-            trace = trace_role(cfg, layout, tp_rank=traced, pp_stage=stage, device=device)
-            if progress:
-                progress(f"traced tp rank {traced} of stage {stage} ({len(alike)} alike) in {trace.seconds:.1f} s: "
-                         f"{trace.parameters / 1e6:.1f}M parameters, peak {trace.peak_bytes / 2**30:.2f} GiB traced")
-            roles += [_role(cfg, layout, trace, r, traced, stage, estimates[stage]) for r in alike]
-    roles.sort(key=lambda r: (r.pp_stage, r.tp_rank))
-    layout_kw = dict(tp=layout.tp, pp=layout.pp, zero=layout.zero_stage, micro_batch=layout.micro_batch,
+            for cp_rank in range(layout.cp):  # each cp rank's chunks see a prefix of their own
+                trace = trace_role(cfg, layout, tp_rank=traced, pp_stage=stage, device=device, cp_rank=cp_rank)
+                if progress:
+                    of_cp = f" (cp rank {cp_rank})" if layout.cp > 1 else ""
+                    progress(f"traced tp rank {traced}{of_cp} of stage {stage} ({len(alike)} alike) in {trace.seconds:.1f} s: "
+                             f"{trace.parameters / 1e6:.1f}M parameters, peak {trace.peak_bytes / 2**30:.2f} GiB traced")
+                roles += [_role(cfg, layout, trace, r, traced, stage, estimates[stage], cp_rank) for r in alike]
+    roles.sort(key=lambda r: (r.pp_stage, r.cp_rank, r.tp_rank))
+    layout_kw = dict(tp=layout.tp, pp=layout.pp, cp=layout.cp, zero=layout.zero_stage, micro_batch=layout.micro_batch,
                      activation_checkpointing=t.activation_checkpointing,
                      sequence_parallel=cfg.parallel.sequence_parallel and layout.tp > 1)
     planned = predict(cfg, cluster, seq_len=layout.seq_len, global_batch=t.global_batch_size, **layout_kw)

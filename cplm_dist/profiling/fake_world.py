@@ -1,13 +1,14 @@
 """One rank of a job of any size, in one process and with no device: torch's fake process group
 (backend "fake": every collective returns at once, nothing moves) at the rank's place in the real
-world size, with megatron-core's tp, dp and pp groups built as training builds them
+world size, with megatron-core's tp, cp, dp and pp groups built as training builds them
 (cplm_dist.parallel), and tensors under FakeTensorMode (shapes, dtypes and storages, no memory,
 no arithmetic). cplm_dist.profiling.dry_run traces the real model in it.
 
     with fake_rank(rank=5, world=512, tp=4, pp=4) as dims, FakeTensorMode():
         model = build_model(cfg, tp_group=dims.tp_group, device="cpu", dtype=torch.bfloat16)
 
-Ranks are placed as parallel.py places them: rank = (pp_rank x dp + dp_rank) x tp + tp_rank.
+Ranks are placed as parallel.py places them: rank = ((pp_rank x dp + dp_rank) x cp + cp_rank) x tp
++ tp_rank (megatron's order tp-cp-dp-pp; cp = 1: (pp_rank x dp + dp_rank) x tp + tp_rank).
 """
 
 from __future__ import annotations
@@ -23,13 +24,13 @@ from cplm_dist.megatron_compat import parallel_state
 from cplm_dist.parallel import destroy_distributed, parallel_dims
 
 
-def rank_of(*, tp_rank: int, pp_stage: int, tp: int, dp: int, dp_rank: int = 0) -> int:
-    """The global rank of a tp rank of a pipeline stage (Megatron's and DeepSpeed's layout)."""
-    return (pp_stage * dp + dp_rank) * tp + tp_rank
+def rank_of(*, tp_rank: int, pp_stage: int, tp: int, dp: int, dp_rank: int = 0, cp_rank: int = 0, cp: int = 1) -> int:
+    """The global rank of a tp rank (and cp rank) of a pipeline stage (Megatron's and DeepSpeed's layout)."""
+    return ((pp_stage * dp + dp_rank) * cp + cp_rank) * tp + tp_rank
 
 
 @contextlib.contextmanager
-def fake_rank(*, rank: int, world: int, tp: int, pp: int = 1):
+def fake_rank(*, rank: int, world: int, tp: int, pp: int = 1, cp: int = 1):
     """Yield the ParallelDims of `rank` in a fake job of `world` ranks; the groups are torn down
     after. Refuses to run inside a real job (its groups would be replaced)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -42,7 +43,7 @@ def fake_rank(*, rank: int, world: int, tp: int, pp: int = 1):
         with warnings.catch_warnings():  # megatron warns once per group it builds at this world size
             warnings.simplefilter("ignore")
             parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                                     create_gloo_process_groups=False)
+                                                     context_parallel_size=cp, create_gloo_process_groups=False)
         yield parallel_dims()
 
 

@@ -7,7 +7,8 @@ synchronisation inside the step, no wrapped collectives) for tokens/s, TFLOP/s a
 `breakdown_steps` instrumented steps that time forward, backward and the optimizer step
 separately (synchronising the device between them) and every collective (wrapped to wait for
 completion), classified by process group: tensor-parallel all-reduces, data-parallel / ZeRO
-reduce-scatters and all-gathers. Instrumentation removes overlap, so the breakdown adds up to a
+reduce-scatters and all-gathers (over dp x cp under context parallelism), context-parallel K/V
+and key gathers and their reduce-scatters, pipeline sends and receives. Instrumentation removes overlap, so the breakdown adds up to a
 little more than a clean step: the headline figures never come from instrumented steps.
 """
 
@@ -51,14 +52,17 @@ def collective_bytes(args: tuple, kwargs: dict) -> int:
 
 class CommTimer:
     """While active, every torch.distributed collective and point-to-point transfer is timed to
-    completion and filed under the group it ran on ("tp", "dp", "pp", "tied", "world" or "other";
-    sends and receives between pipeline stages: "pp"): seconds, calls and bytes (the whole
-    buffer, `collective_bytes`), also by collective in `by_name[(group, name)] = [calls, bytes]`.
-    `engine`: a DeepSpeed pipeline engine, whose grid has process groups of its own."""
+    completion and filed under the group it ran on ("tp", "dp", "cp", "pp", "tied", "world" or
+    "other"; sends and receives between pipeline stages: "pp"; under context parallelism the cp
+    group is "cp" and the dp x cp group, where gradients are reduced, "dp"): seconds, calls and
+    bytes (the whole buffer, `collective_bytes`), also by collective in
+    `by_name[(group, name)] = [calls, bytes]`. `engine`: a DeepSpeed pipeline engine, whose grid
+    has process groups of its own."""
 
     def __init__(self, dims: ParallelDims, device: torch.device, engine=None):
         self.device = device
         self.groups = {id(dims.tp_group): "tp", id(dims.dp_group): "dp", id(dims.pp_group): "pp"}
+        self.groups.update({id(g): kind for g, kind in ((dims.cp_group, "cp"), (dims.dp_cp_group, "dp")) if g is not None})
         grid = getattr(engine, "grid", None)
         if grid is not None:
             self.groups.update({id(grid.get_slice_parallel_group()): "tp", id(grid.get_data_parallel_group()): "dp",
@@ -127,11 +131,16 @@ class CommTimer:
         self._saved.clear()
 
 
-def synthetic_batches(cfg: Config, micro: int, seq_len: int, device, generator: torch.Generator):
-    """Endless micro-batches of uniformly random token ids, as the data loader yields them."""
+def synthetic_batches(cfg: Config, micro: int, seq_len: int, device, generator: torch.Generator, context=None):
+    """Endless micro-batches of uniformly random token ids, as the data loader yields them: under
+    context parallelism (`context`, this rank's ContextShard) its two chunks of each sequence
+    (the cp ranks of a replica draw the same sequences from the same generator seed)."""
     while True:
         ids = torch.randint(0, cfg.model.vocab_size, (micro, seq_len + 1), generator=generator)
-        yield {"input_ids": ids[:, :-1].to(device), "labels": ids[:, 1:].to(device)}
+        batch = {"input_ids": ids[:, :-1], "labels": ids[:, 1:]}
+        if context is not None:
+            batch = {k: context.take(v) for k, v in batch.items()}
+        yield {k: v.to(device) for k, v in batch.items()}
 
 
 def timed_steps(step, batches, count: int, device: torch.device) -> list[float]:
@@ -152,8 +161,11 @@ def measure(step, cfg: Config, dims: ParallelDims, *, warmup: int, steps: int, b
 
     `baseline_bytes`: memory in use before the model was built; the step's memory is reported
     above it (`step_memory_gb`, what cplm_dist.profiling.memory estimates) and as the absolute peak."""
+    from cplm_dist.model.context_parallel import context_of
+
     t = cfg.train
-    batches = synthetic_batches(cfg, t.micro_batch_size, seq_len, device, torch.Generator().manual_seed(1234 + dims.dp_rank))
+    batches = synthetic_batches(cfg, t.micro_batch_size, seq_len, device, torch.Generator().manual_seed(1234 + dims.dp_rank),
+                                context_of(dims))
     for _ in range(warmup):
         step(batches)
     synchronize(device)
@@ -199,6 +211,9 @@ def measure(step, cfg: Config, dims: ParallelDims, *, warmup: int, steps: int, b
         "pipeline_s": phases["pipeline"] / n,  # pp > 1: forward, backward and the step interleave in one schedule
         "comm_pp_s": comm.seconds["pp"] / n,
         "comm_pp_mb": comm.bytes["pp"] / n / 1e6,
+        "comm_cp_s": comm.seconds["cp"] / n,  # context parallelism: K/V, copy keys and ids gathered, gradients scattered
+        "comm_cp_calls": comm.calls["cp"] / n,
+        "comm_cp_mb": comm.bytes["cp"] / n / 1e6,
         "comm_tp_s": comm.seconds["tp"] / n,
         "comm_dp_s": (comm.seconds["dp"] + comm.seconds["world"]) / n,
         "comm_tp_calls": comm.calls["tp"] / n,
@@ -216,7 +231,10 @@ def alternate(steps: dict, cfg: Config, dims: ParallelDims, device: torch.device
     model): {name: {step_time_s (the median), tokens_per_s, tokens_per_s_per_device, memory_gb}}
     for `steps` = {name: (step, bytes its states took when built, `measure_building`)}, the
     memory being those states plus its steps' peak above them."""
-    batches = synthetic_batches(cfg, cfg.train.micro_batch_size, seq_len, device, torch.Generator().manual_seed(0))
+    from cplm_dist.model.context_parallel import context_of
+
+    batches = synthetic_batches(cfg, cfg.train.micro_batch_size, seq_len, device, torch.Generator().manual_seed(0),
+                                context_of(dims))
     times = {name: [] for name in steps}
     peaks = {name: 0 for name in steps}
     for step, _ in steps.values():

@@ -13,7 +13,9 @@ Model states (bytes per parameter held by the device, the ZeRO paper's counts, w
 | bf16 | 2 | 2 | 2 / dp + 4 / dp | 12 / dp |
 | bf16 | 3 | 2 / dp | 2 / dp + 4 / dp | 12 / dp |
 
-where a device holds P_tp = (tp-split parameters) / tp + replicated parameters.
+where a device holds P_tp = (tp-split parameters) / tp + replicated parameters, and dp is the
+group ZeRO partitions over: dp x cp under context parallelism (DeepSpeed's sequence-data-parallel
+group), dp alone otherwise.
 
 Activations saved for backward, per token, per transformer layer, counted from what our block's
 autograd graph keeps, by the backbone's features (cplm_dist.model.backbone; b = bytes per
@@ -95,6 +97,33 @@ stage's, each stage counted as above for its own part, with m = accumulation mic
     transient   one layer's activation gradients (+ its recomputation) on every stage; the
                 vocabulary gradient only on the stages holding a vocabulary tensor (first, last)
 
+Context parallelism (parallel.cp = c > 1, cplm_dist.model.context_parallel; pp = 1): each rank holds
+T/c positions of each sequence (2 of 2c chunks), so everything counted per token above is counted
+for micro x T/c tokens: the layers' activations (or their checkpointed inputs), the final norm,
+the loss's logits, the rotary tables (one row a token: positions are given, (B, T/c, hd) each).
+What changes inside a layer (measured with saved-tensor hooks at cp 2, both backbones, fp32, bf16
+and tp 2 with sequence parallelism; a test holds the formula to it exactly):
+
+    attention b (nh + 2 nkv) hd of the fused QKV output is no longer kept: the keys and values
+              SDPA saves are the all-gathered ones, so instead
+              b nh hd                        q (rotated; made contiguous for learned positions
+                                             with shared heads; a view of the QKV output with
+                                             learned positions and nkv = nh: b (nh + 2 nkv) hd)
+              + 2 b c nkv hd                 the gathered K and V of the whole sequence (T = c x T/c
+                                             positions, for each of this rank's tokens)
+              + 2 b nh hd + 4 nh             each chunk's SDPA output and log-sum-exp, and their
+                                             concatenation (the output projection's input)
+              + 16 T per layer and sequence  the gathers' two (T,) int64 reorderings
+
+so the gathered K/V of every layer are held for backward (SDPA needs them), not only transiently;
+under checkpointing one layer's, during its recomputation. On CPU, SDPA also keeps a float copy of
+each chunk's boolean mask per layer (b x rows x keys, (2c + 1) (T / 2c)^2 elements a micro-batch),
+not counted: on CUDA the chunks run FlexAttention's block masks. The copy head keeps q for its own
+T/c positions and the gathered keys of all T, and scores each of its two chunks against the
+prefix it sees (cp rank 0's second chunk: all T keys, the largest block, counted); dense chunks
+keep 3 score tensors each for backward, with 3 more of the largest at the backward peak. ZeRO
+partitions over dp x cp (the table above), and the accumulation counts dp alone.
+
 A 1F1B step lasts m + p - 1 micro-batch slots for m micro-batches of work: the bubble, the share
 of the step a stage waits, is (p - 1) / (m + p - 1) (cplm_dist.profiling.planner, `bubble`). At
 p = 1 every figure is the single-stage one above.
@@ -157,7 +186,8 @@ def bubble(pp: int, accumulation: int) -> float:
 
 def state_bytes_per_parameter(precision: str, zero: int, dp: int,
                               grad_accum_dtype: str | None = None) -> tuple[float, float, float]:
-    """(parameters, gradients, optimizer) bytes per parameter a device holds, as the table above."""
+    """(parameters, gradients, optimizer) bytes per parameter a device holds, as the table above;
+    `dp` the ranks ZeRO partitions over (dp x cp under context parallelism)."""
     if precision == "fp32":
         params, grads, optim = 4.0, 4.0, 8.0
         return (params / dp if zero >= 3 else params, grads / dp if zero >= 2 else grads, optim / dp if zero >= 1 else optim)
@@ -195,13 +225,17 @@ NORM_SAVED = {"rmsnorm": lambda D, b: 4 * D + 4 + 4 * D + b * D, "layernorm": la
 MLP_SAVED = {"swiglu": 4, "gelu": 2}
 
 
-def layer_activation_bytes_per_token(cfg: Config, tp: int, act_bytes: int) -> float:
-    """What one transformer layer saves for backward per token, from its backbone's features (the
-    module docstring's counts)."""
+def layer_activation_bytes_per_token(cfg: Config, tp: int, act_bytes: int, cp: int = 1) -> float:
+    """What one transformer layer saves for backward per token of this rank, from its backbone's
+    features (the module docstring's counts); under context parallelism (cp > 1) with the
+    gathered keys and values (not counted: the gathers' int64 reorderings, `CP_ORDER_BYTES`)."""
     m, b, bb = cfg.model, act_bytes, backbone(cfg.model)
     D, F, hd = m.hidden_size, m.ffn_hidden_size // tp, m.head_dim
     nh, nkv = m.num_heads // tp, m.num_kv_heads // tp
     norms = 2 * NORM_SAVED[bb.norm](D, b) / sequence_shards(cfg, tp)
+    if cp > 1:  # q, the gathered K and V, each chunk's output and log-sum-exp and their concatenation
+        q = b * (nh + 2 * nkv) * hd if bb.positions != "rope" and nkv == nh else b * nh * hd
+        return norms + q + 2 * b * cp * nkv * hd + 2 * b * nh * hd + 4 * nh + b * MLP_SAVED[bb.mlp] * F
     attention = b * (nh + 2 * nkv) * hd  # the fused QKV output
     if bb.positions == "rope":
         attention += b * (nh + nkv) * hd  # rotated q and k
@@ -211,10 +245,16 @@ def layer_activation_bytes_per_token(cfg: Config, tp: int, act_bytes: int) -> fl
     return norms + attention + b * MLP_SAVED[bb.mlp] * F
 
 
-def copy_head_bytes(cfg: Config, micro_batch: int, seq_len: int, tp: int = 1) -> float:
-    """The copy head's activation bytes at the backward peak (module docstring), per device."""
+CP_ORDER_BYTES = 16  # per layer and position of the whole sequence: the K and V gathers' (T,) int64 reorderings
+
+
+def copy_head_bytes(cfg: Config, micro_batch: int, seq_len: int, tp: int = 1, cp: int = 1) -> float:
+    """The copy head's activation bytes at the backward peak (module docstring), per device (at
+    cp > 1 the heaviest: cp rank 0, whose second chunk scores every key)."""
     c = cfg.copy
     shards = sequence_shards(cfg, tp)
+    if cp > 1:
+        return _context_copy_head_bytes(cfg, micro_batch, seq_len, shards, cp)
     tokens = micro_batch * seq_len
     qk = tokens * 4 * c.num_heads * c.head_dim * (1 / shards + 1)  # q of this rank's positions, k of all
     rows = seq_len // shards  # the query rows this rank scores
@@ -226,41 +266,79 @@ def copy_head_bytes(cfg: Config, micro_batch: int, seq_len: int, tp: int = 1) ->
     return 2 * qk + tokens / shards * 2 * 4 * c.num_heads + COPY_BLOCK_TENSORS * block
 
 
+def _context_copy_head_bytes(cfg: Config, micro_batch: int, seq_len: int, shards: int, cp: int) -> float:
+    """copy_head_bytes under context parallelism: q of this rank's rows, the gathered keys of all
+    seq_len positions, and each run of consecutive rows (a chunk, or its sequence shard) scored
+    against the prefix it sees by its own path (dense, chunked, flex: CopyHead.lse_path's rule);
+    the heaviest tp rank of cp rank 0 (its second chunk ends at the last position)."""
+    from cplm_dist.model.context_parallel import ContextShard
+
+    c = cfg.copy
+    H, d = c.num_heads, c.head_dim
+    local = seq_len // cp
+    q_rows = local // shards
+    qk = 4 * H * d * micro_batch * (q_rows + seq_len)  # q of this rank's rows, k of every position
+    am = micro_batch * q_rows * 2 * 4 * H  # A_t and M_t per head, kept for backward
+    shard, worst = ContextShard(0, cp), 0.0
+    for r in range(shards):
+        runs = [(b - a, pos + b - a) for a, b, pos in shard.runs(r * q_rows, (r + 1) * q_rows, local)]  # (rows, keys)
+        if c.impl == "flex":
+            total = 2 * qk + am + 4 * H * FLEX_VALUE_DIM * micro_batch * (2 * sum(k for _, k in runs) + 2 * q_rows)
+        else:
+            scores = micro_batch * 4 * H
+            dense = [scores * n * k for n, k in runs if c.impl == "dense" or k <= c.chunk_size]
+            blocks = [scores * min(c.chunk_size, n) * k for n, k in runs if not (c.impl == "dense" or k <= c.chunk_size)]
+            saved = COPY_SCORE_TENSORS // 2  # of a dense run's score tensors, kept for backward (the rest at its backward)
+            total = qk + saved * sum(dense) + max([saved * x for x in dense] + [COPY_BLOCK_TENSORS * x for x in blocks])
+            if blocks:  # the chunked path also keeps A_t, M_t and makes dq, dk in backward
+                total += qk + am
+        worst = max(worst, total)
+    return worst
+
+
 def estimate(cfg: Config, *, tp: int, dp: int, micro_batch: int, seq_len: int, zero: int | None = None,
              precision: str | None = None, activation_checkpointing: bool | None = None, pp: int | None = None,
-             accumulation: int | None = None) -> MemoryEstimate:
+             accumulation: int | None = None, cp: int | None = None) -> MemoryEstimate:
     """Bytes per device for one training step of `micro_batch` sequences of `seq_len` tokens: at
-    pp > 1 the heaviest pipeline stage's (the module docstring). pp defaults to parallel.pp,
+    pp > 1 the heaviest pipeline stage's (the module docstring). pp and cp default to parallel.pp
+    and parallel.cp (dp is the data-parallel size alone: dp x cp ranks partition ZeRO's states),
     accumulation (the micro-batches a step, which bound those in flight) to
     train.global_batch_size / (micro_batch x dp)."""
     return max(stage_estimates(cfg, tp=tp, dp=dp, micro_batch=micro_batch, seq_len=seq_len, zero=zero,
                                precision=precision, activation_checkpointing=activation_checkpointing, pp=pp,
-                               accumulation=accumulation), key=lambda e: e.total)
+                               accumulation=accumulation, cp=cp), key=lambda e: e.total)
 
 
 def stage_estimates(cfg: Config, *, tp: int, dp: int, micro_batch: int, seq_len: int, zero: int | None = None,
                     precision: str | None = None, activation_checkpointing: bool | None = None, pp: int | None = None,
-                    accumulation: int | None = None) -> list[MemoryEstimate]:
+                    accumulation: int | None = None, cp: int | None = None) -> list[MemoryEstimate]:
     """`estimate` of every pipeline stage, in stage order (one at pp = 1)."""
     pp = cfg.parallel.pp if pp is None else pp
+    cp = cfg.parallel.cp if cp is None else cp
+    if cp > 1 and pp > 1:
+        raise ValueError(f"cp={cp} with pp={pp}: context parallelism trains at pp = 1 only (cplm_dist.config.validation)")
+    if seq_len % cp:
+        raise ValueError(f"seq_len={seq_len} is not divisible by cp={cp}")
     if accumulation is None:
         accumulation = max(1, cfg.train.global_batch_size // (micro_batch * dp))
     return [_stage_estimate(cfg, stage, tp=tp, dp=dp, micro_batch=micro_batch, seq_len=seq_len, zero=zero,
                             precision=precision, activation_checkpointing=activation_checkpointing,
-                            accumulation=accumulation) for stage in pipeline_stages(cfg, pp, tp)]
+                            accumulation=accumulation, cp=cp) for stage in pipeline_stages(cfg, pp, tp)]
 
 
 def _stage_estimate(cfg: Config, stage: Stage, *, tp: int, dp: int, micro_batch: int, seq_len: int, zero: int | None,
-                    precision: str | None, activation_checkpointing: bool | None, accumulation: int) -> MemoryEstimate:
+                    precision: str | None, activation_checkpointing: bool | None, accumulation: int,
+                    cp: int = 1) -> MemoryEstimate:
     t, m, c = cfg.train, cfg.model, cfg.copy
     zero = t.zero_stage if zero is None else zero
     precision = t.precision if precision is None else precision
     ckpt = t.activation_checkpointing if activation_checkpointing is None else activation_checkpointing
     b = 2 if precision == "bf16" else 4
-    tokens = micro_batch * seq_len
+    tokens = micro_batch * seq_len // cp  # this rank's positions of its micro-batch
     n_local = stage_parameters(cfg, stage, tp)
-    p_b, g_b, o_b = state_bytes_per_parameter(precision, zero, dp, t.grad_accum_dtype)
-    per_layer = layer_activation_bytes_per_token(cfg, tp, b)
+    partitions = dp * cp  # ZeRO partitions over dp x cp
+    p_b, g_b, o_b = state_bytes_per_parameter(precision, zero, partitions, t.grad_accum_dtype)
+    per_layer = layer_activation_bytes_per_token(cfg, tp, b, cp)
     shards = sequence_shards(cfg, tp)
     if stage.stages == 1:  # the whole model, one micro-batch at a time
         layers, held, buffers = m.num_layers, 1, 0.0
@@ -269,13 +347,15 @@ def _stage_estimate(cfg: Config, stage: Stage, *, tp: int, dp: int, micro_batch:
         received = b * m.hidden_size / shards  # per token: gathered whole unless sequence-sharded
         sent = b * m.hidden_size / tp  # DeepSpeed keeps a tp partition of what it sent (or the sp shard)
         buffers = held * tokens * (16 + received * (not stage.first and not ckpt) + sent * (not stage.last))
+    order = CP_ORDER_BYTES * seq_len if cp > 1 else 0.0  # per layer: the K and V gathers' (T,) int64 reorderings
     if ckpt:
         activations = held * tokens * (layers * b * m.hidden_size) / shards
-        recompute = tokens * per_layer
+        recompute = tokens * per_layer + order
     else:
-        activations = held * tokens * layers * per_layer
+        activations = held * (tokens * layers * per_layer + layers * order)
         recompute = 0.0
-    outside = 2 * 4 * seq_len * m.head_dim  # the rotary tables
+    # the rotary tables: (T, hd) cos and sin, or under cp one row a token of this rank (positions given)
+    outside = 2 * 4 * (tokens if cp > 1 else seq_len) * m.head_dim
     if stage.last:  # the final norm
         outside = tokens * (8 * m.hidden_size + 4 + b * m.hidden_size) / shards + outside
     activations += buffers + outside
@@ -287,7 +367,7 @@ def _stage_estimate(cfg: Config, stage: Stage, *, tp: int, dp: int, micro_batch:
         else:
             logits = tokens * v_local * (4 + (b if b != 4 else 0))
         if c.enabled:
-            copy_head = copy_head_bytes(cfg, micro_batch, seq_len, tp)
+            copy_head = copy_head_bytes(cfg, micro_batch, seq_len, tp, cp)
     embedding_grad = v_local * m.hidden_size * (g_b if zero < 2 else b) if stage.first or stage.last else 0.0
     return MemoryEstimate(
         parameters=n_local * p_b,
@@ -297,7 +377,7 @@ def _stage_estimate(cfg: Config, stage: Stage, *, tp: int, dp: int, micro_batch:
         logits=logits,
         copy_head=copy_head,
         backward_transient=recompute + tokens * per_layer + embedding_grad,
-        optimizer_transient=4 * n_local / (dp if zero >= 1 else 1),
+        optimizer_transient=4 * n_local / (partitions if zero >= 1 else 1),
         accumulated_gradients=n_local * g_b if accumulation > 1 else 0.0,
         buckets=bucket_bytes(cfg, zero=zero, pp=stage.stages, act_bytes=b),
     )

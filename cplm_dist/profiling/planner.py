@@ -1,7 +1,9 @@
 """Which layout to train a config with on a cluster: enumerate, keep what fits, predict the step.
 
-For every tp (dividing the heads and the MLP, within a node) x pp (dividing gpus / tp, at most
-num_layers) x dp = gpus / (tp x pp) x ZeRO (0-3; 0-1 at pp > 1, 1 only in bf16: what
+For every tp (dividing the heads and the MLP, within a node) x cp (context parallelism: powers of
+two dividing gpus / tp, the sequence divisible by 2 x cp, and by 2 x cp x tp under sequence
+parallelism; pp = 1 only) x pp (dividing gpus / (tp x cp), at most num_layers) x
+dp = gpus / (tp x cp x pp) x ZeRO (0-3; 0-1 at pp > 1, 1 only in bf16: what
 config.validate_pipeline accepts) x micro-batch (with whole accumulation m = global / (micro x dp))
 x activation checkpointing x sequence parallelism (tp > 1):
 
@@ -19,7 +21,13 @@ x activation checkpointing x sequence parallelism (tp > 1):
              the micro-batch's compute: `overlap` (stated, 0.8) of the part that fits under that
              compute is hidden, the rest exposed; the all-gather of updated parameters after the
              step (ZeRO 1-2) and ZeRO-0's all-reduce are exposed
-    step     compute + tp + exposed dp;  MFU = model FLOPs per device / step / peak
+    cp       context parallelism (cp > 1): cplm_dist.profiling.communication's "cp/" bytes (every
+             layer's K and V gathered and their gradients reduce-scattered, the copy head's keys,
+             the ids) x the ring factor / the link the cp group spans (NVLink while tp x cp fits a
+             node), all exposed: each layer's attention waits for its gathered K and V. Compute
+             per device is unchanged (each rank holds T / cp tokens and, by the 2 x cp chunks'
+             balance, as much of the causal triangle); the dp x cp group reduces the gradients
+    step     compute + tp + cp + exposed dp;  MFU = model FLOPs per device / step / peak
 
 Pipeline parallelism (pp = p > 1, DeepSpeed's 1F1B engine; ranks (pp_rank x dp + dp_rank) x tp +
 tp_rank, so consecutive stages are tp x dp ranks apart and a multi-node job has a stage boundary
@@ -62,7 +70,7 @@ from cplm_dist.profiling.throughput import flops_per_token
 
 
 # Layouts whose predicted steps differ by less than this fraction rank as equal; among them the
-# smaller pp (no pipeline engine, whose schedule the model simplifies), the lower ZeRO stage (fewer,
+# smaller pp (no pipeline engine, whose schedule the model simplifies), the smaller cp, the lower ZeRO stage (fewer,
 # larger collectives), the larger micro-batch (better-shaped matmuls), no recomputation and the
 # smaller tp come first: the model does not see those costs.
 TIE = 0.02
@@ -101,6 +109,8 @@ class Plan:
     step_s: float
     mfu: float
     tokens_per_s: float
+    cp: int = 1  # context parallelism: each sequence over cp ranks (pp = 1)
+    cp_comm_s: float = 0.0  # the cp group's gathers and reduce-scatters a step, exposed
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -148,15 +158,17 @@ def pipeline_links(cluster: Cluster, *, tp: int, pp: int, dp: int) -> tuple[floa
 
 
 def predict(cfg: Config, cluster: Cluster, *, tp: int, zero: int, micro_batch: int, seq_len: int, global_batch: int,
-            activation_checkpointing: bool, sequence_parallel: bool, pp: int = 1) -> Plan:
+            activation_checkpointing: bool, sequence_parallel: bool, pp: int = 1, cp: int = 1) -> Plan:
     """Memory and step time of one layout (the module docstring)."""
-    dp = cluster.gpus // (tp * pp)
+    if cp > 1 and pp > 1:
+        raise ValueError(f"cp={cp} with pp={pp}: context parallelism trains at pp = 1 only")
+    dp = cluster.gpus // (tp * cp * pp)
     accumulation = global_batch // (micro_batch * dp)
     precision = cfg.train.precision
     cfg = copy.deepcopy(cfg)
-    cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.sequence_parallel = tp, pp, sequence_parallel
+    cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.cp, cfg.parallel.sequence_parallel = tp, pp, cp, sequence_parallel
     memory = estimate(cfg, tp=tp, dp=dp, micro_batch=micro_batch, seq_len=seq_len, zero=zero, precision=precision,
-                      activation_checkpointing=activation_checkpointing, pp=pp, accumulation=accumulation).total
+                      activation_checkpointing=activation_checkpointing, pp=pp, accumulation=accumulation, cp=cp).total
     tokens = global_batch * seq_len
     model_flops = flops_per_token(cfg, seq_len) * tokens / cluster.gpus
     peak = cluster.peak_tflops * 1e12
@@ -174,10 +186,13 @@ def predict(cfg: Config, cluster: Cluster, *, tp: int, zero: int, micro_batch: i
                                  peak=peak, tp_bw=tp_bw, seconds=seconds)
     recompute = 1 + layer_flop_share(cfg, seq_len) / 3 if activation_checkpointing else 1.0
     compute = model_flops * recompute / (peak * cluster.achievable)
-    volumes = step_bytes(cfg, **layout)
-    dp_bw = (cluster.intra_gbps if tp * dp <= cluster.gpus_per_node else cluster.inter_gbps) * 1e9
+    volumes = step_bytes(cfg, **layout, cp=cp)
+    gpn = cluster.gpus_per_node
+    dp_bw = (cluster.intra_gbps if tp * cp * dp <= gpn else cluster.inter_gbps) * 1e9  # the dp x cp group
+    cp_bw = (cluster.intra_gbps if tp * cp <= gpn else cluster.inter_gbps) * 1e9
     tp_comm = seconds(volumes, "tp", tp, tp_bw)
-    dp_comm = seconds(volumes, "dp", dp, dp_bw)
+    cp_comm = seconds(volumes, "cp", cp, cp_bw)
+    dp_comm = seconds(volumes, "dp", dp * cp, dp_bw)
     backward_per_micro = compute * 2 / 3 / accumulation
     def unhidden(comm: float, window: float) -> float:
         return comm - cluster.overlap * min(comm, window)
@@ -185,16 +200,17 @@ def predict(cfg: Config, cluster: Cluster, *, tp: int, zero: int, micro_batch: i
     if zero == 0:
         exposed = dp_comm
     elif zero in (1, 2):
-        gather = seconds(volumes, "dp", dp, dp_bw, ("all_gather_into_tensor",))
+        gather = seconds(volumes, "dp", dp * cp, dp_bw, ("all_gather_into_tensor",))
         reduce_calls = 1 if zero == 1 else accumulation  # ZeRO-1 reduces in the last backward only
         exposed = gather + reduce_calls * unhidden((dp_comm - gather) / reduce_calls, backward_per_micro)
     else:
         exposed = accumulation * unhidden(dp_comm / accumulation, compute / accumulation)
-    step = compute + tp_comm + exposed
+    step = compute + tp_comm + cp_comm + exposed
     return Plan(tp=tp, pp=1, dp=dp, zero=zero, micro_batch=micro_batch, accumulation=accumulation,
                 activation_checkpointing=activation_checkpointing, sequence_parallel=sequence_parallel,
                 memory_gib=memory / GIB, compute_s=compute, tp_comm_s=tp_comm, dp_comm_s=dp_comm, exposed_dp_s=exposed,
-                pp_comm_s=0.0, bubble=0.0, step_s=step, mfu=model_flops / step / peak, tokens_per_s=tokens / step)
+                pp_comm_s=0.0, bubble=0.0, step_s=step, mfu=model_flops / step / peak, tokens_per_s=tokens / step,
+                cp=cp, cp_comm_s=cp_comm)
 
 
 def _predict_pipeline(cfg: Config, cluster: Cluster, layout: dict, *, pp: int, memory: float, model_flops: float,
@@ -229,8 +245,16 @@ def _predict_pipeline(cfg: Config, cluster: Cluster, layout: dict, *, pp: int, m
                 step_s=step, mfu=model_flops / step / peak, tokens_per_s=tokens / step)
 
 
-def layouts(cfg: Config, cluster: Cluster, *, seq_len: int, global_batch: int, max_micro_batch: int = 64):
-    """Every layout the stack can run for this global batch: (tp, pp, zero, micro, ckpt, sp)."""
+def context_sizes(gpus: int, seq_len: int) -> list[int]:
+    """The cp a world of `gpus` (after tp) can take for sequences of seq_len: powers of two
+    dividing it with seq_len divisible by 2 x cp (1 always)."""
+    return [cp for cp in divisors(gpus) if cp & (cp - 1) == 0 and (cp == 1 or seq_len % (2 * cp) == 0)]
+
+
+def layouts(cfg: Config, cluster: Cluster, *, seq_len: int, global_batch: int, max_micro_batch: int = 64,
+            max_cp: int | None = None):
+    """Every layout the stack can run for this global batch: (tp, pp, zero, micro, ckpt, sp, cp);
+    cp up to `max_cp` (default: any), at pp = 1 only (config.validate_context_parallel)."""
     t, L = cfg.train, cfg.model.num_layers
     for tp in divisors(cluster.gpus):
         if tp > cluster.gpus_per_node:
@@ -239,38 +263,45 @@ def layouts(cfg: Config, cluster: Cluster, *, seq_len: int, global_batch: int, m
             check_tp_divides(cfg.model, tp)
         except ConfigError:
             continue
-        for pp in divisors(cluster.gpus // tp):
-            if pp > L or (pp > 1 and cfg.model.init_from):
-                continue  # config.validate_pipeline: a transformer layer a stage; init_from is pp = 1 only
-            dp = cluster.gpus // (tp * pp)
-            zeros = (0, 1, 2, 3) if pp == 1 else (1,) if t.precision == "bf16" else (0, 1)
-            micro = 1
-            while micro <= max_micro_batch:
-                if global_batch % (micro * dp) == 0:
-                    for zero in zeros:
-                        if zero == 3 and cfg.loss.impl == "chunked":
-                            continue  # config.validate_train rejects it
-                        if zero == 0 and t.precision == "bf16" and tp > 1 and cfg.optim.clip_grad > 0:
-                            continue  # the same
-                        for ckpt in (False, True):
-                            for sp in ((False, True) if tp > 1 and seq_len % tp == 0 else (False,)):
-                                yield tp, pp, zero, micro, ckpt, sp
-                micro *= 2
+        for cp in context_sizes(cluster.gpus // tp, seq_len):
+            if max_cp is not None and cp > max_cp:
+                continue
+            for pp in divisors(cluster.gpus // (tp * cp)):
+                if pp > L or (pp > 1 and cfg.model.init_from) or (pp > 1 and cp > 1):
+                    continue  # config.validate_pipeline: a transformer layer a stage; init_from, cp: pp = 1 only
+                dp = cluster.gpus // (tp * cp * pp)
+                zeros = (0, 1, 2, 3) if pp == 1 else (1,) if t.precision == "bf16" else (0, 1)
+                sps = [sp for sp in ((False, True) if tp > 1 else (False,))
+                       if not sp or seq_len % (tp * (2 * cp if cp > 1 else 1)) == 0]  # each chunk split over tp
+                micro = 1
+                while micro <= max_micro_batch:
+                    if global_batch % (micro * dp) == 0:
+                        for zero in zeros:
+                            if zero == 3 and cfg.loss.impl == "chunked":
+                                continue  # config.validate_train rejects it
+                            if zero == 0 and t.precision == "bf16" and tp > 1 and cfg.optim.clip_grad > 0:
+                                continue  # the same
+                            for ckpt in (False, True):
+                                for sp in sps:
+                                    yield tp, pp, zero, micro, ckpt, sp, cp
+                    micro *= 2
 
 
-def plan(cfg: Config, cluster: Cluster, *, seq_len: int, global_batch: int, max_pp: int | None = None) -> tuple[list[Plan], int]:
-    """(layouts that fit, fastest first; how many were considered), pp up to `max_pp` (default: any)."""
+def plan(cfg: Config, cluster: Cluster, *, seq_len: int, global_batch: int, max_pp: int | None = None,
+         max_cp: int | None = None) -> tuple[list[Plan], int]:
+    """(layouts that fit, fastest first; how many were considered), pp up to `max_pp` and cp up
+    to `max_cp` (default: any)."""
     fits, considered = [], 0
-    for tp, pp, zero, micro, ckpt, sp in layouts(cfg, cluster, seq_len=seq_len, global_batch=global_batch):
+    for tp, pp, zero, micro, ckpt, sp, cp in layouts(cfg, cluster, seq_len=seq_len, global_batch=global_batch, max_cp=max_cp):
         if max_pp is not None and pp > max_pp:
             continue
         considered += 1
         p = predict(cfg, cluster, tp=tp, pp=pp, zero=zero, micro_batch=micro, seq_len=seq_len, global_batch=global_batch,
-                    activation_checkpointing=ckpt, sequence_parallel=sp)
+                    activation_checkpointing=ckpt, sequence_parallel=sp, cp=cp)
         if p.memory_gib <= cluster.headroom * cluster.memory_gib:
             fits.append(p)
     if fits:
         fastest = min(p.step_s for p in fits)
-        fits.sort(key=lambda p: (round(p.step_s / fastest / TIE), p.pp, p.zero, -p.micro_batch, p.activation_checkpointing,
-                                 p.tp, p.step_s))
+        fits.sort(key=lambda p: (round(p.step_s / fastest / TIE), p.pp, p.cp, p.zero, -p.micro_batch,
+                                 p.activation_checkpointing, p.tp, p.step_s))
     return fits, considered

@@ -25,7 +25,7 @@ def table(result: dict) -> str:
 
 
 REPORT_COLUMNS = [
-    ("label", "run"), ("device", "device"), ("config", "model"), ("copy", "copy"), ("tp", "tp"), ("pp", "pp"), ("dp", "dp"),
+    ("label", "run"), ("device", "device"), ("config", "model"), ("copy", "copy"), ("tp", "tp"), ("pp", "pp"), ("cp", "cp"), ("dp", "dp"),
     ("zero", "ZeRO"), ("precision", "precision"), ("micro_batch", "micro"), ("seq_len", "seq"),
     ("tokens_per_s_per_device", "tokens/s/device"), ("tflops_per_device", "TFLOP/s/device"), ("mfu", "MFU"),
     ("step_memory_gb", "memory GB"), ("estimated_memory_gb", "estimate GB"), ("estimate_error", "estimate error"),

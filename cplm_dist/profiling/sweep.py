@@ -25,6 +25,7 @@ from cplm_dist.profiling.records import append_csv
 SWEEPABLE = {  # --sweep name -> config override (a value list follows the '=')
     "tp": "parallel.tp",
     "pp": "parallel.pp",
+    "cp": "parallel.cp",
     "zero": "train.zero_stage",
     "micro": "train.micro_batch_size",
     "ckpt": "train.activation_checkpointing",
@@ -82,7 +83,7 @@ def launch_point(command: list[str], nproc: int, point: dict) -> None:
 
 def run_sweep(points: list[tuple[dict, list[str], Config]], grid: dict, out: Path,
               point_command: Callable[[dict, list[str], Path], list[str]], nproc: int | None = None) -> list[dict]:
-    """Each point launched on its own (`nproc` processes, default the point's tp x pp):
+    """Each point launched on its own (`nproc` processes, default the point's tp x cp x pp):
     point_command(point, its overrides, the JSON file it must write) is its command. The results
     (sweep_<name> fields first) go to out/sweep.csv as they come, then the plots."""
     out.mkdir(parents=True, exist_ok=True)
@@ -90,7 +91,7 @@ def run_sweep(points: list[tuple[dict, list[str], Config]], grid: dict, out: Pat
     for point, overrides, cfg in points:
         with tempfile.TemporaryDirectory() as tmp:
             result_file = Path(tmp) / "point.json"
-            launch_point(point_command(point, overrides, result_file), nproc or cfg.parallel.tp * cfg.parallel.pp, point)
+            launch_point(point_command(point, overrides, result_file), nproc or cfg.parallel.tp * cfg.parallel.cp * cfg.parallel.pp, point)
             result = {**{f"sweep_{k}": v for k, v in point.items()}, **json.loads(result_file.read_text())}
         results.append(result)
         append_csv(out / "sweep.csv", result)
