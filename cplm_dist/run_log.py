@@ -1,11 +1,14 @@
 """What a run reports, from rank 0: a progress bar, a console line and a JSON-lines record every
 `train.log_interval` steps, TensorBoard scalars, optionally Weights & Biases, and the closing table.
 
-    <out_dir>/logs/metrics.jsonl     one record per line: {"event": "train" | "valid" | "summary", ...}
+    <out_dir>/logs/metrics.jsonl     one record per line: {"event": "train" | "valid" | "resume" | "summary", ...}
     <out_dir>/logs/tensorboard/      event files (`tensorboard --logdir <out_dir>/logs/tensorboard`)
 
 A resumed run appends; when steps repeat after a resume, the later record of a step is the one
-that counts (`read_metrics` keeps it).
+that counts (`read_metrics` keeps it). Each resume first records the work it repeats,
+{"event": "resume", "step": N, "reached": M, "recomputed": M - N}: M is the highest step the run
+before it logged (exact at train.log_interval=1, else the last logged step), so summing
+"recomputed" over a run's resume records gives the steps its faults cost (`lost_steps`).
 """
 
 from __future__ import annotations
@@ -146,6 +149,15 @@ class RunLog:
         if self.wandb is not None and step is not None:
             self.wandb.log({f"{event}/{k}": v for k, v in values.items() if k != "step"}, step=step)
 
+    def resumed(self, step: int | None) -> None:
+        """A resume at `step` (None: a fresh start): one line and a "resume" record with the steps done again."""
+        if not self.enabled or step is None:
+            return
+        reached = max(step, previous_reach(self.dir / "metrics.jsonl"))
+        self.info(f"resuming at step {step}: the previous run had reached step {reached}, "
+                  f"{reached - step} steps are recomputed")
+        self.record("resume", {"step": step, "reached": reached, "recomputed": reached - step})
+
     def close(self) -> None:
         if not self.enabled:
             return
@@ -166,3 +178,33 @@ def read_metrics(path: str | Path, event: str = "train") -> dict[int, dict]:
         if r.get("event") == event and "step" in r:
             records[r["step"]] = r
     return records
+
+
+def _records(path: str | Path):
+    for line in Path(path).read_text().splitlines() if Path(path).is_file() else []:
+        try:
+            yield json.loads(line)
+        except json.JSONDecodeError:  # a line cut short by a kill
+            continue
+
+
+def previous_reach(path: str | Path) -> int:
+    """The highest step the last run in this metrics file recorded (its train and valid records,
+    and the step it resumed at: those after the file's last "resume" record, or after the last
+    start from scratch, where the train steps go back); 0 for none."""
+    reached = last = 0
+    for r in _records(path):
+        event, step = r.get("event"), r.get("step")
+        if event == "resume":
+            reached = last = step or 0
+        elif event in ("train", "valid") and isinstance(step, int):
+            if event == "train":
+                reached, last = (step if step <= last else max(reached, step)), step
+            else:
+                reached = max(reached, step)
+    return reached
+
+
+def lost_steps(path: str | Path) -> int:
+    """The steps a run's resumes recomputed: the sum of its "resume" records' `recomputed`."""
+    return sum(r.get("recomputed", 0) for r in _records(path) if r.get("event") == "resume")

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from cplm_dist import hosts
-from cplm_dist.checkpoint import Checkpointer, Manifest, check_out_dir, find_resume, init_source, initialise_from
+from cplm_dist.checkpoint import Checkpointer, Manifest, RunLock, check_async_save, check_out_dir, find_resume, init_source, initialise_from
 from cplm_dist.cli import config_parser, exit_on_usage_error, load_from_args
 from cplm_dist.config import Config, batch_layout
 from cplm_dist.data.gpt_data import build_datasets, check_data
@@ -159,6 +159,9 @@ def train_parser():
     parser.add_argument("--resume", metavar="auto|PATH", help="continue from the latest checkpoint of out_dir (auto) or of PATH")
     parser.add_argument("--reshape", action="store_true",
                         help="the checkpoint may have another layout (tp, dp, ZeRO stage): convert it to this one")
+    parser.add_argument("--allow-data-change", action="store_true",
+                        help="resume although a dataset of data.blend changed since the checkpoint was saved (its "
+                             "content fingerprint differs); the next checkpoint records the new one")
     return parser
 
 
@@ -175,10 +178,11 @@ def run(argv, stop: StopRequest) -> int:
     check_world(p.tp, world, p.pp, p.cp)
     dp = world // (p.tp * p.cp * p.pp)
     accumulation = batch_layout(cfg, dp)
-    resume = find_resume(cfg, args.resume, cfg.parallel.tp, dp, args.reshape)
+    resume = find_resume(cfg, args.resume, cfg.parallel.tp, dp, args.reshape, args.allow_data_change)
     if cfg.model.init_from and resume is None:  # one of our checkpoints or a HF Llama (cplm_dist.checkpoint.init_from)
         init_source(cfg)
     check_copy_impl(cfg.copy, torch.cuda.is_available())
+    check_async_save(cfg, world)
     check_out_dir(cfg)
     samples = (t.train_steps * t.global_batch_size, t.eval_batches * t.micro_batch_size * dp, 0)
     tokenizer = check_data(cfg, samples)
@@ -187,8 +191,11 @@ def run(argv, stop: StopRequest) -> int:
     stop.enter("joining the process group")
     dims = init_distributed(cfg.parallel.tp, pp_size=cfg.parallel.pp, cp_size=cfg.parallel.cp, timeout_minutes=t.collective_timeout_minutes,
                             join_timeout_minutes=t.join_timeout_minutes, shared_dir=t.out_dir)
-    stop.heartbeat = Heartbeat.start(phase=stop.phase)
+    lock = None
     try:
+        stop.enter("taking the run lock on train.out_dir")  # one trainer at a time (cplm_dist.checkpoint.run_lock)
+        lock = RunLock.acquire_for_run(cfg, dims)
+        stop.heartbeat = Heartbeat.start(phase=stop.phase)
         return train(cfg, dims, accumulation, resume, samples, tokenizer, stop, args.reshape)
     except (RuntimeError, dist.DistError) as e:
         message = lost_rank_message(e, stop, t.collective_timeout_minutes)
@@ -199,6 +206,8 @@ def run(argv, stop: StopRequest) -> int:
     finally:
         if stop.heartbeat is not None:
             stop.heartbeat.close()
+        if lock is not None:  # removes run.lock: what is left of one names a trainer that did not release it
+            lock.release()
         destroy_distributed()
 
 
@@ -226,20 +235,14 @@ def train(cfg: Config, dims: ParallelDims, accumulation: int, resume: Manifest |
                              num_workers=cfg.data.num_workers, pin_memory=device.type == "cuda", context=context_of(dims))
 
     # 7. resume: weights, optimizer, schedule (DeepSpeed) + step, data position, RNG (ours) -------
-    step, skipped_total, skipped_in_a_row = 0, 0, 0
-    if resume is not None:
-        stop.enter(f"loading checkpoint {resume.step_dir}")
-        state = ckpt.load(engine, resume, reshape=reshape)
-        step, skipped_total = state["step"], state["bad_steps_total"]
-        loader.load_state_dict(state["loader"])
+    step, skipped_total = resume_from(ckpt, engine, loader, resume, reshape, stop)
+    skipped_in_a_row = 0
     log = RunLog(cfg, dims, device, step)
     log.info(banner(cfg, dims, accumulation, resume.tag if resume is not None else None))
+    log.resumed(step if resume is not None else None)  # a resume records the steps it recomputes
 
     def save(reason: str) -> Path:
-        path, written = ckpt.save(engine, step, loader.consumed_samples,
-                                  {"loader": loader.state_dict(), "bad_steps_total": skipped_total})
-        log.info(f"step {step}: {'saved ' if written else ''}{path}{'' if written else ' already holds this state'} ({reason})")
-        return path
+        return save_and_log(ckpt, engine, log, step, reason, loader, {"bad_steps_total": skipped_total})
 
     # 8. train loop --------------------------------------------------------------------------------
     valid_loss, start_step, run_start = float("nan"), step, time.perf_counter()
@@ -273,15 +276,55 @@ def train(cfg: Config, dims: ParallelDims, accumulation: int, resume: Manifest |
                 log.info(f"step {step:>6}/{t.train_steps} | validation loss {valid_loss:.4f}")
             if step % t.save_interval == 0 or step == t.train_steps or step == t.exit_at_step:
                 save("interval" if step < t.train_steps else "end of training")
+            elif ckpt.background is not None and ckpt.background.done():
+                log_completed(log, step, ckpt.finish())
             if step == t.exit_at_step and step < t.train_steps:
                 log.info(f"stopped at train.exit_at_step={step}; continue with --resume auto")
                 return 0
 
         # 9. summary ---------------------------------------------------------------------------------
+        log_completed(log, step, ckpt.finish(last=True))
         summarize(log, ckpt, dims, step - start_step, time.perf_counter() - run_start, step, skipped_total, valid_loss)
         return 0
     finally:
+        if sys.exc_info()[0] is None:  # the run ends: an asynchronous save still in flight completes first
+            log_completed(log, step, ckpt.finish(last=True))
         log.close()
+
+
+def resume_from(ckpt: Checkpointer, engine, loader: ResumableLoader, resume: Manifest | None, reshape: bool,
+                stop: StopRequest) -> tuple[int, int]:
+    """(step, skipped steps in all) of the checkpoint `resume` (0, 0 for a fresh run), whose weights,
+    optimizer and schedule (DeepSpeed), data position and RNG (ours) are loaded."""
+    if resume is None:
+        return 0, 0
+    stop.enter(f"loading checkpoint {resume.step_dir}")
+    state = ckpt.load(engine, resume, reshape=reshape)
+    loader.load_state_dict(state["loader"])
+    return state["step"], state["bad_steps_total"]
+
+
+def save_and_log(ckpt: Checkpointer, engine, log: RunLog, step: int, reason: str, loader: ResumableLoader,
+                 client_state: dict) -> Path:
+    """A checkpoint of `step` and its log line: how long the step loop blocked (with train.async_save:
+    the host copy, and the wait for the previous save when it is still being written)."""
+    start = time.perf_counter()
+    if ckpt.background is not None:  # the next save waits for the previous one
+        log_completed(log, step, ckpt.finish())
+    path, written = ckpt.save(engine, step, loader.consumed_samples, {"loader": loader.state_dict(), **client_state})
+    blocked = f"; the step loop blocked {time.perf_counter() - start:.2f}s" if written else ""
+    if written and ckpt.background is not None:
+        log.info(f"step {step}: saving {path} in the background ({reason}{blocked})")
+    else:
+        log.info(f"step {step}: {'saved ' if written else ''}{path}{'' if written else ' already holds this state'} "
+                 f"({reason}{blocked})")
+    return path
+
+
+def log_completed(log: RunLog, step: int, done) -> None:
+    """The line for an asynchronous save that has completed (`done`, from Checkpointer.finish), if any."""
+    if done is not None:
+        log.info(f"step {step}: {done.step_dir} complete (written in the background in {done.write_s:.2f}s)")
 
 
 def summarize(log: RunLog, ckpt: Checkpointer, dims: ParallelDims, steps_run: int, seconds: float, step: int,

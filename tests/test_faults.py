@@ -191,20 +191,44 @@ def _limit_file_size():
     resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
 
 
-def test_a_failed_save_says_why_in_one_line_and_keeps_the_previous_checkpoint(small_data, base_run, tmp_path):
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_failed_save_says_why_in_one_line_and_keeps_the_previous_checkpoint(small_data, base_run, tmp_path, async_save):
     """A disk that refuses the checkpoint (here: a 1 MiB file-size limit, as a full disk would):
-    one line with the operating system's reason, the partial directory removed, `latest` kept."""
+    one line with the operating system's reason, the partial directory removed, `latest` kept;
+    with train.async_save the background thread's failure is the same line when the run waits for it."""
     out = copy_of(base_run, tmp_path)
     before = snapshot(out / "checkpoints")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "cplm_dist.train", *resume_args(small_data, out, "train.tensorboard=false")],
+    extra = ("train.tensorboard=false", f"train.async_save={str(async_save).lower()}")
+    proc = subprocess.run([sys.executable, "-m", "cplm_dist.train", *resume_args(small_data, out, *extra)],
                           capture_output=True, text=True, timeout=300, env=env, cwd=REPO, preexec_fn=_limit_file_size)
     assert proc.returncode == 2, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith(f"error: saving {out / 'checkpoints' / 'step-00000005'} failed on rank 0: File too large (")
+    assert last.startswith(f"error: saving {out / 'checkpoints' / 'step-00000005'}{' in the background' if async_save else ''}"
+                           " failed on rank 0: File too large (")
     assert last.endswith("removed it, the latest checkpoint stays step-00000004: free space or fix train.out_dir, "
                          "then continue with --resume auto")
     assert snapshot(out / "checkpoints") == before
+
+
+def test_asynchronous_saving_beyond_the_host_memory_is_refused_at_start_up(monkeypatch):
+    """train.async_save keeps a host copy of each rank's checkpoint part until it is written: a node
+    whose memory cannot hold its ranks' copies is refused with one line (train.py checks it with the
+    out_dir, before the process group, the model or any file)."""
+    from cplm_dist.checkpoint import check_async_save, checkpoint_bytes
+    from cplm_dist.config import load_config
+    from cplm_dist.errors import UsageError
+
+    cfg = load_config("tiny", ["train.async_save=true"])
+    check_async_save(cfg, 1)  # a tiny model's copy fits
+    big = load_config("runs/cplm-70b", ["train.async_save=true"])
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    with pytest.raises(UsageError) as e:
+        check_async_save(big, 16)  # 8 of 16 ranks here: half of a 70B checkpoint
+    assert re.fullmatch(rf"train\.async_save=true: the host copy of a checkpoint takes about {checkpoint_bytes(big) / 2e9:.1f} "
+                        r"GB on this node \(8 of 16 ranks\) but [\d.]+ GB of memory is available: set "
+                        r"train\.async_save=false, or spread the job over more nodes", str(e.value))
+    check_async_save(load_config("runs/cplm-70b", []), 16)  # synchronous saves need no copy
 
 
 class _Payload:

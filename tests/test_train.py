@@ -364,12 +364,53 @@ def test_resume_is_exact(small_data, tmp_path):
     assert state["loader"] == {"consumed_samples": 8 * 16} and state["step"] == 8
 
 
-def test_sigkill_during_a_save_leaves_a_valid_latest(small_data, tmp_path):
-    """Kill the trainer while a checkpoint directory exists without its completion marker, then
-    resume from what `latest` names."""
+def _states(step_dir: Path) -> dict:
+    """Every file's tensors of a checkpoint (RNG states aside: Python's and NumPy's generators are
+    seeded by each process from the OS, and nothing in training draws from them)."""
+    out = {}
+    for f in sorted(step_dir.glob("*.pt")):
+        state = torch.load(f, weights_only=False)
+        state.pop("rng", None)
+        out[f.name] = _tensors(state)
+    return out
+
+
+def _tensors(obj, path=""):
+    if isinstance(obj, torch.Tensor):
+        return {path: obj}
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, (list, tuple)) else ()
+    return {k: v for key, value in items for k, v in _tensors(value, f"{path}/{key}").items()}
+
+
+def test_asynchronous_saves_write_what_synchronous_saves_write(small_data, tmp_path):
+    """train.async_save at dp 2 (the ranks agree through the store): the same files, tensors equal
+    bit for bit, the same losses; a run stopped at step 2 and resumed from its asynchronous
+    checkpoint ends with the straight synchronous run's weights, bit for bit."""
+    common = ("train.train_steps=4", "train.save_interval=2", "train.zero_stage=1", "train.global_batch_size=8",
+              "train.micro_batch_size=4")
+    sync, behind = tmp_path / "sync", tmp_path / "async"
+    assert train(2, argv(small_data, sync, *common)) == [0, 0]
+    assert train(2, argv(small_data, behind, *common, "train.async_save=true", "train.exit_at_step=2")) == [0, 0]
+    assert train(2, argv(small_data, behind, *common, "train.async_save=true") + ["--resume", "auto"]) == [0, 0]
+    assert losses(sync) == losses(behind)
+    for tag in ("step-00000002", "step-00000004"):
+        a, b = (json.loads((run / "checkpoints" / tag / "complete.json").read_text()) for run in (sync, behind))
+        assert sorted(a["files"]) == sorted(b["files"]) and a["step"] == b["step"]
+        want, got = _states(sync / "checkpoints" / tag), _states(behind / "checkpoints" / tag)
+        assert want.keys() == got.keys()
+        for name in want:
+            assert want[name].keys() == got[name].keys(), name
+            assert all(torch.equal(want[name][k], got[name][k]) for k in want[name]), (tag, name)
+    assert (behind / "checkpoints" / "latest").read_text().strip() == "step-00000004"
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_sigkill_during_a_save_leaves_a_valid_latest(small_data, tmp_path, async_save):
+    """Kill the trainer while a checkpoint directory exists without its completion marker (with
+    train.async_save: while the background thread writes), then resume from what `latest` names."""
     out = tmp_path / "killed"
     args = argv(small_data, out, "train.train_steps=400", "train.save_interval=1", "train.keep_last=2",
-                "model.tie_embeddings=false")  # a larger checkpoint: a longer window to be killed in
+                "model.tie_embeddings=false", f"train.async_save={str(async_save).lower()}")  # untied: a longer window
     script = f"import sys; from cplm_dist.train import main; sys.exit(main({args!r}))"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -391,7 +432,8 @@ def test_sigkill_during_a_save_leaves_a_valid_latest(small_data, tmp_path):
     assert latest != killed_in and (ckpts / latest / "complete.json").exists()
     # the run continues from `latest`
     resumed = argv(small_data, out, f"train.train_steps={int(latest.split('-')[1]) + 2}", "train.save_interval=1",
-                   "train.keep_last=2", "model.tie_embeddings=false") + ["--resume", "auto"]
+                   "train.keep_last=2", "model.tie_embeddings=false", f"train.async_save={str(async_save).lower()}") + [
+        "--resume", "auto"]
     assert train(1, resumed) == [0]
     assert not (ckpts / killed_in).exists() or (ckpts / killed_in / "complete.json").exists()
 

@@ -15,6 +15,7 @@ from cplm_dist.checkpoint.manifest import (CARRIED_TOKENIZER, COMPLETE, Manifest
 from cplm_dist.checkpoint.safe_io import (layer_states_name, load_states, model_states_file, weights_only_torch_load)
 from cplm_dist.config import Config, check_tp_divides, from_dict
 from cplm_dist.errors import CheckpointError, ConfigError
+from cplm_dist.files import sha256_file
 from cplm_dist.megatron_compat import import_deepspeed, parallel_state
 from cplm_dist.model.cplm import build_model
 from cplm_dist.model.sharding import full_state_dict, load_full_state_dict
@@ -63,6 +64,26 @@ def load_checkpoint_config(path: str | Path) -> tuple[Config, dict]:
     return cfg, manifest.info()
 
 
+def check_carried_tokenizer(manifest: Manifest) -> None:
+    """The tokenizer files a checkpoint carries must be the ones it was saved with (their sha256 in
+    the manifest's files, the training tokenizer's fingerprint): one line when one is missing or
+    was replaced, since its token ids would not be the ones the model learned."""
+    for name in manifest.tokenizer_files:
+        entry, path = manifest.files.get(name), manifest.step_dir / name
+        if entry is None:
+            continue
+        if not path.is_file():
+            raise CheckpointError(f"{path}: the tokenizer this checkpoint carries is missing (its {COMPLETE} lists it, "
+                                  f"sha256 {entry['sha256'][:12]}...): restore the run's data.tokenizer there, or use "
+                                  "an earlier step (--checkpoint <run>/checkpoints/step-*)")
+        found = sha256_file(path)
+        if found != entry["sha256"]:
+            raise CheckpointError(f"{path}: the tokenizer this checkpoint carries is not the one it was saved with "
+                                  f"(sha256 {found[:12]}..., its {COMPLETE} records {entry['sha256'][:12]}...): its "
+                                  "token ids would not be the model's; restore the run's data.tokenizer there, or use "
+                                  "an earlier step (--checkpoint <run>/checkpoints/step-*)")
+
+
 def _pipeline_shards(manifest: Manifest, cfg: Config) -> list[dict]:
     """Each saved tp rank's weights under their CPLM names, from a pipeline checkpoint's layer
     files (one per pipeline layer and tp rank)."""
@@ -103,8 +124,10 @@ def load_model(path: str | Path, device=None, dtype=torch.float32):
     taken. ZeRO-3 checkpoints keep the weights only in the optimizer shards, which DeepSpeed's
     zero_to_fp32 merges (saved at tp = 1). A pipeline checkpoint's per-layer files are read under
     the names a CPLM gives them, so it loads as a whole model too (evaluation and generation run
-    without pipeline stages)."""
+    without pipeline stages). The tokenizer the checkpoint carries (the config's data.tokenizer
+    from here) must hash as recorded at save (`check_carried_tokenizer`)."""
     cfg, manifest = read_checkpoint(path)
+    check_carried_tokenizer(manifest)  # cfg.data.tokenizer is the copy it carries (_self_contained)
     tp_group = parallel_state.get_tensor_model_parallel_group()
     tp, tp_rank = dist.get_world_size(tp_group), dist.get_rank(tp_group)
     try:

@@ -15,6 +15,8 @@ complete.json, format 2 (`Manifest`), is what a reader needs without unpickling 
     versions          of cplm_dist, torch, deepspeed, megatron-core
     files             {name: {bytes, sha256}} of every file the save wrote (the tokenizer's too)
     tokenizer_files   the names of the tokenizer files it carries
+    data_fingerprints {data.blend path: content fingerprint} of the datasets it trained on (optional:
+                      absent in checkpoints saved before it, read as None); a resume compares them
 
 Format 1 (cplm_dist before format 2) had no tokenizer_files, and its older variants no layout.pp
 and no cwd: `upgrade` makes it format 2 as it is read, the one place that knows format 1.
@@ -34,8 +36,10 @@ from importlib import metadata
 from pathlib import Path
 
 from cplm_dist.config import RESUMABLE_CHANGES, Config, check_tp_divides, to_dict
-from cplm_dist.errors import CheckpointError, ConfigError, UsageError
+from cplm_dist.data.indexed_data import content_fingerprint
+from cplm_dist.errors import CheckpointError, ConfigError, DataError, UsageError
 from cplm_dist.files import sha256_file, write_text_atomic
+from cplm_dist.launch_env import LaunchEnv
 
 LATEST = "latest"
 COMPLETE = "complete.json"
@@ -155,6 +159,7 @@ class Manifest:
     consumed_tokens: int | None = None
     time: float | None = None
     versions: dict = field(default_factory=dict)
+    data_fingerprints: dict | None = None  # optional in format 2: None where a checkpoint was saved without them
 
     @property
     def root(self) -> Path:
@@ -167,7 +172,8 @@ class Manifest:
     def to_json(self) -> dict:
         return {"format": FORMAT, "step": self.step, "time": self.time, "layout": self.layout.as_json(), "cwd": self.cwd,
                 "consumed_samples": self.consumed_samples, "consumed_tokens": self.consumed_tokens, "config": self.config,
-                "versions": self.versions, "files": self.files, "tokenizer_files": list(self.tokenizer_files)}
+                "versions": self.versions, "files": self.files, "tokenizer_files": list(self.tokenizer_files),
+                **({} if self.data_fingerprints is None else {"data_fingerprints": self.data_fingerprints})}
 
     def info(self) -> dict:
         """The manifest as plain data with its `root` and `tag` (what load_model hands evaluation)."""
@@ -201,10 +207,14 @@ def _typed(data: dict, fmt: int, step_dir: Path, path: Path) -> Manifest:
         layout = Layout(**{k: int(lay[k]) for k in ("tp", "pp", "dp", "zero_stage")}, cp=int(lay.get("cp", 1)))
         if not isinstance(data["config"], dict) or not isinstance(data["files"], dict):
             raise TypeError("config and files must be mappings")
+        fingerprints = data.get("data_fingerprints")
+        if fingerprints is not None and (not isinstance(fingerprints, dict)
+                                         or not all(isinstance(v, str) for v in fingerprints.values())):
+            raise TypeError("data_fingerprints must map dataset paths to fingerprints")
         return Manifest(step_dir=step_dir, step=int(data["step"]), layout=layout, config=data["config"],
                         files=data["files"], tokenizer_files=tuple(data["tokenizer_files"]), cwd=data.get("cwd"),
                         consumed_samples=data.get("consumed_samples"), consumed_tokens=data.get("consumed_tokens"),
-                        time=data.get("time"), versions=data.get("versions") or {})
+                        time=data.get("time"), versions=data.get("versions") or {}, data_fingerprints=fingerprints)
     except (AttributeError, KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"{path} is malformed ({type(e).__name__}: {e}): use an earlier step-* directory") from None
 
@@ -268,9 +278,11 @@ def check_intact(manifest: Manifest, names: list[str] | None = None) -> None:
 # --- what a resume may do ------------------------------------------------------------------------------
 
 
-def find_resume(cfg: Config, resume: str | None, tp: int, dp: int, reshape: bool = False) -> Manifest | None:
+def find_resume(cfg: Config, resume: str | None, tp: int, dp: int, reshape: bool = False,
+                allow_data_change: bool = False) -> Manifest | None:
     """The manifest of the checkpoint to resume from, or None for a fresh start; refuses to write
-    over another run, and a layout change unless `reshape`. Reads only: nothing is created or changed."""
+    over another run, a layout change unless `reshape`, and data whose contents changed since the
+    save unless `allow_data_change` (`check_data_change`). Reads only: nothing is created or changed."""
     out = Path(cfg.train.out_dir)
     if resume is None:
         if (out / "checkpoints").exists() or (out / "logs" / "metrics.jsonl").exists():
@@ -293,6 +305,7 @@ def find_resume(cfg: Config, resume: str | None, tp: int, dp: int, reshape: bool
     manifest = newest_readable(root, tag)
     check_layout(manifest, cfg, tp, dp, reshape)
     check_config_change(manifest, cfg)
+    check_data_change(manifest, cfg, allow_data_change)
     return manifest
 
 
@@ -359,6 +372,53 @@ def check_config_change(manifest: Manifest, cfg: Config) -> None:
                               + (f" (a context extension is a new run: model.init_from={manifest.step_dir})" if longer else "")
                               + f"; a resume may change only "
                               f"{', '.join(RESUMABLE_CHANGES[:6])}, ... (cplm_dist.checkpoint.RESUMABLE_CHANGES)")
+
+
+# --- the data a checkpoint was trained on ------------------------------------------------------------------
+
+
+def data_fingerprints(cfg: Config) -> dict[str, str]:
+    """{data.blend path, as the config gives it: its content fingerprint} (cplm_dist.data.indexed_data:
+    bounded reads whatever the size) of the datasets that exist; a missing one is check_data's to report.
+    The valid and test splits are megatron's split of these same datasets (data.split): nothing else to record."""
+    out = {}
+    for entry in cfg.data.blend:
+        try:
+            out[entry.path] = content_fingerprint(entry.path)
+        except FileNotFoundError:
+            pass
+    return out
+
+
+def check_data_change(manifest: Manifest, cfg: Config, allow: bool = False) -> list[str]:
+    """The datasets of data.blend whose contents differ from the fingerprints the manifest recorded
+    at save: one line naming the first of them and the fixes, unless `allow` (then a warning, and the
+    run records their new fingerprints from its next save on). A dataset added to or removed from
+    the blend is a config change (data.blend), refused before this by check_config_change."""
+    saved = manifest.data_fingerprints
+    if saved is None:
+        _warn(f"checkpoint {manifest.step_dir} has no data fingerprints (saved before they were recorded): the data "
+              "cannot be checked against it; recording them from now on")
+        return []
+    now = data_fingerprints(cfg)
+    changed = [path for path in now if path in saved and now[path] != saved[path]]
+    if changed and not allow:
+        others = ", ".join(changed[1:4]) + (" ..." if len(changed) > 4 else "")
+        more = f" (and {len(changed) - 1} more: {others})" if len(changed) > 1 else ""
+        raise DataError(f"dataset {changed[0]} changed since step {manifest.step} was saved ({manifest.step_dir}): its "
+                        f"contents differ from the fingerprint in its {COMPLETE}{more}; restore the data the run was "
+                        "trained on, or resume with --allow-data-change to accept it")
+    if changed:
+        _warn(f"--allow-data-change: resuming {manifest.step_dir} although dataset{'s' if len(changed) > 1 else ''} "
+              f"{', '.join(changed)} changed since step {manifest.step} was saved; the next checkpoint records "
+              f"{'their' if len(changed) > 1 else 'its'} new fingerprint{'s' if len(changed) > 1 else ''}")
+    return changed
+
+
+def _warn(message: str) -> None:
+    """A warning from the first rank only (a resume is checked on every rank, before the process group)."""
+    if LaunchEnv.from_environ(mpi_rendezvous=False).rank == 0:
+        log.warning(message)
 
 
 def _value(flat: dict, key: str):

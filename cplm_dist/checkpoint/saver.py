@@ -26,6 +26,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from cplm_dist.checkpoint.async_save import BackgroundSave, checkpoint_files, run_id, start_save
 from cplm_dist.checkpoint.manifest import (COMPLETE, LATEST, Layout, Manifest, carry_tokenizer, check_layout, complete_tags,
                                            damaged_files, latest_tag, read_manifest, tag_for, tokenizer_files, versions,
                                            write_manifest)
@@ -69,6 +70,32 @@ def check_out_dir(cfg: Config) -> None:
                     f"{cfg.train.keep_last + 1} checkpoints of about {need / 1e9:.2f} GB")
 
 
+def check_async_save(cfg: Config, world: int) -> None:
+    """train.async_save keeps a host copy of each rank's part of a checkpoint until the background
+    thread has written it: refused at start-up when this node's free memory cannot hold its ranks'
+    copies (the local ranks from the launcher's environment; 1 when it gives none). Writes nothing."""
+    if not cfg.train.async_save:
+        return
+    local = next((int(v) for k in ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS")
+                  if (v := os.environ.get(k, "")).isdigit()), 1)
+    need, free = checkpoint_bytes(cfg) / world * min(local, world), available_memory()
+    if free is not None and need > free:
+        raise UsageError(f"train.async_save=true: the host copy of a checkpoint takes about {need / 1e9:.1f} GB on this "
+                         f"node ({min(local, world)} of {world} ranks) but {free / 1e9:.1f} GB of memory is available: "
+                         "set train.async_save=false, or spread the job over more nodes")
+
+
+def available_memory() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes (None where there is none)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
 # --- RNG --------------------------------------------------------------------------------------------
 
 
@@ -98,11 +125,6 @@ def set_rng_state(state: dict) -> None:
 # --- saving and resuming ---------------------------------------------------------------------------------
 
 
-def checkpoint_files(step_dir: Path) -> list[Path]:
-    """The files a save wrote into `step_dir` (not the manifest itself), sorted."""
-    return sorted(p for p in step_dir.iterdir() if p.is_file() and p.name != COMPLETE)
-
-
 class Checkpointer:
     """Saves and resumes a run in `root`. It remembers the step whose state is on disk there, so
     that a stop request right after a save (or a resume) does not write that step again in place,
@@ -112,6 +134,12 @@ class Checkpointer:
         self.root, self.cfg, self.dims = Path(root), cfg, dims
         self.layout = Layout.of(cfg, dims.tp_size, dims.dp_size)
         self.on_disk: tuple[int, Path] | None = None
+        from cplm_dist.checkpoint.manifest import data_fingerprints
+
+        # the blend's content fingerprints, once a run (rank 0 writes the manifest): each save records them
+        self.data_fingerprints = data_fingerprints(cfg) if dims.rank == 0 else None
+        self.background: BackgroundSave | None = None  # the asynchronous save in flight (train.async_save)
+        self.run = run_id(dims) if cfg.train.async_save else None
 
     def latest_tag(self) -> str | None:
         return latest_tag(self.root)
@@ -120,30 +148,55 @@ class Checkpointer:
         """(the step's directory, whether it was written now: False when it already held this step)."""
         if self.on_disk is not None and self.on_disk[0] == step:
             return self.on_disk[1], False
+        self.finish()  # the next save waits for the previous one
         tag = tag_for(step)
         state = {**client_state, "step": step, "rng": rng_state()}
         if self.dims.pp_size == 1:  # what a reshape reads; pipeline checkpoints are not reshaped
             state[UNIVERSAL_INFO] = universal_info(engine.module)
+        if self.cfg.train.async_save:  # cplm_dist.checkpoint.async_save: the host copy now, the writing behind
+            self.background = start_save(self, engine, tag, state, step, consumed_samples, self.run)
+            self.on_disk = (step, self.root / tag)
+            return self.root / tag, True
         error = os_error(lambda: engine.save_checkpoint(str(self.root), tag=tag, client_state=state, save_latest=False),
                          self.root)
         if error is None and self.dims.rank == 0:
             error = os_error(lambda: carry_tokenizer(self.cfg, self.root / tag))
         self._agree(error, tag)  # every rank's files are on disk, or the save is undone everywhere
         files = self._describe_files(self.root / tag)
-        error = None
-        if self.dims.rank == 0:
-            manifest = Manifest(step_dir=self.root / tag, step=step, time=time.time(), layout=self.layout, cwd=os.getcwd(),
-                                consumed_samples=consumed_samples, consumed_tokens=consumed_samples * self.cfg.data.seq_length,
-                                config=to_dict(self.cfg), versions=versions(), files=files,
-                                tokenizer_files=tuple(tokenizer_files(self.cfg)))
-            error = os_error(lambda: write_manifest(manifest))
-            error = error or os_error(lambda: write_text_atomic(self.root / LATEST, tag + "\n"))
+        error = self.complete(tag, step, consumed_samples, files) if self.dims.rank == 0 else None
         self._agree(error, tag)
-        if self.dims.rank == 0:
-            self._prune(keep=self.cfg.train.keep_last, newest=tag)
         dist.barrier()
         self.on_disk = (step, self.root / tag)
         return self.root / tag, True
+
+    def complete(self, tag: str, step: int, consumed_samples: int, files: dict) -> str | None:
+        """Rank 0, once every rank's files of `tag` are on disk and hashed: the manifest, then
+        `latest`, then keep-last-N pruning. A failure to write as one line (None: it worked)."""
+        manifest = Manifest(step_dir=self.root / tag, step=step, time=time.time(), layout=self.layout, cwd=os.getcwd(),
+                            consumed_samples=consumed_samples, consumed_tokens=consumed_samples * self.cfg.data.seq_length,
+                            config=to_dict(self.cfg), versions=versions(), files=files,
+                            tokenizer_files=tuple(tokenizer_files(self.cfg)), data_fingerprints=self.data_fingerprints)
+        error = os_error(lambda: write_manifest(manifest))
+        error = error or os_error(lambda: write_text_atomic(self.root / LATEST, tag + "\n"))
+        if error is None:
+            self._prune(keep=self.cfg.train.keep_last, newest=tag)
+        return error
+
+    def finish(self, last: bool = False) -> BackgroundSave | None:
+        """Wait until the asynchronous save in flight (if any) is complete on every rank and
+        return it; one that failed is a CheckpointError, as a synchronous save's failure is.
+        `last` (every rank together, before the run ends): also a barrier, so that rank 0, which
+        hosts the store the verdict is read from, outlives every rank's reading of it."""
+        save, self.background = self.background, None
+        if save is not None and save.wait() is None and last:
+            dist.barrier()
+        if save is None or save.error is None:
+            return save
+        self.on_disk = None
+        previous = latest_tag(self.root)
+        raise CheckpointError(f"saving {save.step_dir} in the background failed on {save.error}; removed it, "
+                              f"{'the latest checkpoint stays ' + previous if previous else 'no checkpoint was kept'}: "
+                              "free space or fix train.out_dir, then continue with --resume auto")
 
     def _agree(self, error: str | None, tag: str) -> None:
         """All ranks learn whether any failed to write; on a failure rank 0 removes the partial

@@ -190,9 +190,13 @@ class TrainConfig:
     eval_batches: int = resumable(10)  # micro-batches per rank in one validation pass
     save_interval: int = resumable(500)
     keep_last: int = resumable(3)  # checkpoints kept (older ones are deleted after a newer one is complete)
+    # the step loop blocks only while states are copied to host memory; files, hashes and the manifest
+    # are written by a background thread (cplm_dist/checkpoint/async_save.py)
+    async_save: bool = resumable(False)
     max_bad_steps: int = resumable(5)  # consecutive non-finite steps before the run stops
     collective_timeout_minutes: float = resumable(10.0)  # a collective waiting longer ends the job (a hung or lost rank)
     join_timeout_minutes: float = resumable(5.0)  # joining the job (every rank arriving, the host checks) takes at most this
+    lock_stale_minutes: float = resumable(10.0)  # out_dir's run lock: a holder on another host silent this long is gone (checkpoint.run_lock)
     exit_at_step: int | None = resumable(None)  # save and exit once this step is done (a time-sliced job; Megatron's --exit-interval)
     inject_nonfinite_at: list[int] = resumable(default_factory=list)  # fault injection (tests): NaN loss at these steps
     tensorboard: bool = resumable(True)

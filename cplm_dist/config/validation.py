@@ -197,6 +197,8 @@ def validate_train(cfg: Config) -> None:
         raise ConfigError(f"train.collective_timeout_minutes={t.collective_timeout_minutes} must be > 0")
     if not t.join_timeout_minutes > 0:
         raise ConfigError(f"train.join_timeout_minutes={t.join_timeout_minutes} must be > 0 (e.g. 5)")
+    if not t.lock_stale_minutes > 0:
+        raise ConfigError(f"train.lock_stale_minutes={t.lock_stale_minutes} must be > 0 (e.g. 10)")
     if not str(t.out_dir).strip():
         raise ConfigError("train.out_dir is empty: name the directory the run writes to")
     decay_start = t.train_steps - int(round(o.decay_fraction * t.train_steps))

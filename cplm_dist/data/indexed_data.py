@@ -213,17 +213,44 @@ def _progress(enabled: bool):
 # --- checking ---------------------------------------------------------------------------------
 
 
+FINGERPRINT_BLOCKS = 32  # blocks of the .bin a content fingerprint reads, evenly spread, first and last included
+FINGERPRINT_BLOCK_BYTES = 64 << 10
+FINGERPRINT_INDEX_BYTES = 1 << 20  # each of the first, middle and last MiB of the .idx
+
+
+def fingerprint_reads(size: int, blocks: int, block: int) -> list[tuple[int, int]]:
+    """(offset, length) of what a content fingerprint reads of a file of `size` bytes: `blocks`
+    blocks of `block` bytes at deterministic, evenly spread offsets, the first at 0 and the last
+    ending at the end; the whole file when it is not larger than those blocks together. Never
+    more than blocks x block bytes, whatever the size."""
+    if size <= blocks * block:
+        return [(0, size)]
+    last = size - block
+    return [(i * last // (blocks - 1), block) for i in range(blocks)]
+
+
 def content_fingerprint(prefix: str | Path) -> str:
-    """A cheap identity of the dataset's contents, not its path or times: the sizes of .bin/.idx,
-    the first and last MiB of the index and the .meta.json (which a rebuild always changes)."""
+    """A cheap identity of the dataset's contents, not its path or times (sha256, hex): the sizes
+    of .bin/.idx; FINGERPRINT_BLOCKS blocks of FINGERPRINT_BLOCK_BYTES of the .bin, evenly spread
+    from its first byte to its last (the whole .bin when it is not larger: 2 MiB); the first,
+    middle and last MiB of the index; and the .meta.json (which a rebuild always changes). Reads
+    are bounded, at most 5 MiB and the .meta.json whatever the dataset's size, so a change
+    between the sampled blocks of a large .bin is not seen: it tells a rebuilt, replaced,
+    truncated or edited-in-place dataset from the one recorded (a checkpoint's manifest records
+    it for every dataset of the blend), it is not a hash of every byte. gpt_data.py names
+    megatron's index cache by it too."""
     files = dataset_files(prefix)
     h = hashlib.sha256()
+    sizes = {kind: files[kind].stat().st_size for kind in ("bin", "idx")}
     for kind in ("bin", "idx"):
-        h.update(str(files[kind].stat().st_size).encode())
-    with open(files["idx"], "rb") as f:
-        h.update(f.read(1 << 20))
-        f.seek(max(0, files["idx"].stat().st_size - (1 << 20)))
-        h.update(f.read())
+        h.update(str(sizes[kind]).encode())
+    windows = {"bin": fingerprint_reads(sizes["bin"], FINGERPRINT_BLOCKS, FINGERPRINT_BLOCK_BYTES),
+               "idx": fingerprint_reads(sizes["idx"], 3, FINGERPRINT_INDEX_BYTES)}
+    for kind in ("bin", "idx"):
+        with open(files[kind], "rb") as f:
+            for offset, length in windows[kind]:
+                f.seek(offset)
+                h.update(f.read(length))
     if files["meta"].is_file():
         h.update(files["meta"].read_bytes())
     return h.hexdigest()
