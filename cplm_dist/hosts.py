@@ -90,7 +90,10 @@ def join(env: LaunchEnv, backend: str, *, join_timeout_minutes: float, shared_di
         rank, message = failed[0]
         more = f" (and {len(failed) - 1} more rank(s) refused)" if len(failed) > 1 else ""
         raise LaunchError(message + more if rank == env.rank else f"rank {rank} refused the launch: {message}{more}")
-    return store.underlying_store
+    # the process group's keys under this attempt's prefix too (as torch's env:// does): torchrun's
+    # agent store outlives an elastic restart, and the gloo addresses the previous attempt left in it
+    # sent the restarted ranks to dead processes (connectFullMesh: Connection refused)
+    return dist.PrefixStore(f"cplm/pg/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store.underlying_store)
 
 
 def host_of(rank: int) -> str | None:

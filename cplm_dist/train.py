@@ -34,7 +34,8 @@ import torch
 import torch.distributed as dist
 
 from cplm_dist import hosts
-from cplm_dist.checkpoint import Checkpointer, Manifest, RunLock, check_async_save, check_out_dir, find_resume, init_source, initialise_from
+from cplm_dist.checkpoint import (Checkpointer, Manifest, RunLock, check_async_save, check_out_dir, find_resume, init_source,
+                                  initialise_from)
 from cplm_dist.cli import config_parser, exit_on_usage_error, load_from_args
 from cplm_dist.config import Config, batch_layout
 from cplm_dist.data.gpt_data import build_datasets, check_data

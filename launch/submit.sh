@@ -8,14 +8,16 @@
 #
 # Options: --nodes N, --gpus-per-node G (0 on CPU), --tasks-per-node T (default G, or 1),
 # --cpus-per-task C, --time HH:MM:SS, --partition P, --account A, --job-name NAME,
-# --log-dir DIR (default logs/slurm: <DIR>/<name>-<jobid>.out), --torchrun, --wait, --dry-run.
+# --log-dir DIR (default logs/slurm: <DIR>/<name>-<jobid>.out), --torchrun, --wait, --dry-run,
+# --max-requeues N (default 3: how often the job requeues itself after a crash, a lost or killed
+# rank; passed to the job as CPLM_MAX_REQUEUES; 0: never).
 # Before sbatch (and in --dry-run) the training arguments are checked against the job's size
 # (nodes x tasks per node = tp x pp x dp, the batch arithmetic): a layout that cannot run is
 # refused with one line instead of failing after its wait in the queue.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 nodes=1; gpus=""; tasks=""; cpus=""; time_limit=""; partition=""; account=""; name="cplm"
-log_dir="logs/slurm"; script="$here/slurm.sbatch"; wait_flag=""; dry_run=""
+log_dir="logs/slurm"; script="$here/slurm.sbatch"; wait_flag=""; dry_run=""; max_requeues=""
 usage="usage: launch/submit.sh --nodes N --gpus-per-node G --time HH:MM:SS [--partition P] [...] -- <train args>"
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -31,6 +33,10 @@ while [ $# -gt 0 ]; do
     --torchrun) script="$here/slurm-torchrun.sbatch"; shift ;;
     --wait) wait_flag="--wait"; shift ;;
     --dry-run) dry_run=1; shift ;;
+    --max-requeues)
+      max_requeues=${2-}; shift $(($# > 1 ? 2 : 1))
+      [[ "$max_requeues" =~ ^[0-9]+$ ]] || {
+        echo "error: --max-requeues '$max_requeues' is not a whole number >= 0 (how often the job requeues itself after a failure)" >&2; exit 2; } ;;
     --) shift; break ;;
     -h|--help) echo "$usage"; exit 0 ;;
     *) echo "error: unknown option $1 ($usage)" >&2; exit 2 ;;
@@ -57,6 +63,8 @@ args=(--job-name "$name" --nodes "$nodes" --ntasks-per-node "$tasks" --time "$ti
 [ -n "$partition" ] && args+=(--partition "$partition")
 [ -n "$account" ] && args+=(--account "$account")
 [ -n "$wait_flag" ] && args+=("$wait_flag")
+# the job inherits this environment (CPLM_ROOT, CPLM_PROCS_PER_NODE) and this one variable on top
+[ -n "$max_requeues" ] && args+=(--export "ALL,CPLM_MAX_REQUEUES=$max_requeues")
 if [ -n "$dry_run" ]; then
   printf '%q ' sbatch "${args[@]}" "$script" "$@"; echo
   exit 0

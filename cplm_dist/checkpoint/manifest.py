@@ -300,6 +300,9 @@ def find_resume(cfg: Config, resume: str | None, tp: int, dp: int, reshape: bool
     if tag is None:
         if resume == "auto" and not (root.is_dir() and any(root.glob("step-*"))):
             return None
+        if resume == "auto" and not (root / LATEST).exists():  # `latest` is written once a save completes
+            log.warning(f"{root}: no save there ever completed (a kill during the first one): starting afresh")
+            return None
         raise CheckpointError(f"--resume {resume}: no complete checkpoint in {root}; "
                               "give a run directory, its checkpoints/ directory or one step-* directory, or --resume auto for a new out_dir")
     manifest = newest_readable(root, tag)
