@@ -117,7 +117,7 @@ def test_a_second_trainer_on_the_same_out_dir_refuses_in_one_line_and_the_first_
         for _, stdout, stderr in results:  # every rank: the same one line, before the model
             assert [line for line in stderr.splitlines() if line.startswith(("error", "Traceback"))] == [last]
             assert "building the model" not in stdout
-        assert took < 20, took
+        assert took < 60, took  # bounded: seconds, not a collective timeout
         assert sorted(p.relative_to(out) for p in out.rglob("*")) == before  # nothing new: no second log, no checkpoint
         assert read_holder(out / LOCK_NAME).pid == first.pid  # its record untouched
         assert first.poll() is None, "the first trainer goes on"
