@@ -179,6 +179,17 @@ def test_context_parallel_dry_run_traces_every_cp_rank(tmp_path, capsys):
         assert abs(error - flat[256].error) < 0.05, (error, flat[256].error)  # tiny's own offset, not cp's
 
 
+@pytest.mark.parametrize("cp", [1, 2])
+def test_a_document_masked_layout_dry_runs(capsys, cp):
+    """data.document_mask (block-causal attention and copy candidates): traced with fake tensors,
+    whose positions have no values to check (a training row's check reads real ones only)."""
+    from cplm_dist_tools.dry_run import main
+
+    assert main(["--config", "tiny", "--gpus", "2", *CP_DRY, f"parallel.cp={cp}", "data.seq_length=256",
+                 "data.document_mask=true"]) == 0
+    assert f"world 2 = tp 1 x {'cp 2 x ' if cp > 1 else ''}pp 1 x dp {2 // cp}" in capsys.readouterr().out
+
+
 def test_the_planner_confirms_its_choice(capsys):
     from cplm_dist_tools.plan import main
 

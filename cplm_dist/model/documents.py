@@ -40,9 +40,17 @@ def check_positions(position_ids: torch.Tensor, input_ids: torch.Tensor, full_ro
                           f"{tuple(input_ids.shape)}: give one position per token, (B, T)")
     if position_ids.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.bool):
         raise UsageError(f"position_ids are {position_ids.dtype}: give integer positions (torch.long)")
-    if full_row and position_ids.device.type == "cpu" and position_ids.numel() and bool((position_ids[:, 0] != 0).any()):
+    if full_row and has_values(position_ids) and position_ids.numel() and bool((position_ids[:, 0] != 0).any()):
         raise UsageError("position_ids of a training row must start at 0 (a row starts a document): "
                           "build them with reset_position_ids (data.document_mask=true) or pass position_ids=None")
+
+
+def has_values(t: torch.Tensor) -> bool:
+    """Whether `t`'s values can be read without a device synchronisation: on the CPU, and a real
+    tensor (the dry run traces the model with fake tensors, which have shapes but no values)."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return t.device.type == "cpu" and not is_fake(t)
 
 
 def document_index(position_ids: torch.Tensor, past: torch.Tensor | None = None) -> torch.Tensor:
