@@ -25,6 +25,14 @@ import torch.distributed as dist
 KEY = "cplm/heartbeat/{}"
 
 
+def store_connection(timeout_s: float) -> dist.TCPStore:
+    """A connection of the caller's own to the store rank 0 hosts (MASTER_ADDR:MASTER_PORT), for a
+    thread that must never share a socket with the collectives (this heartbeat, the background
+    checkpoint writer of cplm_dist.checkpoint.async_save)."""
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                         timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+
+
 class Heartbeat:
     def __init__(self, store, rank: int, world: int, interval: float, phase: str):
         self.store, self.rank, self.world, self.interval = store, rank, world, interval
@@ -38,9 +46,7 @@ class Heartbeat:
         """A heartbeat for this rank, or None for a one-process job (nobody to tell)."""
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return None
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                              timeout=timedelta(seconds=30), wait_for_workers=False)
-        return cls(store, dist.get_rank(), dist.get_world_size(), interval, phase)
+        return cls(store_connection(timeout_s=30), dist.get_rank(), dist.get_world_size(), interval, phase)
 
     def update(self, phase: str | None = None, step: int | None = None) -> None:
         self.phase = phase if phase is not None else self.phase

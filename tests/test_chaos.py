@@ -16,9 +16,8 @@ import pytest
 
 from cplm_dist_tools.chaos import final_checkpoint, same_weights
 from tests.slurm_cluster import LocalSlurm, ensure_slurm
-from tests.spawn import run_ranks
 from tests.test_launchers import launch_env
-from tests.test_train import argv
+from tests.test_train import argv, train
 
 REPO = Path(__file__).resolve().parent.parent
 STEPS = 16
@@ -30,17 +29,11 @@ def run_args(small_data, out):
                 "train.micro_batch_size=2", "train.collective_timeout_minutes=0.2")
 
 
-def _train(args):
-    from cplm_dist.train import main
-
-    return main(args)
-
-
 @pytest.fixture(scope="module")
 def straight(small_data, tmp_path_factory):
     """The uninterrupted run, 2 ranks: its final checkpoint's directory."""
     out = tmp_path_factory.mktemp("chaos") / "straight"
-    assert run_ranks(_train, 2, args=(run_args(small_data, out),)) == [0, 0]
+    assert train(2, run_args(small_data, out)) == [0, 0]
     return final_checkpoint(out, STEPS)
 
 

@@ -77,7 +77,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.saves < 2 or args.save_interval < 1 or args.nproc < 1:
         raise UsageError("--saves must be >= 2 (the first is not counted), --save-interval and --nproc >= 1")
-    extra = [f"data.seq_length={args.seq_length}", f"train.micro_batch_size=1", f"train.global_batch_size={args.nproc}",
+    extra = [f"data.seq_length={args.seq_length}", "train.micro_batch_size=1", f"train.global_batch_size={args.nproc}",
              "train.compile=false", *quickstart_data(), *args.overrides]
     rows = []
     for async_save in (False, True):

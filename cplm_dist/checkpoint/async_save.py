@@ -28,12 +28,10 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import shutil
 import threading
 import time
 import uuid
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -42,6 +40,7 @@ import torch.distributed as dist
 from cplm_dist.checkpoint.manifest import COMPLETE, carry_tokenizer
 from cplm_dist.checkpoint.safe_io import os_error
 from cplm_dist.files import sha256_file
+from cplm_dist.heartbeat import store_connection
 
 KEY = "cplm/save/{run}/{tag}/{who}"
 POLL_S = 0.2
@@ -112,20 +111,17 @@ def run_id(dims) -> str:
 
 def store_client(world_size: int):
     """A connection of this thread's own to the job's rendezvous store (None: one process)."""
-    if world_size == 1:
-        return None
-    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                         timeout=timedelta(seconds=60), wait_for_workers=False)
+    return None if world_size == 1 else store_connection(timeout_s=60)
 
 
 class BackgroundSave:
     """One asynchronous save of `tag`: the files `taken` by SnapshotEngine, written by a thread."""
 
-    def __init__(self, ckpt, tag: str, step: int, consumed_samples: int, taken: list, run: str, blocked_s: float):
+    def __init__(self, ckpt, tag: str, step: int, consumed_samples: int, taken: list, run: str):
         self.ckpt, self.tag, self.step, self.consumed, self.taken, self.run = ckpt, tag, step, consumed_samples, taken, run
         self.rank, self.world = ckpt.dims.rank, ckpt.dims.world_size
         self.timeout_s = ckpt.cfg.train.collective_timeout_minutes * 60
-        self.blocked_s, self.write_s, self.error = blocked_s, None, None
+        self.write_s, self.error = None, None
         self.started = time.perf_counter()
         self._thread = threading.Thread(target=self._run, name=f"cplm-save-{tag}", daemon=True)
         self._thread.start()
@@ -215,16 +211,16 @@ def checkpoint_files(step_dir: Path) -> list[Path]:
 
 
 def describe(path: Path) -> dict:
+    """A checkpoint file's manifest entry."""
     return {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
 
 
 def start_save(ckpt, engine, tag: str, state: dict, step: int, consumed_samples: int, run: str) -> BackgroundSave:
     """DeepSpeed's save with the host copy in place of the writes (every rank, together), then the
     writing handed to a thread. Returns at once after the copy."""
-    start = time.perf_counter()
     snap = snapshot_engine(engine)
     error = os_error(lambda: engine.save_checkpoint(str(ckpt.root), tag=tag, client_state=state, save_latest=False),
                      ckpt.root)
     ckpt._agree(error, tag)  # a failure to take the copy (or to make the directory) is one line at once, as sync
     taken, snap.taken = snap.taken, []
-    return BackgroundSave(ckpt, tag, step, consumed_samples, taken, run, time.perf_counter() - start)
+    return BackgroundSave(ckpt, tag, step, consumed_samples, taken, run)

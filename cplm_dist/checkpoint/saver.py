@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from cplm_dist.checkpoint.async_save import BackgroundSave, checkpoint_files, run_id, start_save
+from cplm_dist.checkpoint.async_save import BackgroundSave, checkpoint_files, describe, run_id, start_save
 from cplm_dist.checkpoint.manifest import (COMPLETE, LATEST, Layout, Manifest, carry_tokenizer, check_layout, complete_tags,
                                            damaged_files, latest_tag, read_manifest, tag_for, tokenizer_files, versions,
                                            write_manifest)
@@ -34,7 +34,7 @@ from cplm_dist.checkpoint.reshape import UNIVERSAL_INFO, load_reshaped, universa
 from cplm_dist.checkpoint.safe_io import os_error
 from cplm_dist.config import Config, to_dict
 from cplm_dist.errors import CheckpointError, UsageError
-from cplm_dist.files import sha256_file, write_text_atomic
+from cplm_dist.files import write_text_atomic
 from cplm_dist.model.counting import parameter_count
 from cplm_dist.parallel import ParallelDims
 
@@ -219,8 +219,7 @@ class Checkpointer:
         """{name: {bytes, sha256}} of the step's files, each rank hashing every world-th one."""
         paths = checkpoint_files(step_dir)
         rank, world = self.dims.rank, self.dims.world_size
-        mine = {p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
-                for i, p in enumerate(paths) if i % world == rank}
+        mine = {p.name: describe(p) for i, p in enumerate(paths) if i % world == rank}
         gathered = [None] * world
         dist.all_gather_object(gathered, mine)
         return {name: entry for part in gathered for name, entry in sorted(part.items())}
