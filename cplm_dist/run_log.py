@@ -22,11 +22,11 @@ import torch
 import torch.distributed as dist
 
 from cplm_dist import hosts
-from cplm_dist.config import Config, to_dict
-from cplm_dist.errors import ConfigError
+from cplm_dist.config import Config
 from cplm_dist.parallel import ParallelDims
 from cplm_dist.profiling.throughput import device_peak_flops, flops_per_token, peak_memory_bytes
 from cplm_dist.train_step import StepResult
+from cplm_dist.wandb_log import start_wandb, wandb_values
 
 
 def _mean(xs: list[float]) -> float:
@@ -47,20 +47,17 @@ class RunLog:
         self.peak_flops = device_peak_flops(t.precision, device)
         self.device = device
         self._new_window()
+        if self.enabled:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        if cfg.train.wandb:  # every rank calls it: rank 0 starts the run, a failure is one line on all (cplm_dist.wandb_log)
+            self.wandb = start_wandb(cfg, self.dir, dims.rank, dims.world_size)
         if not self.enabled:
             return
-        self.dir.mkdir(parents=True, exist_ok=True)
         self.jsonl = open(self.dir / "metrics.jsonl", "a", buffering=1)
         if cfg.train.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
             self.tb = SummaryWriter(str(self.dir / "tensorboard"), purge_step=start_step or None)
-        if cfg.train.wandb:
-            try:
-                import wandb
-            except ImportError:
-                raise ConfigError("train.wandb=true needs the wandb package: pip install wandb (or set train.wandb=false)") from None
-            self.wandb = wandb.init(project=cfg.train.wandb_project, config=to_dict(cfg), dir=str(self.dir), resume="allow")
         from tqdm import tqdm
 
         # disable=None: a bar on a terminal, none in a log file (the console lines carry the numbers)
@@ -147,7 +144,7 @@ class RunLog:
                 if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
                     self.tb.add_scalar(f"{event}/{key}", value, step)
         if self.wandb is not None and step is not None:
-            self.wandb.log({f"{event}/{k}": v for k, v in values.items() if k != "step"}, step=step)
+            self.wandb.log(wandb_values(event, values), step=step)
 
     def resumed(self, step: int | None) -> None:
         """A resume at `step` (None: a fresh start): one line and a "resume" record with the steps done again."""
@@ -158,7 +155,8 @@ class RunLog:
                   f"{reached - step} steps are recomputed")
         self.record("resume", {"step": step, "reached": reached, "recomputed": reached - step})
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
+        """At the run's end; `failed`: it ends with an exception (W&B marks the run failed)."""
         if not self.enabled:
             return
         if self.bar is not None:
@@ -166,7 +164,7 @@ class RunLog:
         if self.tb is not None:
             self.tb.close()
         if self.wandb is not None:
-            self.wandb.finish()
+            self.wandb.finish(exit_code=1 if failed else 0)
         self.jsonl.close()
 
 

@@ -49,6 +49,7 @@ from cplm_dist.model.stages import stage_summary
 from cplm_dist.optim import parameters_finite
 from cplm_dist.parallel import ParallelDims, check_world, default_device, destroy_distributed, init_distributed, synchronize
 from cplm_dist.run_log import RunLog
+from cplm_dist.wandb_log import check_wandb
 from cplm_dist.train_step import build_train_step, build_training_model
 from cplm_dist.vocab_parallel import IGNORE_INDEX
 
@@ -184,6 +185,7 @@ def run(argv, stop: StopRequest) -> int:
         init_source(cfg)
     check_copy_impl(cfg.copy, torch.cuda.is_available())
     check_async_save(cfg, world)
+    check_wandb(cfg)
     check_out_dir(cfg)
     samples = (t.train_steps * t.global_batch_size, t.eval_batches * t.micro_batch_size * dp, 0)
     tokenizer = check_data(cfg, samples)
@@ -288,9 +290,10 @@ def train(cfg: Config, dims: ParallelDims, accumulation: int, resume: Manifest |
         summarize(log, ckpt, dims, step - start_step, time.perf_counter() - run_start, step, skipped_total, valid_loss)
         return 0
     finally:
-        if sys.exc_info()[0] is None:  # the run ends: an asynchronous save still in flight completes first
+        failed = sys.exc_info()[0] is not None
+        if not failed:  # the run ends: an asynchronous save still in flight completes first
             log_completed(log, step, ckpt.finish(last=True))
-        log.close()
+        log.close(failed)
 
 
 def resume_from(ckpt: Checkpointer, engine, loader: ResumableLoader, resume: Manifest | None, reshape: bool,

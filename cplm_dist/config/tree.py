@@ -61,7 +61,7 @@ class ModelConfig:
     max_seq_len: int = 2048
     tie_embeddings: bool = True
     # a fresh run starts from these weights (cplm_dist.checkpoint.init_from): one of our run, checkpoints/ or
-    # step-* directories (any tp; weights only), or a local HF LlamaForCausalLM directory (cplm_dist.hf_llama)
+    # step-* directories (any tp; weights only), or a local HF LlamaForCausalLM / GPT2LMHeadModel directory (hf_llama, hf_gpt2)
     init_from: str | None = resumable(None)
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None  # null, or {type: linear | ntk, factor: F > 1} (context extension)
@@ -202,6 +202,7 @@ class TrainConfig:
     tensorboard: bool = resumable(True)
     wandb: bool = resumable(False)
     wandb_project: str = resumable("cplm_dist")
+    wandb_entity: str | None = resumable(None)  # the W&B team or user (None: the login's default)
 
 
 @dataclass

@@ -1,0 +1,101 @@
+"""Weights & Biases for a run (`train.wandb=true`), written by rank 0 beside metrics.jsonl:
+
+    <out_dir>/logs/wandb_run.json   {"id", "project", "entity"}: the run's W&B id, made at its first start
+    <out_dir>/logs/wandb/           wandb's own directory (offline: offline-run-<time>-<id>/run-<id>.wandb)
+
+The id is ours to keep. Online, every start of the run (a resume, a restart, a requeue) calls
+`wandb.init(id=<that id>, resume="allow")`, so the W&B run continues instead of splitting in one
+run a restart. Offline (WANDB_MODE=offline, a cluster without a route out) W&B ignores `resume`:
+each start writes its own offline-run directory, all under the same id, and its history goes on
+from the resumed step; `wandb sync <out_dir>/logs/wandb/offline-run-*` uploads them in start order
+into that one run. Steps a resume recomputes (metrics.jsonl keeps the later record) are dropped
+online by W&B, which keeps a run's steps increasing: its history shows the first values.
+
+Every record of metrics.jsonl that has a step goes to W&B as `<event>/<key>` ("train/loss",
+"valid/loss", "resume/recomputed"); the run's name is train.out_dir's last part, its config
+the whole resolved config. Failing to start is one line on every rank (rank 0 decides and
+broadcasts): a missing package is caught before anything starts (`check_wandb`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import secrets
+import string
+from pathlib import Path
+
+import torch.distributed as dist
+
+from cplm_dist.config import Config, to_dict
+from cplm_dist.errors import ConfigError, UsageError
+
+RUN_FILE = "wandb_run.json"
+
+
+class WandbError(UsageError):
+    """W&B could not start (one line, exit 2)."""
+
+
+def check_wandb(cfg: Config) -> None:
+    """Before the process group: train.wandb=true needs the package."""
+    if cfg.train.wandb and importlib.util.find_spec("wandb") is None:
+        raise ConfigError("train.wandb=true needs the wandb package: pip install wandb (or set train.wandb=false)")
+
+
+def saved_run_id(log_dir: Path) -> str | None:
+    """The id of this run's W&B run (made at its first start, kept across every resume), if any."""
+    path = log_dir / RUN_FILE
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())["id"]
+    except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError):
+        raise WandbError(f"{path} is not a W&B run record ({{\"id\": ...}}): remove it to start a new W&B run "
+                         "(the metrics of earlier starts stay in their own run)") from None
+
+
+def save_run_id(log_dir: Path, run) -> None:
+    """After the first start succeeded: its id, for every later start (written whole, then renamed)."""
+    path = log_dir / RUN_FILE
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"id": run.id, "project": run.project, "entity": run.entity}) + "\n")
+    os.replace(tmp, path)
+
+
+def start_wandb(cfg: Config, log_dir: Path, rank: int, world_size: int):
+    """The W&B run on rank 0 (None elsewhere); every rank raises the same one line if it fails."""
+    run, verdict = None, [None]
+    if rank == 0:
+        try:
+            run = _init(cfg, log_dir)
+        except UsageError as e:
+            verdict[0] = str(e)
+        except Exception as e:  # wandb's own errors (no login, no server, a bad entity): one line
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            verdict[0] = (f"train.wandb=true: W&B did not start ({first[:200]}): log in (`wandb login` or "
+                          "WANDB_API_KEY), or log offline with WANDB_MODE=offline, or set train.wandb=false")
+    if world_size > 1:
+        dist.broadcast_object_list(verdict, src=0)
+    if verdict[0] is not None:
+        raise WandbError(verdict[0])
+    return run
+
+
+def _init(cfg: Config, log_dir: Path):
+    import wandb
+
+    t, saved = cfg.train, saved_run_id(log_dir)
+    new = "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))  # W&B's own id alphabet
+    run = wandb.init(project=t.wandb_project, entity=t.wandb_entity, id=saved or new, resume="allow",
+                     name=Path(t.out_dir).resolve().name, config=to_dict(cfg), dir=str(log_dir),
+                     settings=wandb.Settings(console="off", init_timeout=120))
+    if saved is None:
+        save_run_id(log_dir, run)
+    return run
+
+
+def wandb_values(event: str, values: dict) -> dict:
+    """A metrics.jsonl record as W&B keys (`<event>/<key>`), numbers and strings only."""
+    return {f"{event}/{k}": v for k, v in values.items() if k != "step" and isinstance(v, (int, float, str))}
