@@ -3,9 +3,12 @@
     python tools/train_tokenizer.py --input corpus.jsonl more/*.parquet --vocab-size 32000 \
         --output data/tokenizer.model
     cplm-train-tokenizer --input docs/ --model-type unigram --vocab-size 8192 --output tok.model
+    cplm-train-tokenizer --hf-dataset org/name --split train --vocab-size 32000 --output tok.model
 
 Inputs are files or directories: JSON lines, JSON, Parquet, CSV, Arrow (the `--text-key` field),
-or plain text (one document per file), read as cplm_dist.data.sources describes. Writes the
+or plain text (one document per file), read as cplm_dist.data.sources describes; a directory
+written by `datasets`' save_to_disk (`--split` for a DatasetDict), or `--hf-dataset NAME_OR_PATH
+[--hf-config C] --split S` (what datasets.load_dataset takes, offline). Writes the
 model and `<output minus .model>.json` metadata (ids: unk 0, bos 1, eod 2, pad 3, then
 `--special-tokens`). Bad input gives one line and exit code 2.
 """
@@ -18,21 +21,19 @@ import time
 from pathlib import Path
 
 from cplm_dist.cli import exit_on_usage_error
-from cplm_dist.data.sources import ON_BAD, ReadStats, expand_inputs, iter_documents
+from cplm_dist.data.sources import ReadStats, add_input_arguments, inputs_from_args, iter_documents
 from cplm_dist.data.tokenizer import train_sentencepiece
 from cplm_dist.errors import UsageError
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--input", nargs="+", required=True, help="files or directories")
+    add_input_arguments(p)
     p.add_argument("--output", required=True, help="the .model file to write")
     p.add_argument("--vocab-size", type=int, default=32000)
     p.add_argument("--model-type", choices=["bpe", "unigram"], default="bpe")
     p.add_argument("--special-tokens", nargs="*", default=[], help="extra tokens kept whole, e.g. '<|im_start|>'")
     p.add_argument("--no-byte-fallback", action="store_true", help="map unknown characters to <unk> instead of bytes")
-    p.add_argument("--text-key", default="text")
-    p.add_argument("--on-bad-record", choices=ON_BAD, default="stop")
     p.add_argument("--max-lines", type=int, default=2_000_000, help="train on at most this many lines")
     p.add_argument("--overwrite", action="store_true", help="replace an existing tokenizer at --output (every "
                    "dataset made with the old one must then be rebuilt)")
@@ -49,7 +50,7 @@ def main(argv=None) -> int:
         raise UsageError(f"--max-lines {args.max_lines}: give at least 1")
     stats = ReadStats()
     start = time.perf_counter()
-    files = expand_inputs(args.input)
+    files = inputs_from_args(args)
     docs = iter_documents(files, args.text_key, args.on_bad_record, stats)
     meta = train_sentencepiece(
         docs, args.output, vocab_size=args.vocab_size, model_type=args.model_type,

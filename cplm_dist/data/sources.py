@@ -6,6 +6,7 @@
 | `.json` | ours: a JSON array of records (read whole), else JSON lines | the `text_key` field of a record | `file:line` (where the record starts) |
 | `.csv` | ours (`csv` module, every field a string) | the `text_key` column of a row | `file:line` (where the row starts) |
 | `.parquet`, `.arrow` | `datasets` (streaming) | the `text_key` column of a row | `file: row N` (from 1) |
+| a `save_to_disk` directory, `--hf-dataset` | `datasets`, offline (hf_datasets.py) | the `text_key` column of a row | `DIR (split S): row N` |
 | anything else (`.txt`, `.md`, `.py`, ...) | our file reader | the whole file | `file` |
 
 JSON, JSON lines and CSV are read by us rather than by `datasets` because its readers can neither
@@ -21,7 +22,11 @@ text that is not Unicode (a JSON `\\ud800` escape without its other half, which 
 tokenizer can hold) -- either stops the run naming its file and line (`on_bad="stop"`) or is
 skipped and counted by reason (`on_bad="skip"`). Empty documents carry nothing and are dropped
 and counted under either policy. Missing inputs always stop; empty files stop unless skipped.
-Directories expand to their files, sorted, so the document order is fixed.
+Directories expand to their files, sorted, so the document order is fixed; a directory written by
+`datasets`' `save_to_disk` (`state.json` + `dataset_info.json`, or `dataset_dict.json`: one split,
+`split`) is one input, read by hf_datasets.py, never as files. A dataset's rows follow the same
+rules: a null or non-string value is a bad record, a dataset without the `text_key` column is a bad
+record naming its columns, an empty dataset is one like an empty file.
 
 Each document is a `Document`: a `str` that also carries `where` it came from, so that later
 stages (the tokenizer's round-trip check in indexed_data) can name the record too.
@@ -29,6 +34,7 @@ stages (the tokenizer's round-trip check in indexed_data) can name the record to
 
 from __future__ import annotations
 
+import argparse
 import csv
 import json
 import re
@@ -37,8 +43,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator
 
+from cplm_dist.data.hf_datasets import (
+    DatasetInput, MissingColumn, hub_input, iter_values, offline_datasets, saved_input, saved_kind,
+)
 from cplm_dist.data.tokenizer import not_unicode
-from cplm_dist.errors import DataError
+from cplm_dist.errors import DataError, UsageError
 
 JSONL = {".jsonl", ".ndjson"}
 DATASETS_FORMATS = {".parquet": "parquet", ".arrow": "arrow"}
@@ -71,12 +80,33 @@ class ReadStats:
         return ", ".join(f"{n} {reason}" for reason, n in sorted(self.skipped.items())) or "none"
 
 
-def expand_inputs(paths: Iterable[str | Path]) -> list[Path]:
-    files: list[Path] = []
+Input = Path | DatasetInput
+
+
+def _walk(directory: Path, split: str | None) -> list[Input]:
+    """The files under `directory` (not those named .*), sorted by path, not following links to
+    directories; a save_to_disk directory among them is one input."""
+    if saved_kind(directory):
+        return [saved_input(directory, split)]
+    found: list[Input] = []
+    for child in sorted(directory.iterdir()):
+        if child.is_dir() and not child.is_symlink():
+            found += _walk(child, split)
+        elif child.is_file() and not child.name.startswith("."):
+            found.append(child)
+    return found
+
+
+def expand_inputs(paths: Iterable[str | Path | DatasetInput], split: str | None = None) -> list[Input]:
+    """Files, and datasets (a save_to_disk directory: a DatasetDict's `split`), in order."""
+    files: list[Input] = []
     for raw in paths:
+        if isinstance(raw, DatasetInput):
+            files.append(raw)
+            continue
         p = Path(raw)
         if p.is_dir():
-            found = sorted(f for f in p.rglob("*") if f.is_file() and not f.name.startswith("."))
+            found = _walk(p, split)
             if not found:
                 raise DataError(f"input directory {p} holds no files")
             files += found
@@ -87,6 +117,40 @@ def expand_inputs(paths: Iterable[str | Path]) -> list[Path]:
     if not files:
         raise DataError("no input files given")
     return files
+
+
+def add_input_arguments(p: argparse.ArgumentParser) -> None:
+    """The tools' input options: --input, --hf-dataset / --hf-config, --split, --text-key, --on-bad-record."""
+    p.add_argument("--input", nargs="+", default=[], help="files or directories (a datasets save_to_disk "
+                   "directory is read as a dataset)")
+    p.add_argument("--hf-dataset", metavar="NAME_OR_PATH", help="what datasets.load_dataset takes: a local dataset "
+                   "repository or data-file directory, or a hub name already in the local cache (never downloaded)")
+    p.add_argument("--hf-config", metavar="NAME", help="the --hf-dataset configuration (load_dataset's name)")
+    p.add_argument("--split", help="the split of --hf-dataset and of a saved DatasetDict, e.g. train")
+    p.add_argument("--text-key", default="text", help="the field or column holding the text")
+    p.add_argument("--on-bad-record", choices=ON_BAD, default="stop")
+
+
+def inputs_from_args(args: argparse.Namespace) -> list[Input]:
+    return resolve_inputs(args.input, args.split, args.hf_dataset, args.hf_config)
+
+
+def resolve_inputs(paths: Iterable[str | Path] = (), split: str | None = None, hf_dataset: str | None = None,
+                   hf_config: str | None = None, cache_dir: str | None = None) -> list[Input]:
+    """The tools' inputs: `--input` files and directories, then `--hf-dataset` (opened now, so that
+    a bad name, config or split stops before anything is written)."""
+    paths = list(paths or ())
+    if not paths and not hf_dataset:
+        raise UsageError("no input: give --input FILE_OR_DIR ... and/or --hf-dataset NAME_OR_PATH")
+    if hf_config and not hf_dataset:
+        raise UsageError(f"--hf-config {hf_config} needs --hf-dataset: give the dataset it belongs to")
+    items = expand_inputs(paths, split) if paths else []
+    if hf_dataset:
+        items.append(hub_input(hf_dataset, hf_config, split, cache_dir))
+    if split is not None and not any(isinstance(i, DatasetInput) and i.split for i in items):
+        raise UsageError(f"--split {split}: no input has splits (files have none, a saved Dataset is read whole): "
+                         "drop --split")
+    return items
 
 
 def bad_record(policy: str, stats: ReadStats, reason: str, message: str) -> None:
@@ -273,21 +337,41 @@ def _read_csv(path: Path, text_key: str, policy: str, stats: ReadStats) -> Itera
             yield f"{path}:{first}", row[column]
 
 
-def _read_with_datasets(path: Path, fmt: str, text_key: str, policy: str, stats: ReadStats) -> Iterator[tuple[str, str]]:
-    import datasets
+def _column_text(where: str, value, text_key: str, policy: str, stats: ReadStats) -> str | None:
+    """A row's text, or None after handling a value that is not a string (null, a number, bytes)."""
+    if isinstance(value, str):
+        return value
+    kind = "bytes" if isinstance(value, bytes) else _kind(value)
+    bad_record(policy, stats, f"rows whose '{text_key}' is not a string",
+               f"{where}: column '{text_key}' is {kind}, not a string")
+    return None
 
-    datasets.disable_progress_bars()
+
+def _read_dataset(inp: DatasetInput, text_key: str, policy: str, stats: ReadStats) -> Iterator[tuple[str, str]]:
+    rows = 0
+    try:
+        for where, value in iter_values(inp, text_key):
+            rows += 1
+            text = _column_text(where, value, text_key, policy, stats)
+            if text is not None:
+                yield where, text
+    except MissingColumn as e:
+        bad_record(policy, stats, f"datasets without a '{text_key}' column", str(e))
+        return
+    if rows == 0:
+        bad_record(policy, stats, "empty datasets", f"{inp}: the dataset has no rows")
+
+
+def _read_with_datasets(path: Path, fmt: str, text_key: str, policy: str, stats: ReadStats) -> Iterator[tuple[str, str]]:
+    datasets = offline_datasets()
     try:
         ds = datasets.load_dataset(fmt, data_files=str(path), split="train", streaming=True)
         for i, row in enumerate(ds, start=1):
-            text = row.get(text_key)
             where = f"{path}: row {i}"
-            if isinstance(text, str):
-                yield where, text
-            elif text_key in row:
-                kind = "bytes" if isinstance(text, bytes) else _kind(text)
-                bad_record(policy, stats, f"rows whose '{text_key}' is not a string",
-                           f"{where}: column '{text_key}' is {kind}, not a string")
+            if text_key in row:
+                text = _column_text(where, row[text_key], text_key, policy, stats)
+                if text is not None:
+                    yield where, text
             else:
                 bad_record(policy, stats, f"rows without '{text_key}'",
                            f"{where}: no string column '{text_key}' (columns {sorted(row)}); choose one with --text-key")
@@ -321,17 +405,23 @@ def _records(path: Path, text_key: str, policy: str, stats: ReadStats) -> Iterat
 
 
 def iter_documents(
-    paths: Iterable[str | Path], text_key: str = "text", on_bad: str = "stop", stats: ReadStats | None = None
+    paths: Iterable[str | Path | DatasetInput], text_key: str = "text", on_bad: str = "stop",
+    stats: ReadStats | None = None, split: str | None = None,
 ) -> Iterator[Document]:
-    """Every non-empty document of the inputs, in order; `stats` counts what was read and skipped."""
+    """Every non-empty document of the inputs, in order; `stats` counts what was read and skipped.
+    `split` is the split of a saved DatasetDict among `paths` (resolve_inputs gives them checked)."""
     if on_bad not in ON_BAD:
         raise DataError(f"on_bad={on_bad!r} is not one of {list(ON_BAD)}")
     stats = stats if stats is not None else ReadStats()
-    for path in expand_inputs(paths):
-        if path.stat().st_size == 0:
+    for path in expand_inputs(paths, split):
+        if isinstance(path, DatasetInput):
+            records = _read_dataset(path, text_key, on_bad, stats)
+        elif path.stat().st_size == 0:
             bad_record(on_bad, stats, "empty files", f"{path}: the file is empty")
             continue
-        for where, text in _records(path, text_key, on_bad, stats):
+        else:
+            records = _records(path, text_key, on_bad, stats)
+        for where, text in records:
             if not text:
                 stats.skipped["empty documents"] += 1
                 continue
