@@ -1,4 +1,9 @@
-"""Hugging Face Llama <-> CPLM backbone: one name and layout map, used both ways.
+"""Hugging Face Llama <-> CPLM backbone: one name and layout map, used both ways; and the
+directory side both families share (HFImportError, check_hf_dir, read_hf, initialise_from_hf,
+write_hf_dir with its generation_config.json), each given the family's map: a module with
+ARCHITECTURE, hf_config, check_hf_config, to_hf and from_hf (this one, cplm_dist.hf_gpt2), which
+the caller picks from the backbone's record (cplm_dist.model.backbone's `hf`;
+cplm_dist.checkpoint.init_from.hf_map).
 
 Import (`model.init_from: <local HF Llama directory>`): a transformers `LlamaForCausalLM` saved
 with `save_pretrained` (config.json and *.safetensors) initialises the backbone at any tp; the
@@ -31,6 +36,9 @@ import torch
 
 from cplm_dist.config import CopyConfig, ModelConfig
 from cplm_dist.errors import UsageError
+from cplm_dist.model.backbone import BACKBONES, backbone, backbones_with
+
+ARCHITECTURE = "LlamaForCausalLM"
 
 # (our config field, HF config key)
 SHAPE_FIELDS = (("num_layers", "num_hidden_layers"), ("hidden_size", "hidden_size"), ("num_heads", "num_attention_heads"),
@@ -45,26 +53,30 @@ class HFImportError(UsageError):
 
 
 REMOTE_CODE = Path(__file__).resolve().parent / "hf_remote"  # the transformers side of a copy-on export
-REMOTE_FILES = ("configuration_cplm.py", "modeling_cplm.py")
+REMOTE_FILES = tuple(sorted(p.name for p in REMOTE_CODE.glob("*.py") if p.name != "__init__.py"))  # every file, copied
 
 
 def hf_config(m: ModelConfig, copy: CopyConfig | None = None) -> dict:
     """config.json for this model: a stock `LlamaForCausalLM` without copy head, else our
     `CPLMForCausalLM` (cplm_dist/hf_remote, loaded with trust_remote_code=True)."""
-    out = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **{hf: getattr(m, ours) for ours, hf in SHAPE_FIELDS},
+    out = {"architectures": [ARCHITECTURE], "model_type": backbone(m).hf, **{hf: getattr(m, ours) for ours, hf in SHAPE_FIELDS},
            "head_dim": m.head_dim, "max_position_embeddings": m.max_seq_len, "rms_norm_eps": m.norm_eps,
            **hf_rope(m), "tie_word_embeddings": m.tie_embeddings, "hidden_act": "silu", "attention_bias": False,
            "mlp_bias": False, "torch_dtype": "float32"}
     if copy is not None and copy.enabled:
-        scaling = m.rope_scaling
         out.update({"architectures": ["CPLMForCausalLM"], "model_type": "cplm",
                     "auto_map": {"AutoConfig": "configuration_cplm.CPLMConfig",
-                                 "AutoModelForCausalLM": "modeling_cplm.CPLMForCausalLM"},
-                    "copy_num_heads": copy.num_heads, "copy_head_dim": copy.head_dim, "copy_paste": copy.paste,
-                    "copy_mix": copy.mix, "copy_rope": copy.rope, "copy_rope_theta": m.rope_theta,
-                    # the copy head's own RoPE follows model.rope_scaling at its own head dim (cplm_dist.model.copy_head)
-                    "copy_rope_scaling": None if scaling is None else {"type": scaling.type, "factor": scaling.factor}})
+                                 "AutoModelForCausalLM": "modeling_cplm.CPLMForCausalLM"}, **copy_fields(m, copy)})
     return out
+
+
+def copy_fields(m: ModelConfig, copy: CopyConfig) -> dict:
+    """config.json's copy_* keys of a copy-on export (either backbone's remote class reads them)."""
+    scaling = m.rope_scaling
+    return {"copy_num_heads": copy.num_heads, "copy_head_dim": copy.head_dim, "copy_paste": copy.paste,
+            "copy_mix": copy.mix, "copy_rope": copy.rope, "copy_rope_theta": m.rope_theta,
+            # the copy head's own RoPE follows model.rope_scaling at its own head dim (cplm_dist.model.copy_head)
+            "copy_rope_scaling": None if scaling is None else {"type": scaling.type, "factor": scaling.factor}}
 
 
 def hf_rope(m: ModelConfig) -> dict:
@@ -102,9 +114,8 @@ def llama_config(m: ModelConfig, **kwargs):
 
 
 def check_hf_config(hf: dict, m: ModelConfig, where: str) -> None:
-    """One line naming the first field where the HF model and the config disagree."""
-    if hf.get("model_type") != "llama":
-        raise HFImportError(f"{where}: model_type={hf.get('model_type')!r}, only Llama checkpoints import (model_type 'llama')")
+    """One line naming the first field where the HF Llama (its model_type checked by check_hf_dir)
+    and the config disagree."""
     for ours, theirs in SHAPE_FIELDS:
         if hf.get(theirs) != getattr(m, ours):
             raise HFImportError(f"{where}: {theirs}={hf.get(theirs)} but model.{ours}={getattr(m, ours)}: "
@@ -118,6 +129,15 @@ def check_hf_config(hf: dict, m: ModelConfig, where: str) -> None:
             raise HFImportError(f"{where}: {key}=true; the CPLM backbone has no biases")
     if hf.get("hidden_act", "silu") != "silu":
         raise HFImportError(f"{where}: hidden_act={hf.get('hidden_act')!r}; the CPLM MLP is SwiGLU (silu)")
+    check_tied(hf.get("tie_word_embeddings", False), m, where)
+
+
+def check_tied(tied: bool, m: ModelConfig, where: str) -> None:
+    """A model with its own LM head does not fit a tied run (a tied one fits an untied run: its
+    LM head starts as a copy of the embedding)."""
+    if m.tie_embeddings and not tied:
+        raise HFImportError(f"{where}: tie_word_embeddings=false (its own LM head) but model.tie_embeddings=true: "
+                            "set model.tie_embeddings=false")
 
 
 def check_hf_rope(hf: dict, m: ModelConfig, where: str) -> None:
@@ -174,9 +194,11 @@ def from_hf(hf: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, torch.Tens
     return full
 
 
-def check_hf_dir(directory: str | Path, m: ModelConfig) -> list[Path]:
+def check_hf_dir(directory: str | Path, m: ModelConfig, family) -> list[Path]:
     """The safetensors files of a local `save_pretrained` directory whose config fits `m`; else
-    one-line HFImportError. Reads config.json only (training checks this before it starts)."""
+    one-line HFImportError. Reads config.json only (training checks this before it starts). Its
+    model_type must be the record's `hf` (else: the model.arch that reads it); `family` (the
+    backbone's map) checks the rest."""
     d = Path(directory)
     where = f"model.init_from={directory}"
     if not (d / "config.json").is_file():
@@ -188,45 +210,61 @@ def check_hf_dir(directory: str | Path, m: ModelConfig) -> list[Path]:
         hf_cfg = json.loads((d / "config.json").read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise HFImportError(f"{where}: config.json is not JSON ({e})") from None
-    check_hf_config(hf_cfg, m, where)
+    kind = hf_cfg.get("model_type") if isinstance(hf_cfg, dict) else None
+    if kind != backbone(m).hf:
+        arch = backbones_with(hf=kind)
+        if not arch:
+            kinds = " or ".join(b.hf for b in BACKBONES.values())
+            raise HFImportError(f"{where}: model_type={kind!r}: only model_type {kinds} checkpoints import")
+        raise HFImportError(f"{where}: its model_type is {kind}, which model.arch={m.arch} does not read: "
+                            f"set model.arch={arch[0]}")
+    family.check_hf_config(hf_cfg, m, where)
     return files
 
 
-def read_hf_llama(directory: str | Path, m: ModelConfig) -> dict[str, torch.Tensor]:
-    """Our full backbone weights (float32) from a local `save_pretrained` directory."""
+def read_hf(directory: str | Path, m: ModelConfig, family) -> dict[str, torch.Tensor]:
+    """Our full backbone weights (float32) from a local `save_pretrained` directory, through
+    `family` (the backbone's map)."""
     from safetensors.torch import load_file
 
     state: dict[str, torch.Tensor] = {}
-    for f in check_hf_dir(directory, m):
+    for f in check_hf_dir(directory, m, family):
         state.update(load_file(str(f)))
     try:
-        full = from_hf(state, m)
+        full = family.from_hf(state, m)
     except (KeyError, RuntimeError) as e:
-        raise HFImportError(f"model.init_from={directory}: its weights do not fit a LlamaForCausalLM of these shapes "
+        raise HFImportError(f"model.init_from={directory}: its weights do not fit a {family.ARCHITECTURE} of these shapes "
                             f"({str(e).splitlines()[0][:120]})") from None
     return {k: v.float() for k, v in full.items()}
 
 
-def initialise_from_hf(model: torch.nn.Module, directory: str | Path, tp_rank: int, tp_size: int) -> None:
-    """Overwrite this rank's backbone with a HF Llama's weights at any tp (the copy head keeps its
+def initialise_from_hf(model: torch.nn.Module, directory: str | Path, tp_rank: int, tp_size: int, family) -> None:
+    """Overwrite this rank's backbone with a HF model's weights at any tp (the copy head keeps its
     fresh initialisation)."""
     from cplm_dist.model.sharding import load_full_state_dict
 
-    load_full_state_dict(model, read_hf_llama(directory, model.model_cfg), tp_rank, tp_size, require_all=False)
+    load_full_state_dict(model, read_hf(directory, model.model_cfg, family), tp_rank, tp_size, require_all=False)
+
+
+def generation_config(tokens: dict | None = None) -> dict:
+    """generation_config.json: the tokenizer's bos/eos/pad ids (those it has) and a KV cache."""
+    return {**(tokens or {}), "use_cache": True}
 
 
 def write_hf_dir(full: dict[str, torch.Tensor], m: ModelConfig, copy: CopyConfig, directory: Path, dtype: torch.dtype,
-                 extra: dict | None = None) -> None:
-    """model.safetensors, config.json (and for a copy-on model its remote-code files) into an
-    existing empty `directory`."""
+                 family, extra: dict | None = None, tokens: dict | None = None) -> None:
+    """model.safetensors, config.json, generation_config.json (and for a copy-on model the
+    remote-code files) into an existing empty `directory`, through `family` (the backbone's map);
+    `tokens`: the tokenizer's {bos,eos,pad}_token_id (those it has), into both configs."""
     import shutil
 
     from safetensors.torch import save_file
 
-    save_file({k: v.to(dtype).contiguous() for k, v in to_hf(full, m).items()}, str(directory / "model.safetensors"),
+    save_file({k: v.to(dtype).contiguous() for k, v in family.to_hf(full, m).items()}, str(directory / "model.safetensors"),
               metadata={"format": "pt"})
-    config = {**hf_config(m, copy), "torch_dtype": str(dtype).removeprefix("torch."), **(extra or {})}
+    config = {**family.hf_config(m, copy), **(tokens or {}), "torch_dtype": str(dtype).removeprefix("torch."), **(extra or {})}
     (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (directory / "generation_config.json").write_text(json.dumps(generation_config(tokens), indent=2) + "\n")
     if copy.enabled:
         for name in REMOTE_FILES:
             shutil.copy2(REMOTE_CODE / name, directory / name)

@@ -4,7 +4,8 @@ apart by what the directory holds:
     DIR/complete.json                       one of our step-* directories: that step
     DIR/checkpoints/ or DIR/step-*/         one of our run directories or its checkpoints/: the newest
                                             complete step (as --checkpoint resolves it for evaluation)
-    DIR/config.json with model_type llama   a Hugging Face LlamaForCausalLM (cplm_dist.hf_llama)
+    DIR/config.json with model_type llama   a Hugging Face LlamaForCausalLM (cplm_dist.hf_llama), into model.arch=llama
+    DIR/config.json with model_type gpt2    a Hugging Face GPT2LMHeadModel (cplm_dist.hf_gpt2), into model.arch=gpt2
 
 From one of our checkpoints the run takes the weights only (evaluation's: `load_model`'s shards,
 joined and re-sharded, so any saved tp, ZeRO stage or pipeline layout), not the optimizer, the
@@ -13,8 +14,15 @@ must be the checkpoint's; what may change is where the positions go: model.max_s
 model.rope_theta and model.rope_scaling (a context extension, docs/training.md), and everything a
 new run may choose (data, lr, layout). GPT-2's learned position table cannot stretch: a gpt2
 checkpoint starts a run at its own max_seq_len only. The copy head comes along; a copy-off
-checkpoint into a copy-on run keeps the fresh copy head (as a HF Llama does), a copy-on one into a
+checkpoint into a copy-on run keeps the fresh copy head (as a HF model does), a copy-on one into a
 copy-off run leaves its copy head out; both say so.
+
+A Hugging Face directory (save_pretrained: config.json and *.safetensors) initialises the backbone
+at any tp through the map its record names (`hf_map`: cplm_dist/hf_<record's hf>.py); its
+model_type must be the one the run's model.arch reads (else one line naming the model.arch that
+does), its shapes the run's; a GPT-2 also needs model.num_kv_heads = n_head and model.max_seq_len
+= n_positions, and GELU's tanh approximation (gelu_new or gelu_pytorch_tanh). The copy head
+starts fresh.
 
     source = init_source(cfg)            # before anything starts: one line when it cannot be used
     initialise_from(model, cfg, tp_rank, tp_size)   # after the model is built, before DeepSpeed
@@ -32,7 +40,7 @@ from cplm_dist.checkpoint.loading import _saved_shards, read_checkpoint
 from cplm_dist.checkpoint.manifest import COMPLETE, Manifest
 from cplm_dist.config import Config
 from cplm_dist.errors import CheckpointError, ConfigError, UsageError
-from cplm_dist.model.backbone import backbone, hf_llama_backbones
+from cplm_dist.model.backbone import backbone, backbones_with
 
 log = logging.getLogger(__name__)
 
@@ -44,13 +52,22 @@ COPY_SHAPE_FIELDS = ("num_heads", "head_dim", "mix")
 
 @dataclass(frozen=True)
 class InitSource:
-    kind: str  # "checkpoint" (ours) or "hf" (a HF Llama directory)
+    kind: str  # "checkpoint" (ours) or "hf" (a HF Llama or GPT-2 directory)
     path: Path  # the step directory, or the HF directory
     notes: tuple[str, ...] = ()  # what the run should know (the copy head fresh or left out)
 
 
 def _is_ours(d: Path) -> bool:
     return (d / COMPLETE).is_file() or (d / "checkpoints").is_dir() or any(d.glob(f"step-*/{COMPLETE}"))
+
+
+def hf_map(model_cfg):
+    """The module that maps this backbone's weights onto transformers' (cplm_dist/hf_<hf>.py, `hf`
+    its record's): import and export (tools/export_hf.py) pick it here, never by model.arch."""
+    from cplm_dist import hf_gpt2, hf_llama
+
+    maps = {module.__name__.rpartition(".hf_")[2]: module for module in (hf_llama, hf_gpt2)}
+    return maps[backbone(model_cfg).hf]
 
 
 def init_source(cfg: Config) -> InitSource:
@@ -61,17 +78,15 @@ def init_source(cfg: Config) -> InitSource:
     d, where = Path(cfg.model.init_from), f"model.init_from={cfg.model.init_from}"
     if not d.is_dir():
         raise UsageError(f"{where}: no such directory: give one of our run, checkpoints/ or step-* directories, "
-                         "or a Hugging Face Llama directory (save_pretrained)")
+                         "or a Hugging Face Llama or GPT-2 directory (save_pretrained)")
     if _is_ours(d):
         return _check_checkpoint(cfg, where)
     if (d / "config.json").is_file():
-        if not backbone(cfg.model).hf_llama:
-            raise ConfigError(f"{where} is a HF Llama, which model.arch={cfg.model.arch} is not: drop model.init_from "
-                              f"or use model.arch={hf_llama_backbones()[0]}")
-        check_hf_dir(d, cfg.model)
+        check_hf_dir(d, cfg.model, hf_map(cfg.model))
         return InitSource("hf", d)
     raise UsageError(f"{where}: neither one of our checkpoints (a step-* directory with {COMPLETE}, a run directory or "
-                     "its checkpoints/) nor a Hugging Face Llama (config.json, model_type llama): point it at one of those")
+                     "its checkpoints/) nor a Hugging Face Llama or GPT-2 (config.json, model_type llama or gpt2): "
+                     "point it at one of those")
 
 
 def _check_checkpoint(cfg: Config, where: str) -> InitSource:
@@ -86,9 +101,10 @@ def _check_checkpoint(cfg: Config, where: str) -> InitSource:
             raise ConfigError(f"{where}: its model.{name}={getattr(s, name)} but this run has model.{name}="
                               f"{getattr(m, name)}: set model.{name}={getattr(s, name)} (the shapes must match the checkpoint)")
     if backbone(m).positions != "rope" and m.max_seq_len != s.max_seq_len:
+        rotary = backbones_with(positions="rope")[0]
         raise ConfigError(f"{where}: model.arch={m.arch} learns one position embedding a position (a {s.max_seq_len}-row "
                           f"table), which cannot stretch to model.max_seq_len={m.max_seq_len}: keep model.max_seq_len="
-                          f"{s.max_seq_len} (a longer context needs rotary positions, model.arch={hf_llama_backbones()[0]})")
+                          f"{s.max_seq_len} (a longer context needs rotary positions, model.arch={rotary})")
     if manifest.layout.zero_stage == 3 and manifest.layout.tp > 1:
         raise CheckpointError(f"{where}: ZeRO-3 checkpoints saved at tp>1 cannot be merged yet (DeepSpeed's zero_to_fp32 "
                               "reads tp rank 0 only); start from one saved at tp=1 or at ZeRO 0-2")
@@ -115,7 +131,7 @@ def initialise_from(model: torch.nn.Module, cfg: Config, tp_rank: int, tp_size: 
     for note in source.notes:
         log.warning(note)
     if source.kind == "hf":
-        initialise_from_hf(model, source.path, tp_rank, tp_size)
+        initialise_from_hf(model, source.path, tp_rank, tp_size, hf_map(cfg.model))
     else:
         saved, manifest = read_checkpoint(source.path)
         load_checkpoint_weights(model, manifest, saved, tp_rank, tp_size, require_copy_head=saved.copy.enabled)

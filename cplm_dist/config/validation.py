@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from cplm_dist.config.tree import Config, ModelConfig
 from cplm_dist.errors import ConfigError
-from cplm_dist.model.backbone import backbone, hf_llama_backbones
+from cplm_dist.model.backbone import backbone, backbones_with
 
 
 def divisors(n: int) -> list[int]:
@@ -106,8 +106,9 @@ def validate_rope_scaling(m: ModelConfig) -> None:
     if r is None:
         return
     if backbone(m).positions != "rope":
+        rotary = backbones_with(positions="rope")[0]
         raise ConfigError(f"model.rope_scaling is for rotary positions, which model.arch={m.arch} does not have (its "
-                          f"positions are a learned table): drop model.rope_scaling or use model.arch={hf_llama_backbones()[0]}")
+                          f"positions are a learned table): drop model.rope_scaling or use model.arch={rotary}")
     if not r.factor > 1:
         raise ConfigError(f"model.rope_scaling.factor={r.factor} must be > 1 (how many times longer the context gets; "
                           "1 is no scaling: model.rope_scaling=null)")

@@ -1,19 +1,41 @@
-"""CPLMConfig: a Llama config plus the copy head (docs/copy_head.md of cplm_dist)."""
+"""The configs of a copy-on export: a backbone's transformers config plus the copy head's fields
+(docs/copy_head.md of cplm_dist), the same copy_* keys for either backbone (config.json as
+cplm_dist.hf_llama.copy_fields writes them).
 
-from transformers import LlamaConfig
+    CPLMConfig       LlamaConfig + copy_*   model_type "cplm"       (modeling_cplm.CPLMForCausalLM)
+    CPLMGPT2Config   GPT2Config + copy_*    model_type "cplm_gpt2"  (modeling_cplm_gpt2.CPLMGPT2ForCausalLM)
+"""
+
+from transformers import GPT2Config, LlamaConfig
+
+# copy_* field -> default. copy_rope_theta None: the backbone's rope_theta; copy_rope_scaling:
+# {type: linear | ntk, factor} or None (the copy head's own RoPE, at its own head dim)
+COPY_FIELDS = {"copy_num_heads": 1, "copy_head_dim": 64, "copy_paste": "next", "copy_mix": "gate", "copy_rope": False,
+               "copy_rope_theta": None, "copy_rope_scaling": None}
+CHOICES = {"copy_paste": ("next", "self"), "copy_mix": ("gate", "joint", "sentinel")}
+
+
+def set_copy_fields(config, kwargs: dict) -> None:
+    """Move the copy_* keys out of `kwargs` onto `config` (defaults for the missing ones), before
+    the backbone config's own __init__ takes the rest; an unknown mix or paste is one line."""
+    for name, default in COPY_FIELDS.items():
+        setattr(config, name, kwargs.pop(name, default))
+    for name, allowed in CHOICES.items():
+        if getattr(config, name) not in allowed:
+            raise ValueError(f"{name}={getattr(config, name)!r} is not one of {', '.join(allowed)}")
 
 
 class CPLMConfig(LlamaConfig):
     model_type = "cplm"
 
-    def __init__(self, copy_num_heads: int = 1, copy_head_dim: int = 64, copy_paste: str = "next", copy_mix: str = "gate",
-                 copy_rope: bool = False, copy_rope_theta: float | None = None, copy_rope_scaling: dict | None = None,
-                 **kwargs):
-        self.copy_num_heads = copy_num_heads
-        self.copy_head_dim = copy_head_dim
-        self.copy_paste = copy_paste
-        self.copy_mix = copy_mix
-        self.copy_rope = copy_rope
-        self.copy_rope_theta = copy_rope_theta  # the copy head's RoPE base (None: the backbone's rope_theta)
-        self.copy_rope_scaling = copy_rope_scaling  # {type: linear | ntk, factor} or None
+    def __init__(self, **kwargs):
+        set_copy_fields(self, kwargs)
+        super().__init__(**kwargs)
+
+
+class CPLMGPT2Config(GPT2Config):
+    model_type = "cplm_gpt2"
+
+    def __init__(self, **kwargs):
+        set_copy_fields(self, kwargs)
         super().__init__(**kwargs)

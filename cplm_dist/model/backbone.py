@@ -7,7 +7,7 @@ for a feature, never the backbone's name (litgpt's way: a new architecture is a 
 | mlp: swiglu ([gate; up] in one fc1), gelu | cplm_dist.model.mlp, counting, profiling.memory |
 | bias on every linear (QKV, attention out, MLP) | cplm_dist.model.attention and mlp, counting |
 | positions: rope (in attention), learned (added to the embedding) | rotary, model.parts, counting, profiling.memory |
-| hf_llama: the weights are transformers' LlamaForCausalLM's | config validation (model.init_from), tools/export_hf.py |
+| hf: transformers' model_type its weights map onto (llama, gpt2), whose map is cplm_dist/hf_<hf>.py | model.init_from (cplm_dist.checkpoint.init_from), tools/export_hf.py |
 | the MLP width rule of a scaling ladder | cplm_dist.scaling |
 
 A third backbone is a record here (and its name in config.tree's `Arch`); a feature no record has
@@ -27,7 +27,7 @@ class Backbone:
     mlp: str  # "swiglu" (fc1 holds [gate; up], 2 x ffn rows) | "gelu"
     bias: bool  # every linear has a bias (column-parallel ones split over tp, row-parallel ones replicated)
     positions: str  # "rope" (rotary q, k in attention) | "learned" (a max_seq_len x D table added to the embedding)
-    hf_llama: bool  # its weights map onto transformers' LlamaForCausalLM (cplm_dist.hf_llama: import and export)
+    hf: str  # transformers' model_type its weights map onto; cplm_dist/hf_<hf>.py is the map (import and export)
     ffn_ratio: tuple[int, int]  # the scaling ladders' MLP width: ffn = ratio x hidden ...
     ffn_multiple: int  # ... rounded up to a multiple of this
 
@@ -48,10 +48,10 @@ class Backbone:
 
 BACKBONES = {
     # RMSNorm, SwiGLU (8/3 D, a multiple of 64), RoPE, no biases
-    "llama": Backbone("llama", norm="rmsnorm", mlp="swiglu", bias=False, positions="rope", hf_llama=True,
+    "llama": Backbone("llama", norm="rmsnorm", mlp="swiglu", bias=False, positions="rope", hf="llama",
                       ffn_ratio=(8, 3), ffn_multiple=64),
     # LayerNorm with bias, GELU MLP (4 D), learned absolute positions, biases on every linear
-    "gpt2": Backbone("gpt2", norm="layernorm", mlp="gelu", bias=True, positions="learned", hf_llama=False,
+    "gpt2": Backbone("gpt2", norm="layernorm", mlp="gelu", bias=True, positions="learned", hf="gpt2",
                      ffn_ratio=(4, 1), ffn_multiple=1),
 }
 
@@ -61,6 +61,7 @@ def backbone(model_cfg) -> Backbone:
     return BACKBONES[model_cfg.arch]
 
 
-def hf_llama_backbones() -> list[str]:
-    """The backbones whose weights are a LlamaForCausalLM's (what model.init_from and the export read)."""
-    return [name for name, b in BACKBONES.items() if b.hf_llama]
+def backbones_with(**features) -> list[str]:
+    """The names of the backbones whose records have these features (e.g. positions="rope", or
+    hf=<a HF config's model_type>): what a message suggests instead."""
+    return [name for name, b in BACKBONES.items() if all(getattr(b, k) == v for k, v in features.items())]
