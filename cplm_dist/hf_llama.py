@@ -62,7 +62,8 @@ def hf_config(m: ModelConfig, copy: CopyConfig | None = None) -> dict:
     out = {"architectures": [ARCHITECTURE], "model_type": backbone(m).hf, **{hf: getattr(m, ours) for ours, hf in SHAPE_FIELDS},
            "head_dim": m.head_dim, "max_position_embeddings": m.max_seq_len, "rms_norm_eps": m.norm_eps,
            **hf_rope(m), "tie_word_embeddings": m.tie_embeddings, "hidden_act": "silu", "attention_bias": False,
-           "mlp_bias": False, "torch_dtype": "float32"}
+           "mlp_bias": False, "bos_token_id": None, "eos_token_id": None, "pad_token_id": None, "torch_dtype": "float32"}
+    # no token ids of LlamaConfig's own (bos 1, eos 2: generate() would stop at our id 2): write_hf_dir adds the tokenizer's
     if copy is not None and copy.enabled:
         out.update({"architectures": ["CPLMForCausalLM"], "model_type": "cplm",
                     "auto_map": {"AutoConfig": "configuration_cplm.CPLMConfig",

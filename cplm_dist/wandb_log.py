@@ -3,9 +3,10 @@
     <out_dir>/logs/wandb_run.json   {"id", "project", "entity"}: the run's W&B id, made at its first start
     <out_dir>/logs/wandb/           wandb's own directory (offline: offline-run-<time>-<id>/run-<id>.wandb)
 
-The id is ours to keep. Online, every start of the run (a resume, a restart, a requeue) calls
-`wandb.init(id=<that id>, resume="allow")`, so the W&B run continues instead of splitting in one
-run a restart. Offline (WANDB_MODE=offline, a cluster without a route out) W&B ignores `resume`:
+The id is ours to keep. Online, every start of the run in its out_dir (a resume, a restart, a
+requeue; `--resume` from another run's checkpoint into a new out_dir starts a new W&B run) calls
+`wandb.init(id=<that id>, resume="allow")`, so the W&B run continues instead of splitting into one
+run a start. Offline (WANDB_MODE=offline, a cluster without a route out) W&B ignores `resume`:
 each start writes its own offline-run directory, all under the same id, and its history goes on
 from the resumed step; `wandb sync <out_dir>/logs/wandb/offline-run-*` uploads them in start order
 into that one run. Steps a resume recomputes (metrics.jsonl keeps the later record) are dropped
@@ -92,7 +93,12 @@ def _init(cfg: Config, log_dir: Path):
                      name=Path(t.out_dir).resolve().name, config=to_dict(cfg), dir=str(log_dir),
                      settings=wandb.Settings(console="off", init_timeout=120))
     if saved is None:
-        save_run_id(log_dir, run)
+        try:
+            save_run_id(log_dir, run)
+        except OSError as e:  # without the id a resume would split the W&B run: stop now, the W&B run closed
+            run.finish(exit_code=1)
+            raise WandbError(f"train.wandb=true: cannot keep the W&B run's id in {log_dir / RUN_FILE} ({e}): "
+                             "make train.out_dir writable") from None
     return run
 
 

@@ -73,12 +73,26 @@ def time_generate(model, prompt: torch.Tensor, new_tokens: int, use_cache: bool,
             "tokens": tokens[0, prompt.shape[1]:].tolist()}
 
 
+def check_copy_on_export(directory: Path) -> None:
+    """--export is a copy-on export directory (config.json naming our remote class); else one line."""
+    try:
+        auto_map = json.loads((directory / "config.json").read_text()).get("auto_map", {})
+    except (OSError, ValueError) as e:
+        raise UsageError(f"--export {directory}: no readable config.json there ({type(e).__name__}): give a directory "
+                         "written by tools/export_hf.py") from None
+    if "AutoModelForCausalLM" not in auto_map:
+        raise UsageError(f"--export {directory} is not a copy-on export (config.json has no auto_map to our remote "
+                         "class): export a copy-on checkpoint, or leave out --export to build one")
+
+
 def run(args) -> dict:
     from transformers import AutoModelForCausalLM
 
     with tempfile.TemporaryDirectory() as tmp:
         directory = Path(args.export) if args.export else Path(tmp)
-        if not args.export:
+        if args.export:
+            check_copy_on_export(directory)
+        else:
             export(args.config, args.override, directory, DTYPES[args.dtype])
         model = AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True, dtype=DTYPES[args.dtype])
     model = model.to(args.device).eval()

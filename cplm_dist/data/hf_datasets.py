@@ -147,6 +147,9 @@ def _load(inp: DatasetInput):
     try:
         return datasets.load_dataset(inp.source, inp.config, cache_dir=inp.cache_dir)
     except ConnectionError:  # a hub name, not in the prepared cache
+        if Path(inp.source).is_dir():  # a local repository whose files point at the network: no hub name to look up
+            raise DataError(f"--hf-dataset {inp.source}: a local dataset repository whose data files need the network "
+                            "(the hub is never contacted): download its files into it, or point --input at them") from None
         from huggingface_hub import snapshot_download
 
         try:

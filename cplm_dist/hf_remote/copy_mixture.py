@@ -18,7 +18,7 @@ generate builds) holds the backbone's keys and values in its layers 0..L-1 and, 
 at index L (`CopyLayer`), the copy head's keys k_j (float32, RoPE'd at their absolute positions)
 and the token ids x_j (int64: never the model's dtype, where a bf16 id above 256 would round).
 Every Cache operation generate applies loops over the layers, so it reaches the copy state too:
-reorder_cache (beam search), batch_repeat_interleave, batch_select_indices, crop, offload. A step
+reorder_cache (beam search), batch_repeat_interleave, batch_select_indices, crop. A step
 feeds only the new tokens: their keys and ids are appended, their queries (and only the last one
 in generate: logits_to_keep) score every cached key. The cache stores the ids, not the pasted
 tokens, because paste `next` pastes x_{j+1} at j, which arrives with the following step.
@@ -32,11 +32,17 @@ import math
 
 import torch
 import torch.nn.functional as F
-from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
-from transformers.modeling_outputs import CausalLMOutputWithPast
-from transformers.modeling_utils import slice_logits_to_keep
-from transformers.utils.deprecation import deprecate_kwarg
+try:  # the Cache API of transformers 5 (a cache layer class, the `cache` keyword)
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+    from transformers.modeling_utils import slice_logits_to_keep
+    from transformers.utils.deprecation import deprecate_kwarg
+except ImportError as e:
+    import transformers
+
+    raise ImportError(f"this copy-on export's code needs transformers >= 5.24 (its Cache API), this is transformers "
+                      f"{transformers.__version__} ({e}): pip install 'transformers>=5.24'") from None
 
 NEG_INF = float("-inf")
 
