@@ -13,14 +13,34 @@ whose `cuda.current_device()` is the CPU, so the same megatron code runs on gloo
 With CUDA nothing is changed.
 """
 
+import contextlib
 import logging
 import os
+import sys
 import types
 import warnings
 
 import torch
 
-with warnings.catch_warnings():
+
+@contextlib.contextmanager
+def _hidden(module: str):
+    """`import <module>` fails inside (a None entry in sys.modules), unless it is imported already.
+    megatron-core's `import megatron.core` tries `import wandb` for its inference contexts' own
+    logging (HAVE_WANDB), which we never use: with wandb installed that cost every process that
+    imports cplm_dist 0.6 s. Our own W&B logging (cplm_dist.wandb_log) imports it afterwards."""
+    if module in sys.modules:
+        yield
+        return
+    sys.modules[module] = None
+    try:
+        yield
+    finally:
+        if sys.modules.get(module, ...) is None:
+            del sys.modules[module]
+
+
+with warnings.catch_warnings(), _hidden("wandb"):
     warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
     warnings.filterwarnings("ignore", message=".*Apex is not installed.*")
     from megatron.core import ModelParallelConfig, parallel_state, tensor_parallel
