@@ -100,13 +100,20 @@ def test_a_random_transformers_llama_imports_with_its_own_logits(tmp_path):
         _random_llama(tmp_path / name, overrides)
         want[name] = _hf_logprobs(tmp_path / name, _ids(load_config("tiny", overrides).model.vocab_size))
     cases = [(tmp_path / name, ["copy.enabled=false", *overrides]) for name, overrides in variants.items()]
-    copy_on = (tmp_path / "tied", [])
+    assert_imports(cases, want, copy_on=(tmp_path / "tied", []))
+
+
+def assert_imports(cases: list, want: dict, copy_on: tuple) -> None:
+    """Each (directory, overrides) of `cases`, imported at tp 1 and 2, gives the log-probs `want`
+    has under the directory's name; `copy_on` (the "tied" directory in a copy-on run, tp 1) keeps
+    its fresh copy head and its LM head's own loss is the source model's."""
     for tp in (1, 2):
         for rank in run_ranks(_import_worker, tp, args=(tp, cases + [copy_on] if tp == 1 else cases)):
-            for name, res in zip(variants, rank):
+            for (directory, _), res in zip(cases, rank):
+                name = directory.name
                 torch.testing.assert_close(res["logprobs"], want[name], rtol=1e-5, atol=1e-5, msg=f"{name}, tp={tp}")
         if tp == 1:
-            on, ids = rank[len(variants)], _ids(512)
+            on, ids = rank[len(cases)], _ids(512)
             nll = -want["tied"][:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
             torch.testing.assert_close(on["lm_nll"][:, :-1], nll, rtol=1e-5, atol=1e-5)
             assert on["copy_kept"]

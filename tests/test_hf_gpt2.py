@@ -15,7 +15,7 @@ import torch
 from cplm_dist.config import load_config
 from tests.spawn import run_ranks
 from tests.test_hf import (PADDED_UNTIED, REPO, TEST_TOKENIZER_IDS, UNTIED, _assert_generation_config, _hf_model, _ids,
-                           _import_worker, _random_llama)
+                           _random_llama, assert_imports)
 from tests.test_train import argv, run_cli, train
 
 # --- GPT-2: a stock GPT2LMHeadModel both ways, our remote class for copy on ----------------------------
@@ -68,16 +68,7 @@ def test_a_random_transformers_gpt2_imports_with_its_own_logits(tmp_path):
         _random_gpt2(tmp_path / name, overrides, **hf)
         want[name] = _hf_logprobs_gpt2(tmp_path / name, _ids(load_config("tiny", [*GPT2, *overrides]).model.vocab_size))
     cases = [(tmp_path / name, [*GPT2, "copy.enabled=false", *overrides]) for name, (overrides, _) in GPT2_IMPORTS.items()]
-    copy_on = (tmp_path / "tied", [*GPT2, *MHA])
-    for tp in (1, 2):
-        for rank in run_ranks(_import_worker, tp, args=(tp, cases + [copy_on] if tp == 1 else cases)):
-            for name, res in zip(GPT2_IMPORTS, rank):
-                torch.testing.assert_close(res["logprobs"], want[name], rtol=1e-5, atol=1e-5, msg=f"{name}, tp={tp}")
-        if tp == 1:
-            on, ids = rank[len(GPT2_IMPORTS)], _ids(512)
-            nll = -want["tied"][:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
-            torch.testing.assert_close(on["lm_nll"][:, :-1], nll, rtol=1e-5, atol=1e-5)
-            assert on["copy_kept"]
+    assert_imports(cases, want, copy_on=(tmp_path / "tied", [*GPT2, *MHA]))
 
 
 def _hf_logprobs_gpt2(directory: Path, ids: torch.Tensor) -> torch.Tensor:
