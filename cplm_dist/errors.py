@@ -1,6 +1,6 @@
 """Errors the user can fix: each message is one line naming the problem and the fix.
 
-Entry points turn a `UsageError` into that line on stderr and exit code 2 (cplm_dist.cli);
+Entry points turn a `UsageError` into that line on stderr and exit code 2 (cplm_dist.config.cli);
 everything else is a bug and keeps its traceback.
 """
 

@@ -51,11 +51,11 @@ else
   tasks=1  # one torchrun per node
   export CPLM_PROCS_PER_NODE=${CPLM_PROCS_PER_NODE:-$([ "$gpus" -gt 0 ] && echo "$gpus" || echo 1)}
 fi
-# before queueing: the config validates and tp x pp divides the job (cplm_dist/preflight.py)
+# before queueing: the config validates and tp x pp divides the job (cplm_dist/train/preflight.py)
 per_node=$([ "$script" = "$here/slurm.sbatch" ] && echo "$tasks" || echo "$CPLM_PROCS_PER_NODE")
 root="$(dirname "$here")"
 python=${PYTHON:-$([ -x "$root/.venv/bin/python" ] && echo "$root/.venv/bin/python" || echo python3)}
-"$python" -m cplm_dist.preflight --world $((nodes * per_node)) "$@" || exit 2
+"$python" -m cplm_dist.train.preflight --world $((nodes * per_node)) "$@" || exit 2
 args=(--job-name "$name" --nodes "$nodes" --ntasks-per-node "$tasks" --time "$time_limit"
       --output "$log_dir/%x-%j.out")
 [ "$gpus" -gt 0 ] && args+=(--gpus-per-node "$gpus")

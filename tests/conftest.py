@@ -55,7 +55,7 @@ def small_data(tmp_path_factory) -> SmallData:
 
 
 def _train(args):
-    from cplm_dist.train import main
+    from cplm_dist.train.driver import main
 
     return main(args)
 

@@ -17,7 +17,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from cplm_dist.parallel import free_port
+from cplm_dist.distributed import free_port
 
 PACKAGES = ["slurmctld", "slurmd", "slurm-client"]
 

@@ -4,7 +4,7 @@
 
 `worker(*args)` runs in a fresh process (forked from a server that preloaded torch, DeepSpeed,
 megatron-core and cplm_dist once) with RANK / WORLD_SIZE / MASTER_* set as torchrun
-would, OMP_NUM_THREADS=1 and one torch thread; it calls cplm_dist.parallel.init_distributed
+would, OMP_NUM_THREADS=1 and one torch thread; it calls cplm_dist.distributed.init_distributed
 itself, so the launch path under test is the real one. Return values travel through torch.save
 files (no shared-memory tensors outliving their process). A rank that raises fails the test with
 its traceback; a job that outlives `timeout` is killed and fails, it never hangs the suite.
@@ -20,15 +20,14 @@ import traceback
 
 import torch
 
-from cplm_dist.parallel import free_port
-
+from cplm_dist.distributed import free_port
 
 # Ranks fork from a server that imported these once per session, instead of each spawned rank
 # importing torch, DeepSpeed and megatron-core anew (~5 s a rank, in every multi-process test).
 # Nothing in them starts threads or touches a device at import; each rank still joins its own
 # process group, with the environment the test had when it called run_ranks.
 PRELOAD = ["torch", "torch.distributed", "deepspeed", "megatron.core.tensor_parallel", "megatron.core.parallel_state",
-           "cplm_dist.train", "cplm_dist.model", "cplm_dist.checkpoint"]
+           "cplm_dist.train.driver", "cplm_dist.model", "cplm_dist.checkpoint"]
 _CONTEXT = None
 
 
@@ -54,7 +53,7 @@ def _entry(fn, args, rank, world_size, port, out_path, extra_env, parent_env):
         result = ("error", traceback.format_exc())
     finally:
         try:
-            from cplm_dist.parallel import destroy_distributed
+            from cplm_dist.distributed import destroy_distributed
 
             destroy_distributed()
         except Exception:  # noqa: BLE001

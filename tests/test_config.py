@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from cplm_dist.config import CONFIG_DIR, Config, ConfigError, load_config
-from cplm_dist.vocab_parallel import padded_vocab_size, vocab_padding_note
 from cplm_dist.model.counting import parameter_count
+from cplm_dist.model.loss import padded_vocab_size, vocab_padding_note
 
 REPO = Path(__file__).resolve().parent.parent
 SHIPPED = sorted(CONFIG_DIR.rglob("*.yaml"))
@@ -147,8 +147,7 @@ def test_gpu_run_configs_add_up_at_their_node_count(path):
     import re
 
     from cplm_dist.config import batch_layout
-
-    from cplm_dist.parallel import check_world
+    from cplm_dist.distributed import check_world
 
     cfg = load_config(path)
     text = path.read_text()
@@ -169,7 +168,7 @@ def test_long_context_run_config_and_preflight_count_cp(capsys):
     """configs/runs/cplm-1.7b-32k.yaml: 32k positions (max_seq_len and rope_theta raised with it),
     cp 2 on one node; preflight's layout counts dp = world / (tp x cp x pp) and refuses a world
     that tp x cp x pp does not divide."""
-    from cplm_dist.preflight import main
+    from cplm_dist.train.preflight import main
 
     run = CONFIG_DIR / "runs" / "cplm-1.7b-32k.yaml"
     cfg = load_config(run)

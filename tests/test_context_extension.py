@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from cplm_dist.config import ConfigError, load_config, to_dict
-from cplm_dist.run_log import read_metrics
+from cplm_dist.train.run_log import read_metrics
 from tests.spawn import run_ranks
 from tests.test_train import argv, run_cli, train
 
@@ -33,8 +33,8 @@ def extended(small_data, trained, tmp_path_factory):
 
 def _full_weights_worker(paths):
     from cplm_dist.checkpoint import load_model
-    from cplm_dist.model.sharding import full_state_dict
-    from cplm_dist.parallel import init_distributed
+    from cplm_dist.distributed import init_distributed
+    from cplm_dist.model.parallel.sharding import full_state_dict
 
     init_distributed(1)
     out = []

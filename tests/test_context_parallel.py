@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from cplm_dist.config import load_config
-from cplm_dist.model.context_parallel import ContextShard
+from cplm_dist.model.parallel.context import ContextShard
 from tests.spawn import run_ranks
 from tests.test_documents import DOC_VARIANTS, _labels, packed_row
 from tests.test_model import VARIANTS, batch
@@ -40,8 +40,8 @@ def _cp_worker(tp, cp, sp, names):
     the cp = 1 model on the same tp ranks."""
     import torch.distributed as dist
 
+    from cplm_dist.distributed import init_distributed
     from cplm_dist.model import build_model
-    from cplm_dist.parallel import init_distributed
 
     dims = init_distributed(tp, cp_size=cp)
     shard = ContextShard(dims.cp_rank, cp, dims.cp_group)
@@ -141,7 +141,7 @@ def _assert_follows(got_dir, want_dir, tolerance, steps=range(1, CP_STEPS + 1)):
 
 @pytest.mark.parametrize("run", ["cp2-dp2-z1", "cp2-dp2-z3"])
 def test_cp2_dp2_training_follows_one_rank(cp_training, run):
-    from cplm_dist.run_log import read_metrics
+    from cplm_dist.train.run_log import read_metrics
 
     _assert_follows(cp_training / run, cp_training / "one", 1e-4)
     valid = [read_metrics(cp_training / d / "logs" / "metrics.jsonl", "valid")[CP_STEPS]["loss"] for d in (run, "one")]
@@ -179,8 +179,8 @@ def test_reshape_from_cp2_to_cp1_follows_one_rank(small_data, cp_training, tmp_p
 
 def test_bad_cp_layouts_get_one_line(small_data, cp_training, tmp_path):
     from cplm_dist.checkpoint.manifest import check_layout, read_manifest
+    from cplm_dist.distributed import check_world
     from cplm_dist.errors import CheckpointError, ConfigError
-    from cplm_dist.parallel import check_world
     from tests.test_train import argv, run_cli
 
     refusals = {

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from cplm_dist import vocab_parallel as vp
+import cplm_dist.model.loss as vp
 from cplm_dist.config import CopyConfig, ModelConfig
 from cplm_dist.errors import ConfigError
 from cplm_dist.model.copy_head import CopyHead
@@ -261,6 +261,7 @@ def test_flex_gradients_through_its_lse_equal_the_dense_path(monkeypatch):
     path relies on). torch refuses its backward on CPU by a device check only, lifted here to run
     the unfused reference backward; the fused CUDA backward is checked in the GPU check."""
     import torch.nn.attention.flex_attention as fa
+
     from cplm_dist.model.copy_lse import flex_copy_lse
 
     monkeypatch.setattr(fa, "_validate_device", lambda *tensors: None)

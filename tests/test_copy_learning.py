@@ -19,8 +19,8 @@ def repeated_spans(batch, vocab, g):
 
 
 def _train_worker():
+    from cplm_dist.distributed import init_distributed
     from cplm_dist.model import build_model
-    from cplm_dist.parallel import init_distributed
 
     init_distributed(1)
     results = {}

@@ -122,7 +122,7 @@ def _main_in(cwd, entry, args, log_dir):
         os.dup2(f.fileno(), fd)
     try:
         if entry == "train":
-            from cplm_dist.train import main
+            from cplm_dist.train.driver import main
         else:
             from tools.generate import main
         return main(args)

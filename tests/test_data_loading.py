@@ -24,7 +24,7 @@ def _datasets_worker(cfg, cache_dirs):
 
     from cplm_dist.data.gpt_data import build_datasets
     from cplm_dist.data.loader import ResumableLoader
-    from cplm_dist.parallel import init_distributed
+    from cplm_dist.distributed import init_distributed
 
     init_distributed(1)
     out = {}
@@ -50,7 +50,7 @@ def _resume_worker(cfg, state):
     """A fresh process: restore the loader state and read the rest."""
     from cplm_dist.data.gpt_data import build_datasets
     from cplm_dist.data.loader import ResumableLoader
-    from cplm_dist.parallel import init_distributed
+    from cplm_dist.distributed import init_distributed
 
     init_distributed(1)
     loader = ResumableLoader(build_datasets(cfg, (10_000, 100, 0)).train, MICRO * 2, num_workers=2)
@@ -62,7 +62,7 @@ def _parallel_worker(cfg, tp):
     """Two ranks at (tp, dp) = (1, 2) or (2, 1): the micro-batches each rank reads."""
     from cplm_dist.data.gpt_data import build_datasets
     from cplm_dist.data.loader import ResumableLoader
-    from cplm_dist.parallel import init_distributed
+    from cplm_dist.distributed import init_distributed
 
     dims = init_distributed(tp)
     train = build_datasets(cfg, (10_000, 100, 0)).train
@@ -134,7 +134,7 @@ def _rebuilt_worker(cfg, prefix, raw, tokenizer_path):
     from cplm_dist.data.indexed_data import write_indexed_dataset
     from cplm_dist.data.sources import iter_documents
     from cplm_dist.data.tokenizer import load_tokenizer
-    from cplm_dist.parallel import init_distributed
+    from cplm_dist.distributed import init_distributed
 
     init_distributed(1)
     tok = load_tokenizer(tokenizer_path)

@@ -90,8 +90,8 @@ def _decoding(model, ids, positions, docs):
 
 
 def _documents_worker(tp, sp):
+    from cplm_dist.distributed import init_distributed
     from cplm_dist.model import build_model
-    from cplm_dist.parallel import init_distributed
 
     init_distributed(tp)
     results = {}
@@ -250,7 +250,7 @@ def test_flex_document_attention_equals_the_block_causal_sdpa():
 def _loader_worker(cfg_args):
     from cplm_dist.data.gpt_data import build_datasets
     from cplm_dist.data.loader import ResumableLoader
-    from cplm_dist.parallel import init_distributed
+    from cplm_dist.distributed import init_distributed
 
     init_distributed(1)
     assert cfg_args[0] == "--config"

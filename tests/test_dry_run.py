@@ -36,8 +36,8 @@ def _config(name):
 
 
 def _real_worker(names):
+    from cplm_dist.distributed import init_distributed
     from cplm_dist.megatron_compat import parallel_state
-    from cplm_dist.parallel import init_distributed
     from cplm_dist.profiling.dry_run import layout_of
     from cplm_dist.profiling.real_trace import real_roles
 

@@ -3,8 +3,8 @@ with a KV cache against full recomputation at tp = 1 and 2, generation, the grad
 figure against a direct computation, the tools end to end (lm-eval: tests/test_lm_eval.py)."""
 
 import json
-import re
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -69,9 +69,9 @@ def test_oracle_scores_perfectly_and_uniform_at_chance(ctx):
 
 
 def _decode_worker(tp):
+    from cplm_dist.distributed import init_distributed
     from cplm_dist.evaluation.generation import generate
     from cplm_dist.model import build_model
-    from cplm_dist.parallel import init_distributed
 
     init_distributed(tp)
     out = {}
@@ -126,9 +126,9 @@ def test_generation_is_deterministic_and_the_same_on_every_rank_and_tp(decoded):
 def _bottleneck_worker(tp):
     import numpy as np
 
+    from cplm_dist.distributed import init_distributed
     from cplm_dist.evaluation.bottleneck import measure
     from cplm_dist.model import build_model
-    from cplm_dist.parallel import init_distributed
 
     init_distributed(tp)
     res = {}

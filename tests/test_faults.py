@@ -113,7 +113,7 @@ def test_a_dataset_too_small_for_its_split_stops_at_once_with_one_line(small_dat
 
 def test_a_signal_during_start_up_ends_the_process_at_once(small_data, tmp_path):
     out = tmp_path / "run"
-    cmd = [sys.executable, "-c", "import sys; from cplm_dist.train import main; sys.exit(main(sys.argv[1:]))",
+    cmd = [sys.executable, "-c", "import sys; from cplm_dist.train.driver import main; sys.exit(main(sys.argv[1:]))",
            *argv(small_data, out, "train.train_steps=50")]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env)
@@ -134,7 +134,7 @@ def test_a_signal_during_start_up_ends_the_process_at_once(small_data, tmp_path)
 def test_a_hung_or_dead_rank_ends_the_job_with_one_line(small_data, tmp_path, fault):
     """Rank 1 is stopped (SIGSTOP, as a hung process) or killed once training runs: rank 0 gives
     up (at once, or after train.collective_timeout_minutes) with one line naming the phase."""
-    from cplm_dist.parallel import free_port
+    from cplm_dist.distributed import free_port
 
     out = tmp_path / "run"
     args = argv(small_data, out, "train.train_steps=200", "train.collective_timeout_minutes=0.2",
@@ -144,7 +144,7 @@ def test_a_hung_or_dead_rank_ends_the_job_with_one_line(small_data, tmp_path, fa
     for rank in (0, 1):
         env = {**os.environ, "OMP_NUM_THREADS": "1", "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-        cmd = [sys.executable, "-c", "import sys; from cplm_dist.train import main; sys.exit(main(sys.argv[1:]))", *args]
+        cmd = [sys.executable, "-c", "import sys; from cplm_dist.train.driver import main; sys.exit(main(sys.argv[1:]))", *args]
         ranks.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env))
     try:
         for line in ranks[0].stdout:
@@ -172,7 +172,7 @@ def test_the_non_finite_guard_checks_the_parameters_too():
     break parameters whose gradients were finite); ZeRO-3 partitions are checked the same way."""
     import torch
 
-    from cplm_dist.optim import parameters_finite
+    from cplm_dist.train.optim import parameters_finite
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
     assert parameters_finite(model)
@@ -289,7 +289,7 @@ def test_an_index_cache_holding_pickles_is_refused(small_data, tmp_path):
 
 def _build(cfg, samples):
     from cplm_dist.data.gpt_data import build_datasets
-    from cplm_dist.parallel import init_distributed
+    from cplm_dist.distributed import init_distributed
 
     init_distributed(1)
     return len(build_datasets(cfg, samples).train)

@@ -41,7 +41,7 @@ def _assert_generation_config(directory: Path, hf, ids: dict) -> None:
 def _random_llama(directory: Path, overrides: list[str]) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from cplm_dist.hf_llama import hf_config
+    from cplm_dist.interop.hf.llama import hf_config
 
     cfg = load_config("tiny", ["copy.enabled=false", *overrides])
     torch.manual_seed(3)
@@ -74,8 +74,8 @@ def _import_worker(tp, cases):
     """For each (directory, overrides): the model built at this tp, initialised from the directory
     as training does (model.init_from: the map its backbone's record names)."""
     from cplm_dist.checkpoint import initialise_from
+    from cplm_dist.distributed import init_distributed
     from cplm_dist.model import build_model
-    from cplm_dist.parallel import init_distributed
 
     dims = init_distributed(tp)
     out = []
@@ -138,7 +138,7 @@ def from_llama(small_data, tmp_path_factory):
 
 def _load_error_worker(checkpoint):
     from cplm_dist.checkpoint import CheckpointError, load_model
-    from cplm_dist.parallel import evaluation_tp, init_distributed
+    from cplm_dist.distributed import evaluation_tp, init_distributed
 
     init_distributed(evaluation_tp())
     with pytest.raises(CheckpointError) as e:
@@ -155,7 +155,7 @@ def test_a_tp_that_does_not_divide_the_heads_is_one_line(from_llama):
 def test_init_from_starts_a_run_from_a_hf_directory(from_llama, loaded):
     from safetensors.torch import load_file
 
-    from cplm_dist.hf_llama import to_hf
+    from cplm_dist.interop.hf.llama import to_hf
 
     llama = from_llama[1]
     saved = {k: v for k, v in to_hf(loaded[1]["full"], loaded[1]["cfg"].model).items() if not k.startswith("copy_head.")}
@@ -167,8 +167,8 @@ def test_init_from_starts_a_run_from_a_hf_directory(from_llama, loaded):
 
 def _load_worker(tp, checkpoint):
     from cplm_dist.checkpoint import load_model
-    from cplm_dist.model.sharding import full_state_dict
-    from cplm_dist.parallel import evaluation_tp, init_distributed
+    from cplm_dist.distributed import evaluation_tp, init_distributed
+    from cplm_dist.model.parallel.sharding import full_state_dict
 
     init_distributed(evaluation_tp())
     model, cfg, _ = load_model(checkpoint)
@@ -187,7 +187,7 @@ def test_a_checkpoint_loads_at_any_tp_and_exports(from_llama, loaded, tmp_path):
     for tp in (2, 4):
         torch.testing.assert_close(at[tp], at[1], rtol=1e-5, atol=1e-5, msg=f"loaded at tp={tp} vs tp=1")
     out = tmp_path / "exported"
-    from cplm_dist.hf_llama import REMOTE_FILES
+    from cplm_dist.interop.hf.llama import REMOTE_FILES
 
     proc = subprocess.run([sys.executable, "tools/export_hf.py", "--checkpoint", str(run), "--out", str(out)],
                           capture_output=True, text=True, timeout=300, cwd=REPO)
@@ -206,8 +206,8 @@ def test_a_checkpoint_loads_at_any_tp_and_exports(from_llama, loaded, tmp_path):
 
 
 def test_bad_hf_directories_give_one_line(small_data, tmp_path):
-    from cplm_dist import hf_llama
-    from cplm_dist.hf_llama import HFImportError
+    from cplm_dist.interop.hf import llama as hf_llama
+    from cplm_dist.interop.hf.llama import HFImportError
 
     def check_hf_dir(directory, m):
         return hf_llama.check_hf_dir(directory, m, hf_llama)
@@ -261,12 +261,12 @@ EXPORT_VARIANTS = {
 
 
 def _export_worker(directory):
-    from cplm_dist.checkpoint.init_from import hf_map
+    from cplm_dist.distributed import init_distributed
     from cplm_dist.evaluation.generation import generate
-    from cplm_dist.hf_llama import write_hf_dir
+    from cplm_dist.interop.hf.llama import write_hf_dir
+    from cplm_dist.interop.init_from import hf_map
     from cplm_dist.model import build_model
-    from cplm_dist.model.sharding import full_state_dict
-    from cplm_dist.parallel import init_distributed
+    from cplm_dist.model.parallel.sharding import full_state_dict
 
     init_distributed(1)
     out = {}
@@ -305,13 +305,13 @@ def test_every_mix_and_paste_exports_with_our_log_probs_and_greedy_tokens(tmp_pa
 
 
 def test_the_exported_remote_code_has_the_mixes_of_the_records():
-    """cplm_dist/hf_remote stays standalone (transformers loads it from the export directory,
+    """cplm_dist/interop/hf/remote stays standalone (transformers loads it from the export directory,
     without cplm_dist), so it spells the mixes again: its copy head's own parameters, its head
-    averaging and its log-weights are pinned here to each record of cplm_dist.mixes."""
+    averaging and its log-weights are pinned here to each record of cplm_dist.model.mixes."""
     pytest.importorskip("transformers")
-    from cplm_dist.hf_remote.configuration_cplm import CPLMConfig
-    from cplm_dist.hf_remote.modeling_cplm import CPLMForCausalLM
-    from cplm_dist.mixes import MIXES
+    from cplm_dist.interop.hf.remote.configuration_cplm import CPLMConfig
+    from cplm_dist.interop.hf.remote.modeling_cplm import CPLMForCausalLM
+    from cplm_dist.model.mixes import MIXES
 
     g = torch.Generator().manual_seed(0)
     lse, copy_all, gate = (torch.randn(6, generator=g) for _ in range(3))

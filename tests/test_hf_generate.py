@@ -1,4 +1,4 @@
-"""generate() of the copy-on remote classes (cplm_dist/hf_remote) with and without their KV cache:
+"""generate() of the copy-on remote classes (cplm_dist/interop/hf/remote) with and without their KV cache:
 the cached forward feeds the backbone only the new tokens (positions counted) and gives the
 uncached log-probs for every mix x paste, on Llama and GPT-2; the cache's own operations (batch
 repeat and select, crop) keep the copy head's part in step; an export loaded with
@@ -30,9 +30,9 @@ VOCAB = 97
 def _tiny(kind: str, mix: str, paste: str, heads: int = 2, rope: dict | None = None, dtype=torch.float32, vocab=VOCAB):
     """A random copy-on model built from its config; the copy head's weights large enough to
     copy (its trained scale, not its 0.02 initialisation)."""
-    from cplm_dist.hf_remote.configuration_cplm import CPLMConfig, CPLMGPT2Config
-    from cplm_dist.hf_remote.modeling_cplm import CPLMForCausalLM
-    from cplm_dist.hf_remote.modeling_cplm_gpt2 import CPLMGPT2ForCausalLM
+    from cplm_dist.interop.hf.remote.configuration_cplm import CPLMConfig, CPLMGPT2Config
+    from cplm_dist.interop.hf.remote.modeling_cplm import CPLMForCausalLM
+    from cplm_dist.interop.hf.remote.modeling_cplm_gpt2 import CPLMGPT2ForCausalLM
 
     copy = {"copy_num_heads": heads, "copy_head_dim": 8, "copy_mix": mix, "copy_paste": paste, **(rope or ROPES[1])}
     torch.manual_seed(0)
@@ -141,12 +141,12 @@ EXPORTS = {"gate-next": [],
 def _export_worker(directory):
     """Each EXPORTS model (tiny, its copy head scaled up) exported as tools/export_hf.py does, with
     our decoder's greedy tokens (cplm_dist.evaluation.generation.generate, tools/generate.py's)."""
-    from cplm_dist.checkpoint.init_from import hf_map
+    from cplm_dist.distributed import init_distributed
     from cplm_dist.evaluation.generation import generate
-    from cplm_dist.hf_llama import write_hf_dir
+    from cplm_dist.interop.hf.llama import write_hf_dir
+    from cplm_dist.interop.init_from import hf_map
     from cplm_dist.model import build_model
-    from cplm_dist.model.sharding import full_state_dict
-    from cplm_dist.parallel import init_distributed
+    from cplm_dist.model.parallel.sharding import full_state_dict
 
     init_distributed(1)
     out = {}
@@ -208,7 +208,7 @@ def test_a_gpt2_export_directory_loads_with_its_remote_class_and_caches(tmp_path
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
-    from cplm_dist.hf_llama import REMOTE_CODE, REMOTE_FILES
+    from cplm_dist.interop.hf.llama import REMOTE_CODE, REMOTE_FILES
 
     model = _tiny("gpt2", "sentinel", "next", heads=2, rope=ROPES[3])
     model.save_pretrained(tmp_path)

@@ -42,7 +42,7 @@ def _random_gpt2(directory: Path, overrides: list[str], **hf) -> None:
     """A random transformers GPT2LMHeadModel of the tiny shapes (`hf`: config keys to change)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from cplm_dist.hf_gpt2 import hf_config
+    from cplm_dist.interop.hf.gpt2 import hf_config
 
     cfg = load_config("tiny", [*GPT2, "copy.enabled=false", *overrides])
     fields = {k: v for k, v in hf_config(cfg.model).items() if k not in ("architectures", "model_type", "torch_dtype")}
@@ -90,12 +90,12 @@ GPT2_EXPORTS = {
 def _gpt2_export_worker(directory):
     """Each GPT2_EXPORTS model (random norms and biases), written as training's export writes it
     (the map of its record; the test tokenizer's ids); our log-probs and greedy tokens."""
-    from cplm_dist.checkpoint.init_from import hf_map
+    from cplm_dist.distributed import init_distributed
     from cplm_dist.evaluation.generation import generate
-    from cplm_dist.hf_llama import write_hf_dir
+    from cplm_dist.interop.hf.llama import write_hf_dir
+    from cplm_dist.interop.init_from import hf_map
     from cplm_dist.model import build_model
-    from cplm_dist.model.sharding import full_state_dict
-    from cplm_dist.parallel import init_distributed
+    from cplm_dist.model.parallel.sharding import full_state_dict
 
     init_distributed(1)
     out = {}
@@ -148,7 +148,7 @@ def test_a_gpt2_exports_as_a_stock_gpt2lmheadmodel_with_our_log_probs_and_greedy
 
 
 def test_a_copy_on_gpt2_exports_as_our_remote_class_with_our_log_probs_and_greedy_tokens(gpt2_exports):
-    """Copy on: CPLMGPT2ForCausalLM (cplm_dist/hf_remote/modeling_cplm_gpt2.py, trust_remote_code)
+    """Copy on: CPLMGPT2ForCausalLM (cplm_dist/interop/hf/remote/modeling_cplm_gpt2.py, trust_remote_code)
     from config.json's auto_map; GPT2LMHeadModel's weight names plus copy_head.*."""
     from safetensors.torch import load_file
 
@@ -162,7 +162,7 @@ def test_a_copy_on_gpt2_exports_as_our_remote_class_with_our_log_probs_and_greed
                 "copy_rope_scaling"} <= set(config)
         names = set(load_file(str(root / name / "model.safetensors")))
         assert "transformer.h.0.attn.c_attn.weight" in names and any(n.startswith("copy_head.") for n in names)
-        assert (root / name / "modeling_cplm_gpt2.py").is_file(), "cplm_dist/hf_remote/modeling_cplm_gpt2.py is missing"
+        assert (root / name / "modeling_cplm_gpt2.py").is_file(), "cplm_dist/interop/hf/remote/modeling_cplm_gpt2.py is missing"
         _check_export(root / name, _hf_model(root / name, remote=True), ours[name])
 
 
@@ -213,8 +213,8 @@ def _gpt2_variant(root: Path, name: str, source: Path, **changes) -> Path:
 
 def test_bad_gpt2_directories_give_one_line(small_data, tmp_path):
     from cplm_dist.checkpoint import init_source
-    from cplm_dist.checkpoint.init_from import hf_map
-    from cplm_dist.hf_llama import HFImportError, check_hf_dir
+    from cplm_dist.interop.hf.llama import HFImportError, check_hf_dir
+    from cplm_dist.interop.init_from import hf_map
 
     _random_gpt2(tmp_path / "gpt2", MHA)
     _random_llama(tmp_path / "llama", [])
@@ -253,7 +253,7 @@ def test_bad_gpt2_directories_give_one_line(small_data, tmp_path):
             check_hf_dir(directory, m, hf_map(m))
         assert str(e.value) == where + line, directory.name
     with pytest.raises(HFImportError, match=r"its weights do not fit a GPT2LMHeadModel of these shapes"):
-        from cplm_dist.hf_llama import read_hf
+        from cplm_dist.interop.hf.llama import read_hf
 
         (tmp_path / "broken").mkdir()
         (tmp_path / "broken" / "config.json").write_bytes((tmp_path / "gpt2" / "config.json").read_bytes())

@@ -3,8 +3,8 @@ world cannot be determined (instead of a hang)."""
 
 import pytest
 
+from cplm_dist.distributed.launch_env import LaunchEnv, first_host, slurm_port
 from cplm_dist.errors import ConfigError
-from cplm_dist.launch_env import LaunchEnv, first_host, slurm_port
 
 
 def env_of(**kw):
@@ -72,7 +72,7 @@ def test_first_host_of_a_nodelist(nodelist, host):
 
 
 def test_the_sbatch_scripts_take_the_port_from_the_library():
-    """One rendezvous-port formula: the batch shell asks cplm_dist.launch_env for the port the
+    """One rendezvous-port formula: the batch shell asks cplm_dist.distributed.launch_env for the port the
     ranks would compute themselves."""
     import subprocess
     import sys
@@ -81,9 +81,9 @@ def test_the_sbatch_scripts_take_the_port_from_the_library():
     repo = Path(__file__).resolve().parent.parent
     for script in ("slurm.sbatch", "slurm-torchrun.sbatch"):
         text = (repo / "launch" / script).read_text()
-        assert "-m cplm_dist.launch_env slurm-port" in text and "20000" not in text, script
+        assert "-m cplm_dist.distributed.launch_env slurm-port" in text and "20000" not in text, script
     env = {"SLURM_JOB_ID": "4242", "SLURM_RESTART_COUNT": "3", "PATH": "/usr/bin:/bin"}
-    out = subprocess.run([sys.executable, "-m", "cplm_dist.launch_env", "slurm-port"], env=env, cwd=repo,
+    out = subprocess.run([sys.executable, "-m", "cplm_dist.distributed.launch_env", "slurm-port"], env=env, cwd=repo,
                          capture_output=True, text=True, check=True).stdout
     assert int(out) == slurm_port(env) == 20000 + (4242 * 8 + 3) % 20000
 
@@ -92,7 +92,7 @@ def test_one_evaluation_tp_policy():
     """Every evaluation launch (evaluate, generate, bottleneck, lm-eval) takes its tp the same way:
     the asked tp, else the saved one where it divides the launch (dp replicas over the rest), else
     the whole launch; a tp that does not divide is one line naming the valid ones."""
-    from cplm_dist.parallel import evaluation_tp
+    from cplm_dist.distributed import evaluation_tp
 
     assert evaluation_tp(2, world=4) == 2 and evaluation_tp(1, world=2) == 1 and evaluation_tp(4, world=8) == 4
     assert evaluation_tp(3, world=4) == 4 and evaluation_tp(None, world=2) == 2  # nothing saved divides: one replica
@@ -101,11 +101,11 @@ def test_one_evaluation_tp_policy():
         evaluation_tp(1, asked=3, world=4)
 
 
-# --- joining across hosts (cplm_dist.hosts; the two-host cases run in tests/test_multihost.py) ----
+# --- joining across hosts (cplm_dist.distributed.hosts; the two-host cases run in tests/test_multihost.py) ----
 
 
 def test_the_address_a_backend_advertises_and_loopback(monkeypatch):
-    from cplm_dist import hosts
+    import cplm_dist.distributed.hosts as hosts
     from cplm_dist.errors import LaunchError
 
     assert hosts.is_loopback("127.0.1.1") and hosts.is_loopback("::1") and not hosts.is_loopback("10.0.0.1")
@@ -123,7 +123,7 @@ def test_the_address_a_backend_advertises_and_loopback(monkeypatch):
 def test_host_checks_judge_machines_not_launchers():
     """Two "nodes" on one machine may use loopback; two machines may not, even under one name
     (cloned machines); a peer on loopback refuses itself and is not connected to."""
-    from cplm_dist import hosts
+    import cplm_dist.distributed.hosts as hosts
 
     one = [{"host": "a", "machine": "m1", "address": "127.0.1.1", "port": 1} for _ in range(2)]
     assert hosts.check_peers(0, one, "gloo") == ""
@@ -132,14 +132,12 @@ def test_host_checks_judge_machines_not_launchers():
     assert line.startswith("host a (rank 1): its name 'a' resolves to 127.0.1.1, a loopback address, which gloo")
     assert "GLOO_SOCKET_IFNAME=<interface>" in line and "\n" not in line
     assert hosts.check_peers(1, clones, "nccl").count("NCCL_SOCKET_IFNAME") == 1
-    hosts.JOINED[:] = [{"host": "node1", "address": "10.0.0.1"}, {"host": "node2", "address": "10.0.0.2"},
-                       {"host": "node2", "address": "10.0.0.2"}]
-    try:
-        assert hosts.ranks_at("Connection closed by peer [10.0.0.2]:4242") == "ranks 1-2 on node2"
-        assert hosts.ranks_at("peer 10.0.0.12 gone") == "" and hosts.host_of(0) == "node1"
-        assert hosts.on_host(2) == " on node2"
-        hosts.JOINED[:] = [{"host": "h", "address": "127.0.0.1"}] * 2  # one host: names tell nothing
-        assert hosts.ranks_at("Connection closed by peer [127.0.0.1]:4242") == "" and hosts.on_host(1) == ""
-    finally:
-        hosts.JOINED.clear()
+    joined = hosts.JoinedHosts(({"host": "node1", "address": "10.0.0.1"}, {"host": "node2", "address": "10.0.0.2"},
+                                {"host": "node2", "address": "10.0.0.2"}))
+    assert joined.ranks_at("Connection closed by peer [10.0.0.2]:4242") == "ranks 1-2 on node2"
+    assert joined.ranks_at("peer 10.0.0.12 gone") == "" and joined.host_of(0) == "node1"
+    assert joined.on_host(2) == " on node2"
+    one_host = hosts.JoinedHosts(({"host": "h", "address": "127.0.0.1"},) * 2)  # one host: names tell nothing
+    assert one_host.ranks_at("Connection closed by peer [127.0.0.1]:4242") == "" and one_host.on_host(1) == ""
+    assert hosts.JoinedHosts().on_host(0) == "" and hosts.JoinedHosts().host_of(0) is None  # a one-process job
     assert hosts._ranges([0, 1, 2, 5, 7, 8]) == "0-2, 5, 7-8"

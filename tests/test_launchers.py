@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from cplm_dist.run_log import read_metrics
+from cplm_dist.train.run_log import read_metrics
 from tests.spawn import run_ranks
 from tests.test_train import argv, losses
 
@@ -32,7 +32,7 @@ def train_args(small_data, out, *extra):
 
 
 def _train(args):
-    from cplm_dist.train import main
+    from cplm_dist.train.driver import main
 
     return main(args)
 

@@ -9,6 +9,25 @@ REPO = Path(__file__).resolve().parent.parent
 LIBRARY = REPO / "cplm_dist"
 MAX_FUNCTION_LINES = 80
 MAX_MODULE_LINES = 500
+MAX_TOP_LEVEL_MODULES = 5  # cplm_dist/*.py: the package's own __init__ and what every stage uses
+
+# The stages of a run, bottom to top: a module may import modules of its own stage or of a stage
+# below it, never above (a module's stage is that of its longest prefix here; EXACT first).
+STAGES = [
+    ("foundation", ()),  # cplm_dist/__init__, errors, files, megatron_compat (EXACT)
+    ("config", ("cplm_dist.config", "cplm_dist.model.backbones")),  # a backbone's record is config data
+    ("distributed", ("cplm_dist.distributed",)),
+    ("model", ("cplm_dist.model",)),
+    ("data", ("cplm_dist.data",)),
+    ("train", ("cplm_dist.train",)),  # the step, engine, optimizer, validation, logging
+    ("checkpoint", ("cplm_dist.checkpoint",)),
+    ("interop", ("cplm_dist.interop",)),
+    ("side", ("cplm_dist.evaluation", "cplm_dist.profiling", "cplm_dist.experiments")),
+    ("driver", ()),  # the training driver and the entry points on it (EXACT); tools/ sit above the library
+]
+EXACT = {"cplm_dist": "foundation", "cplm_dist.errors": "foundation", "cplm_dist.files": "foundation",
+         "cplm_dist.megatron_compat": "foundation", "cplm_dist.train": "driver", "cplm_dist.train.driver": "driver",
+         "cplm_dist.train.__main__": "driver", "cplm_dist.train.preflight": "driver"}
 
 
 def modules(package_dir: Path = LIBRARY) -> dict[str, tuple[ast.Module, bool]]:
@@ -70,6 +89,52 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
+def stage_of(name: str) -> int:
+    """The index in STAGES of module `name`'s stage (KeyError: a module no stage claims)."""
+    ranks = {stage: i for i, (stage, _) in enumerate(STAGES)}
+    if name in EXACT:
+        return ranks[EXACT[name]]
+    matches = [(len(prefix), i) for i, (_, prefixes) in enumerate(STAGES) for prefix in prefixes
+               if name == prefix or name.startswith(prefix + ".")]
+    if not matches:
+        raise KeyError(f"{name}: no stage in tests/test_layout.py's STAGES claims it")
+    return max(matches)[1]
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """'a (stage) -> b (stage)' for every import of a module from a later stage."""
+    return sorted(f"{a} ({STAGES[stage_of(a)][0]}) -> {b} ({STAGES[stage_of(b)][0]})"
+                  for a, targets in graph.items() for b in targets if stage_of(b) > stage_of(a))
+
+
+def test_imports_run_one_way_down_the_stages():
+    graph = import_graph(modules())
+    assert all(stage_of(name) >= 0 for name in graph), "every module has a stage"
+    assert upward_imports(graph) == []
+
+
+def test_the_stage_guard_sees_an_upward_import(tmp_path):
+    """A copy of the library with one planted import of the training driver from the config
+    stage, inside a function (the guard reads every import, not only the module's top)."""
+    import shutil
+
+    copy = tmp_path / "cplm_dist"
+    shutil.copytree(LIBRARY, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    graph = import_graph(modules(copy))
+    assert upward_imports(graph) == []
+    tree = copy / "config" / "tree.py"
+    tree.write_text(tree.read_text() + "\n\ndef planted():\n    from cplm_dist.train.step import TrainStep\n    return TrainStep\n")
+    assert upward_imports(import_graph(modules(copy))) == ["cplm_dist.config.tree (config) -> cplm_dist.train.step (train)"]
+
+
+def test_the_top_level_holds_a_handful_of_modules():
+    top = sorted(p.name for p in LIBRARY.glob("*.py"))
+    assert len(top) <= MAX_TOP_LEVEL_MODULES, top
+    stages = {prefix.split(".")[1] for _, prefixes in STAGES for prefix in prefixes}
+    packages = {p.name for p in LIBRARY.iterdir() if (p / "__init__.py").is_file()}
+    assert packages == stages, "every package is a stage (or inside one)"
+
+
 def test_no_function_is_longer_than_a_screen():
     long = [f"{name}.{node.name} ({node.end_lineno - node.lineno + 1} lines)"
             for name, (tree, _) in modules().items() for node in ast.walk(tree)
@@ -90,7 +155,7 @@ def test_no_import_cycles_and_no_tools():
         assert "cplm_dist_tools" not in ast.unparse(tree), f"{name} imports tools/ (the library never does)"
     graph = import_graph(mods)
     # function-level imports are edges too (the walk must see them: one such edge, known to exist)
-    assert "cplm_dist.train" in graph["cplm_dist.preflight"]
+    assert "cplm_dist.train.driver" in graph["cplm_dist.train"]
     assert find_cycle(graph) is None, "import cycle: " + " -> ".join(find_cycle(graph))
 
 
@@ -118,11 +183,40 @@ def test_backbones_and_mixes_are_records_named_once():
     import typing
 
     from cplm_dist.config import tree
-    from cplm_dist.mixes import MIXES
-    from cplm_dist.model.backbone import BACKBONES
+    from cplm_dist.model.backbones import BACKBONES
+    from cplm_dist.model.mixes import MIXES
 
     assert set(BACKBONES) == set(typing.get_args(tree.Arch)) and set(MIXES) == set(typing.get_args(tree.MixMode))
-    records = {LIBRARY / "model" / "backbone.py", LIBRARY / "config" / "tree.py"}
+    records = {*(LIBRARY / "model" / "backbones").glob("*.py"), LIBRARY / "config" / "tree.py"}
     spelled = [f"{p.relative_to(REPO)}:{node.lineno}" for p in sorted(LIBRARY.rglob("*.py")) if p not in records
                for node in ast.walk(ast.parse(p.read_text())) if isinstance(node, ast.Constant) and node.value == "gpt2"]
     assert spelled == []
+
+
+def test_old_module_paths_import_the_modules_that_hold_them_now():
+    """cplm_dist.MOVED: each module path of the layout before the stages (users' scripts, the launch
+    scripts they copied) imports the very module that holds it now, its submodules too, and runs as
+    `python -m OLD`; no old path is a prefix of a module that exists (it would shadow it)."""
+    import importlib
+    import subprocess
+    import sys
+
+    import cplm_dist
+
+    mods = set(modules())
+    for old, new in cplm_dist.MOVED.items():
+        assert old not in mods and not any(m.startswith(old + ".") for m in mods), old
+        assert importlib.import_module(old) is importlib.import_module(new), old
+        assert importlib.import_module(old).__spec__.name == new
+    from cplm_dist.hf_remote.modeling_cplm import CPLMForCausalLM
+    from cplm_dist.interop.hf.remote.modeling_cplm import CPLMForCausalLM as same
+    from cplm_dist.parallel import init_distributed
+
+    assert CPLMForCausalLM is same and init_distributed.__module__ == "cplm_dist.distributed.groups"
+    for package, names in cplm_dist.MOVED_NAMES.items():
+        for name, target in names.items():
+            assert getattr(importlib.import_module(package), name) is getattr(importlib.import_module(target), name)
+    env = {"SLURM_JOB_ID": "7", "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, "-m", "cplm_dist.launch_env", "slurm-port"], env=env, cwd=REPO,
+                         capture_output=True, text=True, timeout=60)
+    assert (out.returncode, out.stdout.strip(), out.stderr) == (0, str(20000 + 7 * 8), "")

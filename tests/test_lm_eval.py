@@ -26,10 +26,10 @@ req = lambda *a: SimpleNamespace(args=a)  # noqa: E731
 def _adapter_worker(run_dir):
     from cplm_dist.checkpoint import load_model
     from cplm_dist.data.gpt_data import tokenizer_for
+    from cplm_dist.distributed import init_distributed
     from cplm_dist.evaluation.bottleneck import measure
     from cplm_dist.evaluation.generation import generate
     from cplm_dist.evaluation.lm_eval_adapter import HarnessAdapter
-    from cplm_dist.parallel import init_distributed
 
     init_distributed(1)
     model, cfg, _ = load_model(run_dir)

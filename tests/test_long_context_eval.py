@@ -64,10 +64,10 @@ def test_an_oracle_scores_perfectly_and_chance_scores_nothing(ctx):
 
 
 def _prefill_worker():
+    from cplm_dist.distributed import init_distributed
     from cplm_dist.evaluation.generation import generate
     from cplm_dist.evaluation.long_context import chunked_score
     from cplm_dist.model import build_model
-    from cplm_dist.parallel import init_distributed
 
     init_distributed(1)
     out = {}

@@ -8,7 +8,7 @@ import torch
 
 from cplm_dist.config import load_config
 from cplm_dist.model.counting import parameter_count
-from cplm_dist.model.sharding import gather_full, spec_of
+from cplm_dist.model.parallel.sharding import gather_full, spec_of
 from tests.spawn import run_ranks
 
 VARIANTS = {
@@ -48,8 +48,8 @@ def batch(vocab):
 
 
 def _model_worker(tp):
+    from cplm_dist.distributed import init_distributed
     from cplm_dist.model import build_model
-    from cplm_dist.parallel import init_distributed
 
     dims = init_distributed(tp)
     results = {}
@@ -203,7 +203,7 @@ def test_pipeline_partition_is_the_balanced_one():
     import itertools
     import random
 
-    from cplm_dist.model.stages import partition
+    from cplm_dist.model.parallel.stages import partition
 
     rng = random.Random(0)
     for _ in range(200):
@@ -220,7 +220,7 @@ def test_pipeline_partition_is_the_balanced_one():
 
 
 def test_pipeline_stages_of_the_shipped_sizes():
-    from cplm_dist.model.stages import stage_bounds, stage_transformer_layers
+    from cplm_dist.model.parallel.stages import stage_bounds, stage_transformer_layers
 
     for name, pp in (("cplm-1.7b", 2), ("cplm-70b", 8), ("tiny", 2)):
         cfg = load_config(name, [])

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from cplm_dist.parallel import free_port
+from cplm_dist.distributed import free_port
 from cplm_dist_tools.local_cluster import LocalCluster, leftovers, unavailable
 from tests.slurm_cluster import LocalSlurm, ensure_slurm
 from tests.test_launchers import STEPS, assert_same_losses, launch_env, reference, train_args, wait_for_steps  # noqa: F401

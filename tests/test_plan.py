@@ -15,12 +15,12 @@ import pytest
 
 from cplm_dist.config import load_config
 from cplm_dist.model.counting import parameters_per_device, tensor_sizes_per_device
-from cplm_dist.model.stages import layer_parameters, partition
+from cplm_dist.model.parallel.stages import layer_parameters, partition
 from cplm_dist.profiling.communication import step_bytes
 from cplm_dist.profiling.memory import (Stage, bubble, estimate, layer_activation_bytes_per_token, pipeline_stages,
                                         stage_estimates, state_bytes_per_parameter)
 from cplm_dist.profiling.planner import Cluster, layouts, pipeline_links, plan, predict, stage_flops_per_token
-from cplm_dist.profiling.throughput import flops_per_token
+from cplm_dist.train.throughput import flops_per_token
 from tests.spawn import run_ranks
 
 REPO = Path(__file__).resolve().parent.parent
@@ -42,9 +42,9 @@ def _config(overrides):
 
 
 def _measured_volumes_worker():
-    from cplm_dist.parallel import default_device, init_distributed
+    from cplm_dist.distributed import default_device, init_distributed
     from cplm_dist.profiling.measure import measure
-    from cplm_dist.train_step import build_train_step as build
+    from cplm_dist.train.step import build_train_step as build
 
     dims = init_distributed(2)
     device = default_device()
@@ -118,10 +118,10 @@ def _measured_pipeline_volumes_worker():
     """Every rank's measured bytes by collective, and its stage, for each of PP_CASES, then (its
     cp rank, its bytes by collective, the profiler's comm_cp_mb) for each of CP_CASES (the
     parallel groups rebuilt between cases on the same process group)."""
+    from cplm_dist.distributed import default_device, init_distributed
     from cplm_dist.megatron_compat import parallel_state
-    from cplm_dist.parallel import default_device, init_distributed
     from cplm_dist.profiling.measure import measure
-    from cplm_dist.train_step import build_train_step as build
+    from cplm_dist.train.step import build_train_step as build
 
     out = []
     for tp, pp, dp, overrides in [c[:4] for c in PP_CASES]:

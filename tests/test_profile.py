@@ -127,9 +127,9 @@ def test_estimate_bounds_the_measured_step_memory_on_cpu(tmp_path):
 
 
 def _saved_bytes_worker(precision, arch):
+    from cplm_dist.distributed import init_distributed
     from cplm_dist.model import build_model
     from cplm_dist.model.rotary import layer_rope
-    from cplm_dist.parallel import init_distributed
 
     dims = init_distributed(2 if precision.startswith("fp32-tp2") else 1)
     sp = precision.endswith("-sp")
@@ -198,11 +198,11 @@ def _storage_bytes(fn, exclude):
 def _cp_saved_bytes_worker():
     """At cp = 2 (4 ranks: cp 2 x dp 2, then tp 2 x cp 2 with sequence parallelism): the bytes one
     layer saves for backward per token of this rank, and a whole tiny model's forward."""
+    from cplm_dist.distributed import init_distributed
     from cplm_dist.megatron_compat import parallel_state
     from cplm_dist.model import build_model
-    from cplm_dist.model.context_parallel import ContextShard, context_inputs
+    from cplm_dist.model.parallel.context import ContextShard, context_inputs
     from cplm_dist.model.rotary import layer_rope
-    from cplm_dist.parallel import init_distributed
 
     out, whole = {}, None
     for tp in (1, 2):
@@ -266,8 +266,8 @@ def _forward_saved_bytes_worker():
     """Bytes autograd keeps from one whole forward (loss included) per rank at tp = 2, without and
     with sequence parallelism, parameters excluded; and the tp collectives the profiler's timer
     counts in a forward and backward."""
+    from cplm_dist.distributed import init_distributed
     from cplm_dist.model import build_model
-    from cplm_dist.parallel import init_distributed
     from cplm_dist.profiling.measure import CommTimer
 
     dims = init_distributed(2)

@@ -78,7 +78,7 @@ def refusal(out: Path, host: str, pid: int, job: str = "none") -> str:
 
 def test_a_second_trainer_on_the_same_out_dir_refuses_in_one_line_and_the_first_goes_on(small_data, tmp_path):
     """The second is two ranks: rank 0 decides, both end with its line, neither hangs."""
-    from cplm_dist.parallel import free_port
+    from cplm_dist.distributed import free_port
 
     out = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if k not in JOB_VARS} | {"OMP_NUM_THREADS": "1"}
@@ -92,7 +92,7 @@ def test_a_second_trainer_on_the_same_out_dir_refuses_in_one_line_and_the_first_
     for rank in (0, 1):
         ranks = {"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
         second.append(subprocess.Popen(
-            [sys.executable, "-c", "import sys; from cplm_dist.train import main; sys.stdin.readline(); sys.exit(main(sys.argv[1:]))",
+            [sys.executable, "-c", "import sys; from cplm_dist.train.driver import main; sys.stdin.readline(); sys.exit(main(sys.argv[1:]))",
              *args], stdin=subprocess.PIPE, stdout=logs[f"{rank}.out"], stderr=logs[f"{rank}.err"], text=True, cwd=REPO,
             env=env | ranks))
     try:

@@ -1,4 +1,4 @@
-"""Scaling ladders (cplm_dist/scaling.py, tools/scaling.py): shapes hit their parameter targets,
+"""Scaling ladders (cplm_dist/experiments/scaling.py, tools/scaling.py): shapes hit their parameter targets,
 the power-law fit recovers known exponents, and a 2-size x 2-variant ladder runs end to end on
 CPU, is interrupted and resumed without rerunning finished points. (Its Slurm path runs in
 test_launchers.py, on the local Slurm those tests start.)"""
@@ -11,8 +11,8 @@ import random
 import pytest
 
 from cplm_dist.config import load_config
+from cplm_dist.experiments.scaling import bootstrap, fit_power_law, interval, shape_for, with_overrides
 from cplm_dist.model.counting import parameter_count
-from cplm_dist.scaling import bootstrap, fit_power_law, interval, shape_for, with_overrides
 from tests.test_train import argv
 
 

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from cplm_dist.config import load_config
-from cplm_dist.optim import lr_factor
-from cplm_dist.run_log import read_metrics
+from cplm_dist.train.optim import lr_factor
+from cplm_dist.train.run_log import read_metrics
 from tests.spawn import run_ranks
 
 REPO = Path(__file__).resolve().parent.parent
@@ -31,7 +31,7 @@ def argv(small_data, out_dir, *extra):
 
 
 def _train(args):
-    from cplm_dist.train import main
+    from cplm_dist.train.driver import main
 
     return main(args)
 
@@ -97,10 +97,10 @@ def _accumulated_gradients():
     """The fp32 gradients the optimizer is handed (clipping off), bf16 ZeRO-1, for grad_accum_dtype
     fp32 and bf16: for each of four micro-batches alone, and for the four accumulated."""
     from cplm_dist.config import load_config
-    from cplm_dist.engine import build_engine
+    from cplm_dist.distributed import init_distributed
     from cplm_dist.model.cplm import build_model
-    from cplm_dist.parallel import init_distributed
-    from cplm_dist.train_step import TrainStep
+    from cplm_dist.train.engine import build_engine
+    from cplm_dist.train.step import TrainStep
 
     dims = init_distributed(1)
     g = torch.Generator().manual_seed(0)
@@ -293,10 +293,10 @@ def test_pipeline_resume_is_exact(small_data, tmp_path, pp2_run):
 
 def _valid_loss_of_checkpoint(path, args):
     from cplm_dist.checkpoint import load_model
-    from cplm_dist.cli import config_parser, load_from_args
+    from cplm_dist.config.cli import config_parser, load_from_args
     from cplm_dist.data.gpt_data import build_datasets
-    from cplm_dist.parallel import default_device, init_distributed
-    from cplm_dist.train import evaluate
+    from cplm_dist.distributed import default_device, init_distributed
+    from cplm_dist.train.validation import evaluate
 
     dims = init_distributed(1)
     cfg = load_from_args(config_parser("").parse_intermixed_args(args))
@@ -321,11 +321,11 @@ def test_a_pipeline_checkpoint_loads_as_a_whole_model(small_data, pp2_run):
 def _profiler_step_losses(args, steps):
     """The losses of `steps` steps of the step the profiler builds and measures, on the batches
     training reads (the same datasets, samples and order)."""
-    from cplm_dist.cli import config_parser, load_from_args
+    from cplm_dist.config.cli import config_parser, load_from_args
     from cplm_dist.data.gpt_data import build_datasets
     from cplm_dist.data.loader import ResumableLoader
-    from cplm_dist.parallel import default_device, init_distributed
-    from cplm_dist.train_step import build_train_step as build
+    from cplm_dist.distributed import default_device, init_distributed
+    from cplm_dist.train.step import build_train_step as build
 
     cfg = load_from_args(config_parser("").parse_intermixed_args(args))
     t = cfg.train
@@ -411,7 +411,7 @@ def test_sigkill_during_a_save_leaves_a_valid_latest(small_data, tmp_path, async
     out = tmp_path / "killed"
     args = argv(small_data, out, "train.train_steps=400", "train.save_interval=1", "train.keep_last=2",
                 "model.tie_embeddings=false", f"train.async_save={str(async_save).lower()}")  # untied: a longer window
-    script = f"import sys; from cplm_dist.train import main; sys.exit(main({args!r}))"
+    script = f"import sys; from cplm_dist.train.driver import main; sys.exit(main({args!r}))"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     ckpts, killed_in = out / "checkpoints", None
@@ -562,9 +562,9 @@ def test_lr_schedules():
 
 
 def _groups_worker(decay_embeddings):
+    from cplm_dist.distributed import init_distributed
     from cplm_dist.model import build_model
-    from cplm_dist.optim import parameter_groups
-    from cplm_dist.parallel import init_distributed
+    from cplm_dist.train.optim import parameter_groups
 
     init_distributed(1)
     cfg = load_config("tiny", ["model.tie_embeddings=false", f"optim.decay_embeddings={decay_embeddings}"])
@@ -589,7 +589,7 @@ def test_weight_decay_groups():
 def test_fused_adamw_steps_like_foreach_and_keeps_the_guard():
     """optim.impl=fused (CUDA's default) makes the same updates as foreach, and a non-finite
     gradient still leaves every parameter untouched."""
-    from cplm_dist.optim import GuardedAdamW, adamw_kernels
+    from cplm_dist.train.optim import GuardedAdamW, adamw_kernels
 
     assert adamw_kernels("auto", torch.device("cuda")) == {"fused": True}
     assert adamw_kernels("auto", torch.device("cpu")) == {"foreach": True}
@@ -617,8 +617,8 @@ def test_fused_adamw_steps_like_foreach_and_keeps_the_guard():
 
 
 def test_zero_settings_reach_deepspeed():
-    from cplm_dist.engine import deepspeed_config
-    from cplm_dist.parallel import ParallelDims
+    from cplm_dist.distributed import ParallelDims
+    from cplm_dist.train.engine import deepspeed_config
 
     dims = ParallelDims(rank=0, world_size=1, tp_rank=0, tp_size=1, tp_group=None, dp_rank=0, dp_size=1, dp_group=None)
     cfg = load_config(REPO / "configs/quickstart.yaml", ["train.zero_stage=3", "train.reduce_bucket_size=1000",

@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from cplm_dist import vocab_parallel as vp
-from cplm_dist.model.sharding import ShardSpec, gather_full, take_shard
+import cplm_dist.model.loss as vp
+from cplm_dist.model.parallel.sharding import ShardSpec, gather_full, take_shard
 from tests import reference
 from tests.spawn import run_ranks
 
@@ -118,7 +118,7 @@ def test_full_distribution_pieces_without_copy_are_log_softmax():
 
 
 def _tp_worker(tp):
-    from cplm_dist.parallel import init_distributed
+    from cplm_dist.distributed import init_distributed
 
     dims = init_distributed(tp)
     spec = ShardSpec(dim=1)

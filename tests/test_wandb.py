@@ -6,7 +6,7 @@ import json
 import struct
 from pathlib import Path
 
-from cplm_dist.run_log import read_metrics
+from cplm_dist.train.run_log import read_metrics
 from tests.spawn import run_ranks
 from tests.test_train import argv, train
 
@@ -78,7 +78,7 @@ def _train_reporting(args):
     import contextlib
     import io
 
-    from cplm_dist.train import main
+    from cplm_dist.train.driver import main
 
     err = io.StringIO()
     with contextlib.redirect_stderr(err):

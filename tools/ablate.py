@@ -21,9 +21,9 @@ import statistics
 import sys
 from pathlib import Path
 
-from cplm_dist.cli import exit_on_usage_error
 from cplm_dist.config import load_config
-from cplm_dist.experiments import COPY_TASKS, VARIANTS, ensure_quickstart_data, finished, mean_score, run
+from cplm_dist.config.cli import exit_on_usage_error
+from cplm_dist.experiments.runs import COPY_TASKS, VARIANTS, ensure_quickstart_data, finished, mean_score, run
 
 TOOLS = Path(__file__).resolve().parent  # evaluate.py and grad_bottleneck.py beside this one
 
@@ -89,7 +89,7 @@ def main(argv=None) -> int:
 
 
 def summarise(name, size, variant, seed, run_dir: Path, evaluation: Path, bottleneck: Path) -> dict:
-    from cplm_dist.run_log import read_metrics
+    from cplm_dist.train.run_log import read_metrics
 
     ev = json.loads(evaluation.read_text())
     bn = json.loads(bottleneck.read_text())

@@ -22,9 +22,9 @@ import statistics
 import sys
 from pathlib import Path
 
-from cplm_dist.cli import exit_on_usage_error
 from cplm_dist.config import load_config
-from cplm_dist.experiments import VARIANTS, ensure_quickstart_data, finished, run
+from cplm_dist.config.cli import exit_on_usage_error
+from cplm_dist.experiments.runs import VARIANTS, ensure_quickstart_data, finished, run
 
 TOOLS = Path(__file__).resolve().parent
 CORPORA = {  # name -> the data.blend override (None: the base config's blend)
@@ -105,7 +105,7 @@ def main(argv=None) -> int:
 
 def summarise(run_dir: Path, result: Path) -> dict:
     """The run's final validation loss and its accuracy per task and context length."""
-    from cplm_dist.run_log import read_metrics
+    from cplm_dist.train.run_log import read_metrics
 
     valid = read_metrics(run_dir / "logs" / "metrics.jsonl", "valid")
     by_length = json.loads(result.read_text())["tasks"]

@@ -24,7 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from cplm_dist.cli import exit_on_usage_error
+from cplm_dist.config.cli import exit_on_usage_error
 from cplm_dist.errors import UsageError
 
 REPO = Path(__file__).resolve().parent.parent

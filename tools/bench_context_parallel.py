@@ -1,7 +1,7 @@
 """Context parallelism measured: one training forward and backward of a long sequence at cp = 1, 2,
 4 (each cp a fresh job of cp ranks on this machine): peak memory per rank above the built model,
 tokens/s, and the bytes a rank receives over cp a step, traced (counted in the collectives
-cplm_dist.model.context_parallel makes) against modelled (the formula below), with the copy head's
+cplm_dist.model.parallel.context makes) against modelled (the formula below), with the copy head's
 part apart. A benchmark: figures go to the console (and --json), never into a test.
 
     python tools/bench_context_parallel.py                            # tiny, T = 4096 8192 16384, cp 1 2 4, CPU
@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from cplm_dist.cli import exit_on_usage_error
+from cplm_dist.config.cli import exit_on_usage_error
 from cplm_dist.errors import UsageError
 
 
@@ -50,7 +50,7 @@ class CountedGathers:
         self.kind = "attention"
 
     def install(self):
-        from cplm_dist.model import context_parallel as cpm
+        from cplm_dist.model.parallel import context as cpm
 
         counts, plain_gather, plain_ids = self, cpm.ContextShard.gather, cpm.ContextShard.gather_ids
 
@@ -86,9 +86,9 @@ def rank_main(args) -> dict:
     import torch.distributed as dist
 
     from cplm_dist.config import load_config
+    from cplm_dist.distributed import init_distributed
     from cplm_dist.model import build_model
-    from cplm_dist.model.context_parallel import ContextShard
-    from cplm_dist.parallel import init_distributed
+    from cplm_dist.model.parallel.context import ContextShard
     from cplm_dist.profiling.measure import PeakMeter, current_memory_bytes, release_freed_memory_on_cpu
 
     dims = init_distributed(1, cp_size=args.cp)

@@ -23,9 +23,9 @@ import time
 
 import torch
 
-from cplm_dist.cli import exit_on_usage_error
+from cplm_dist.config.cli import exit_on_usage_error
 from cplm_dist.errors import UsageError
-from cplm_dist.mixes import MIXES
+from cplm_dist.model.mixes import MIXES
 
 FIELDS = ("seq_len", "impl", "chunk", "peak_mb", "estimated_mb", "seconds", "max_abs_diff_lse", "max_rel_diff_grad")
 

@@ -18,7 +18,7 @@ import sys
 import time
 from types import SimpleNamespace
 
-from cplm_dist.cli import exit_on_usage_error
+from cplm_dist.config.cli import exit_on_usage_error
 from cplm_dist.errors import UsageError
 
 
@@ -58,7 +58,7 @@ def main(argv=None) -> int:
 
     from cplm_dist.checkpoint import load_checkpoint_config, load_model
     from cplm_dist.data.gpt_data import tokenizer_for
-    from cplm_dist.parallel import destroy_distributed, init_distributed
+    from cplm_dist.distributed import destroy_distributed, init_distributed
 
     load_checkpoint_config(args.checkpoint)
     init_distributed(1)

@@ -14,7 +14,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from cplm_dist.cli import exit_on_usage_error
+from cplm_dist.config.cli import exit_on_usage_error
 from cplm_dist.data.corpora import stdlib_documents, write_jsonl
 from cplm_dist.data.indexed_data import write_indexed_dataset
 from cplm_dist.data.sources import iter_documents

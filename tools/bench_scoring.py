@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from cplm_dist.cli import exit_on_usage_error
+from cplm_dist.config.cli import exit_on_usage_error
 from cplm_dist.errors import UsageError
 
 WAYS = ("gathered", "score")
@@ -29,8 +29,8 @@ WAYS = ("gathered", "score")
 
 def measure(args, way: str) -> dict:
     from cplm_dist.config import load_config
+    from cplm_dist.distributed import init_distributed
     from cplm_dist.model import build_model
-    from cplm_dist.parallel import init_distributed
     from cplm_dist.profiling.measure import PeakMeter, current_memory_bytes, release_freed_memory_on_cpu
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")

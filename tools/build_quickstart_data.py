@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from cplm_dist.cli import exit_on_usage_error
+from cplm_dist.config.cli import exit_on_usage_error
 from cplm_dist.data.quickstart import build_quickstart_data
 
 

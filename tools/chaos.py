@@ -89,7 +89,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 def config_of(args: argparse.Namespace):
     """The run's config (cplm-train's other options are left to it: importing it takes seconds)."""
-    from cplm_dist.cli import config_parser, load_from_args
+    from cplm_dist.config.cli import config_parser, load_from_args
 
     parser = config_parser("")
     parser.error = lambda message: refuse(f"training arguments: {message}")
@@ -303,7 +303,7 @@ def straight_run(args, ref: Path, steps: int) -> tuple[Path, float]:
 
 
 def report(args, chaos: Chaos, finished: bool, weights: tuple[bool, int], wall: float, ref_wall) -> dict:
-    from cplm_dist.run_log import lost_steps
+    from cplm_dist.train.run_log import lost_steps
 
     injected, survived = len(chaos.done), sum(f.survived for f in chaos.done)
     return {"ok": finished and weights[0] and injected == args.faults and survived == injected,

@@ -11,11 +11,11 @@
     python tools/cplm_profile.py --config cplm-135m --decode                        # KV-cache decoding, copy on / off
 
 Reports tokens/s (global, per device), the step-time breakdown (forward, backward, optimizer;
-tensor-parallel, data-parallel / ZeRO, context-parallel (parallel.cp) and pipeline communication), TFLOP/s and MFU (cplm_dist.profiling.throughput),
+tensor-parallel, data-parallel / ZeRO, context-parallel (parallel.cp) and pipeline communication), TFLOP/s and MFU (cplm_dist.train.throughput),
 peak memory and the estimate of cplm_dist.profiling.memory, as a console table, a JSON file (--json) and one
 row appended to a CSV (--csv). --trace FILE writes a torch.profiler Chrome trace of one step.
 
-The step measured is training's own, built as cplm-train builds it (cplm_dist.train_step.build_train_step);
+The step measured is training's own, built as cplm-train builds it (cplm_dist.train.step.build_train_step);
 the timing is cplm_dist.profiling.measure's, the sweep cplm_dist.profiling.sweep's.
 """
 
@@ -28,13 +28,13 @@ from pathlib import Path
 
 import torch
 
-from cplm_dist.cli import config_parser, exit_on_usage_error, load_from_args
 from cplm_dist.config import Config, batch_layout
+from cplm_dist.config.cli import config_parser, exit_on_usage_error, load_from_args
 from cplm_dist.errors import UsageError
 from cplm_dist.profiling.memory import estimate, stage_estimates
 from cplm_dist.profiling.records import append_csv, report, table
 from cplm_dist.profiling.sweep import SWEEPABLE, parse_sweep, run_sweep, sweep_points
-from cplm_dist.train_step import build_train_step as build
+from cplm_dist.train.step import build_train_step as build
 
 
 def parser():
@@ -66,7 +66,7 @@ def parser():
 
 
 def setup(cfg: Config, args):
-    from cplm_dist.parallel import default_device, init_distributed
+    from cplm_dist.distributed import default_device, init_distributed
     from cplm_dist.profiling.measure import release_freed_memory_on_cpu
 
     dims = init_distributed(cfg.parallel.tp, pp_size=cfg.parallel.pp, cp_size=cfg.parallel.cp)
@@ -157,7 +157,7 @@ def copy_overhead(cfg: Config, args) -> dict:
 
 
 class HFAdapter(torch.nn.Module):
-    """transformers' LlamaForCausalLM of our shapes (cplm_dist.hf_llama.llama_config) behind our
+    """transformers' LlamaForCausalLM of our shapes (cplm_dist.interop.hf.llama.llama_config) behind our
     forward signature, with its own (standard) cross-entropy loss."""
 
     def __init__(self, cfg: Config, device):
@@ -166,13 +166,13 @@ class HFAdapter(torch.nn.Module):
             from transformers import LlamaForCausalLM
         except ImportError:
             raise UsageError("--peer needs transformers: pip install -e '.[bench]'") from None
-        from cplm_dist.hf_llama import llama_config
+        from cplm_dist.interop.hf.llama import llama_config
 
         torch.manual_seed(cfg.seed)
         self.model = LlamaForCausalLM(llama_config(cfg.model, attn_implementation="sdpa")).to(device)
 
     def forward(self, input_ids, labels):
-        from cplm_dist.vocab_parallel import TokenLoss
+        from cplm_dist.model.loss import TokenLoss
 
         logits = self.model(input_ids=input_ids).logits
         nll = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none")
@@ -245,7 +245,7 @@ def main(argv=None) -> int:
     if args.sweep:
         return sweep(args)
     cfg = load_from_args(args)
-    from cplm_dist.parallel import destroy_distributed
+    from cplm_dist.distributed import destroy_distributed
 
     mode = copy_overhead if args.copy_overhead else peer if args.peer else decode if args.decode else profile_one
     result = mode(cfg, args)

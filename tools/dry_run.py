@@ -22,7 +22,7 @@ import logging
 import sys
 from pathlib import Path
 
-from cplm_dist.cli import config_parser, exit_on_usage_error, load_from_args
+from cplm_dist.config.cli import config_parser, exit_on_usage_error, load_from_args
 from cplm_dist.errors import UsageError
 from cplm_dist.profiling.dry_run import HEADROOM, DryRun, dry_run, layout_of
 from cplm_dist.profiling.roofline import DEVICES, GIB, Device
@@ -109,8 +109,8 @@ def real(cfg, layout, json_path: str | None) -> int:
     """--real: this launch's ranks trace their roles with real tensors (cplm_dist.profiling.real_trace)."""
     import torch
 
-    from cplm_dist.launch_env import LaunchEnv
-    from cplm_dist.parallel import destroy_distributed, init_distributed
+    from cplm_dist.distributed import destroy_distributed, init_distributed
+    from cplm_dist.distributed.launch_env import LaunchEnv
     from cplm_dist.profiling.real_trace import real_roles
 
     if layout.cp > 1:  # its real step reads whole sequences (real_trace.step_peak), not a cp rank's chunks

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import sys
 
-from cplm_dist.cli import config_parser, exit_on_usage_error, load_from_args
+from cplm_dist.config.cli import config_parser, exit_on_usage_error, load_from_args
 from cplm_dist.errors import UsageError
 from cplm_dist.profiling.memory import GIB, largest_micro_batch, stage_estimates
 

@@ -31,8 +31,8 @@ from pathlib import Path
 
 import torch
 
-from cplm_dist.cli import exit_on_usage_error
 from cplm_dist.config import apply_overrides, from_dict, to_dict
+from cplm_dist.config.cli import exit_on_usage_error
 from cplm_dist.errors import UsageError
 from cplm_dist.evaluation.long_context import LONG_TASKS, MIN_LENGTH, run_by_length
 from cplm_dist.evaluation.tasks import TASKS, EvalContext, run_suite
@@ -62,9 +62,9 @@ def validation(model, cfg, batches: int) -> tuple[dict | None, list[str]]:
     """({loss, perplexity, tokens} or None, decoded validation documents for the needle's filler)."""
     from cplm_dist.data.gpt_data import build_datasets
     from cplm_dist.data.loader import ResumableLoader, model_inputs
-    from cplm_dist.evaluation.generation import device_of
-    from cplm_dist.vocab_parallel import IGNORE_INDEX
     from cplm_dist.errors import DataError
+    from cplm_dist.evaluation.generation import device_of
+    from cplm_dist.model.loss import IGNORE_INDEX
 
     micro = cfg.train.micro_batch_size
     try:
@@ -115,11 +115,11 @@ def plot(results: dict, out: Path) -> list[Path]:
 
 @exit_on_usage_error
 def main(argv=None) -> int:
+    from cplm_dist.checkpoint import load_checkpoint_config, load_model
     from cplm_dist.data.corpora import stdlib_documents
     from cplm_dist.data.tokenizer import check_tokenizer_fits_model, load_tokenizer
+    from cplm_dist.distributed import destroy_distributed, evaluation_tp, init_distributed
     from cplm_dist.errors import ConfigError, DataError
-    from cplm_dist.checkpoint import load_checkpoint_config, load_model
-    from cplm_dist.parallel import destroy_distributed, evaluation_tp, init_distributed
 
     args = parser().parse_intermixed_args(argv)
     if args.compare:

@@ -3,11 +3,11 @@
     python tools/export_hf.py --checkpoint runs/my-run --out hf/my-run [--dtype bf16]
 
 From any saved tp (the shards are joined) and ZeRO stage 0-2 (ZeRO-3 at tp = 1), either backbone
-(the map is the one its record names, cplm_dist.checkpoint.init_from.hf_map):
+(the map is the one its record names, cplm_dist.interop.init_from.hf_map):
 
 | model.arch | copy off (no remote code) | copy on (trust_remote_code=True) |
 |---|---|---|
-| llama | `LlamaForCausalLM` | `CPLMForCausalLM` (cplm_dist/hf_remote/modeling_cplm.py) |
+| llama | `LlamaForCausalLM` | `CPLMForCausalLM` (cplm_dist/interop/hf/remote/modeling_cplm.py) |
 | gpt2 | `GPT2LMHeadModel` (GQA's K/V heads repeated; tied or not) | `CPLMGPT2ForCausalLM` (modeling_cplm_gpt2.py) |
 
 Writes config.json, generation_config.json (the run's tokenizer's bos/eos/pad ids, those it has,
@@ -15,7 +15,7 @@ and use_cache), model.safetensors and the run's tokenizer file (tokenizer.model 
 into a new directory, made beside --out and renamed into place when complete; an existing --out is
 kept unless --overwrite. Copy off: `<class>.from_pretrained(DIR)`. Copy on:
 `AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)` loads the class written beside
-the weights (every file of cplm_dist/hf_remote); its logits are the mixture's log-probabilities, so
+the weights (every file of cplm_dist/interop/hf/remote); its logits are the mixture's log-probabilities, so
 `generate()` samples from the mixture, keeping a KV cache. All give our log-probabilities to 1e-5
 and our greedy tokens (tests/test_hf.py).
 
@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from cplm_dist.cli import exit_on_usage_error
+from cplm_dist.config.cli import exit_on_usage_error
 from cplm_dist.errors import UsageError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -45,10 +45,10 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 def export(checkpoint: str, out: Path, dtype: str) -> Path:
     from cplm_dist.checkpoint import load_model, tokenizer_files
-    from cplm_dist.checkpoint.init_from import hf_map
     from cplm_dist.config import to_dict
-    from cplm_dist.hf_llama import write_hf_dir
-    from cplm_dist.model.sharding import full_state_dict
+    from cplm_dist.interop.hf.llama import write_hf_dir
+    from cplm_dist.interop.init_from import hf_map
+    from cplm_dist.model.parallel.sharding import full_state_dict
 
     model, cfg, info = load_model(checkpoint)
     full = full_state_dict([model.state_dict()], model)
@@ -92,7 +92,7 @@ def _bos_id(tok) -> int | None:
 @exit_on_usage_error
 def main(argv=None) -> int:
     from cplm_dist.checkpoint import load_checkpoint_config
-    from cplm_dist.parallel import destroy_distributed, init_distributed
+    from cplm_dist.distributed import destroy_distributed, init_distributed
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--checkpoint", required=True, help="a run directory, its checkpoints/ or one step-* directory")

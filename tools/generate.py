@@ -15,16 +15,16 @@ import sys
 
 import torch
 
-from cplm_dist.cli import exit_on_usage_error
+from cplm_dist.config.cli import exit_on_usage_error
 from cplm_dist.errors import UsageError
 
 
 @exit_on_usage_error
 def main(argv=None) -> int:
-    from cplm_dist.data.tokenizer import check_tokenizer_fits_model, load_tokenizer
     from cplm_dist.checkpoint import load_checkpoint_config, load_model
+    from cplm_dist.data.tokenizer import check_tokenizer_fits_model, load_tokenizer
+    from cplm_dist.distributed import destroy_distributed, evaluation_tp, init_distributed
     from cplm_dist.evaluation.generation import device_of, generate
-    from cplm_dist.parallel import destroy_distributed, evaluation_tp, init_distributed
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--checkpoint", required=True)

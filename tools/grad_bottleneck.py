@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from cplm_dist.cli import exit_on_usage_error
+from cplm_dist.config.cli import exit_on_usage_error
 from cplm_dist.errors import UsageError
 
 
@@ -58,10 +58,10 @@ def rows_for(model, cfg, label: str, data) -> list[dict]:
 
 @exit_on_usage_error
 def main(argv=None) -> int:
-    from cplm_dist.config import load_config
     from cplm_dist.checkpoint import complete_tags, load_checkpoint_config, load_model, resolve_checkpoint
+    from cplm_dist.config import load_config
+    from cplm_dist.distributed import destroy_distributed, evaluation_tp, init_distributed
     from cplm_dist.model import build_model
-    from cplm_dist.parallel import destroy_distributed, evaluation_tp, init_distributed
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     src = p.add_mutually_exclusive_group(required=True)

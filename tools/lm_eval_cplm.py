@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from cplm_dist.cli import exit_on_usage_error
+from cplm_dist.config.cli import exit_on_usage_error
 from cplm_dist.errors import UsageError
 
 
@@ -60,8 +60,8 @@ def check_limit_covers_replicas(args, saved_tp: int) -> None:
     then skips lm-eval's collectives and the run hangs: refused with one line before it starts."""
     from lm_eval.utils import simple_parse_args_string
 
-    from cplm_dist.launch_env import LaunchEnv
-    from cplm_dist.parallel import evaluation_tp
+    from cplm_dist.distributed import evaluation_tp
+    from cplm_dist.distributed.launch_env import LaunchEnv
 
     if args.limit is None or args.limit < 1:
         return  # none, or a fraction of each task

@@ -17,11 +17,11 @@ import time
 
 import torch
 
-from cplm_dist.cli import config_parser, exit_on_usage_error, load_from_args
+from cplm_dist.config.cli import config_parser, exit_on_usage_error, load_from_args
+from cplm_dist.distributed import destroy_distributed, init_distributed
 from cplm_dist.errors import UsageError
 from cplm_dist.model import build_model
 from cplm_dist.model.counting import parameter_count
-from cplm_dist.parallel import destroy_distributed, init_distributed
 
 
 @exit_on_usage_error

@@ -19,8 +19,8 @@ import re
 import sys
 from pathlib import Path
 
-from cplm_dist.cli import config_parser, exit_on_usage_error, load_from_args
 from cplm_dist.config import divisors
+from cplm_dist.config.cli import config_parser, exit_on_usage_error, load_from_args
 from cplm_dist.errors import UsageError
 from cplm_dist.model.counting import parameter_count
 from cplm_dist.profiling.planner import Cluster, Plan, plan

@@ -24,7 +24,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from cplm_dist.cli import exit_on_usage_error
+from cplm_dist.config.cli import exit_on_usage_error
 from cplm_dist.data.indexed_data import write_indexed_dataset
 from cplm_dist.data.sources import ReadStats, add_input_arguments, inputs_from_args, iter_documents
 from cplm_dist.data.tokenizer import load_tokenizer

@@ -8,7 +8,7 @@ variant, and report the copy head's gain, extrapolated to larger models and mark
         --tokens-per-parameter 20 --slurm "--nodes 1 --gpus-per-node 8 --time 12:00:00 --partition gpu"
 
 Sizes: --points log-spaced parameter targets in [--params MIN MAX] (or --sizes T1 T2 ...), each
-turned into depth and width by cplm_dist.scaling.shape_for (a fixed --aspect D / L, heads of
+turned into depth and width by cplm_dist.experiments.scaling.shape_for (a fixed --aspect D / L, heads of
 --head-dim). Tokens: --tokens-per-parameter x the exact parameter count, in whole steps of the
 base config's global batch x sequence length. Variants: copy off, gate, joint, sentinel, or
 NAME=override,override (any config override). Every point trains with --resume auto into
@@ -30,12 +30,13 @@ import sys
 import time
 from pathlib import Path
 
-from cplm_dist.cli import exit_on_usage_error
 from cplm_dist.config import load_config
+from cplm_dist.config.cli import exit_on_usage_error
 from cplm_dist.errors import UsageError
-from cplm_dist.experiments import VARIANTS, ensure_quickstart_data, finished, mean_score, run
+from cplm_dist.experiments.runs import VARIANTS, ensure_quickstart_data, finished, mean_score, run
+from cplm_dist.experiments.scaling import (bootstrap, fit_power_law, interval, shape_for, token_budget, training_flops,
+                                           with_overrides)
 from cplm_dist.model.counting import parameter_count
-from cplm_dist.scaling import bootstrap, fit_power_law, interval, shape_for, token_budget, training_flops, with_overrides
 
 REPO = Path(__file__).resolve().parent.parent  # launch/submit.sh and tools/evaluate.py of this checkout
 
@@ -155,7 +156,7 @@ def evaluate_points(points: list[dict], args, log: Path) -> None:
 
 def collect(points: list[dict]) -> list[dict]:
     """One row a finished point: the plan's figures, its final validation loss, suite scores."""
-    from cplm_dist.run_log import read_metrics
+    from cplm_dist.train.run_log import read_metrics
 
     rows = []
     for p in points:

@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from cplm_dist.cli import exit_on_usage_error
+from cplm_dist.config.cli import exit_on_usage_error
 from cplm_dist.data.sources import ReadStats, add_input_arguments, inputs_from_args, iter_documents
 from cplm_dist.data.tokenizer import train_sentencepiece
 from cplm_dist.errors import UsageError

@@ -10,33 +10,36 @@ it for evaluation.
     async_save.py `train.async_save`: the host copy in the step loop, the writing in a thread
     reshape.py   resume at another tp, dp or ZeRO stage through DeepSpeed's universal checkpoint
     loading.py   `load_checkpoint_config`, `load_model` at any tp (no DeepSpeed engine)
-    init_from.py `model.init_from`: a new run from one of our checkpoints (weights only, any tp) or a HF Llama
     run_lock.py  `RunLock`: one trainer at a time on train.out_dir (a flock on run.lock, a heartbeat, stale takeover)
 
     model, cfg, info = load_model("runs/quickstart-<time>")   # after init_distributed, at any tp
 """
 
-from cplm_dist.checkpoint.init_from import InitSource, init_source, initialise_from, load_checkpoint_weights
+from cplm_dist import moved_attribute
 from cplm_dist.checkpoint.loading import load_checkpoint_config, load_model, read_checkpoint
 from cplm_dist.checkpoint.manifest import (CARRIED_TOKENIZER, COMPLETE, FORMAT, LATEST, Layout, Manifest, ReshapeError,
                                            carry_tokenizer, check_config_change, check_intact, check_layout, check_reshape,
-                                           complete_tags, damaged_files, find_resume, latest_tag, layout_change,
-                                           newest_readable, read_manifest, resolve_checkpoint, tag_for, tokenizer_files,
-                                           upgrade, versions, write_manifest)
+                                           complete_tags, damaged_files, find_resume, latest_tag, layout_change, newest_readable,
+                                           read_manifest, resolve_checkpoint, tag_for, tokenizer_files, upgrade, versions,
+                                           write_manifest)
 from cplm_dist.checkpoint.run_lock import LOCK_NAME, LockHolder, RunLock, read_holder
 from cplm_dist.checkpoint.safe_io import (deepspeed_safe_globals, layer_states_name, load_states, model_states_file,
                                           model_states_name, safe_load, use_safe_loading, weights_only_torch_load)
-from cplm_dist.checkpoint.saver import (Checkpointer, check_async_save, check_out_dir, checkpoint_bytes, checkpoint_files, rng_state,
-                                        set_rng_state)
+from cplm_dist.checkpoint.saver import (Checkpointer, check_async_save, check_out_dir, checkpoint_bytes, checkpoint_files,
+                                        rng_state, set_rng_state)
 from cplm_dist.config import RESUMABLE_CHANGES
 from cplm_dist.errors import CheckpointError
 
 __all__ = [
     "CARRIED_TOKENIZER", "COMPLETE", "FORMAT", "LATEST", "LOCK_NAME", "RESUMABLE_CHANGES", "CheckpointError", "Checkpointer",
-    "InitSource", "Layout", "LockHolder", "Manifest", "ReshapeError", "RunLock", "carry_tokenizer", "check_config_change",
+    "Layout", "LockHolder", "Manifest", "ReshapeError", "RunLock", "carry_tokenizer", "check_config_change",
     "check_async_save", "check_intact", "check_layout", "check_out_dir", "check_reshape", "checkpoint_bytes", "checkpoint_files", "complete_tags", "damaged_files",
-    "deepspeed_safe_globals", "find_resume", "init_source", "initialise_from", "latest_tag", "layer_states_name", "layout_change", "load_checkpoint_config",
-    "load_checkpoint_weights", "load_model", "load_states", "model_states_file", "model_states_name", "newest_readable", "read_checkpoint",
+    "deepspeed_safe_globals", "find_resume", "latest_tag", "layer_states_name", "layout_change", "load_checkpoint_config",
+    "load_model", "load_states", "model_states_file", "model_states_name", "newest_readable", "read_checkpoint",
     "read_holder", "read_manifest", "resolve_checkpoint", "rng_state", "safe_load", "set_rng_state", "tag_for", "tokenizer_files",
     "upgrade", "use_safe_loading", "versions", "weights_only_torch_load", "write_manifest",
 ]
+
+
+def __getattr__(name: str):  # model.init_from's names, in cplm_dist.interop.init_from since 2026-12
+    return moved_attribute(__name__, name)

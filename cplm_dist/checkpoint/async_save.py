@@ -17,7 +17,7 @@ keeps resume, `--reshape`, zero_to_fp32 and evaluation unchanged. Not chosen:
   universal-checkpoint reshape, zero_to_fp32 and our manifest do not read.
 
 The ranks agree through the job's rendezvous store on a connection of their own (as
-cplm_dist/heartbeat.py), never through a collective from the thread, which could interleave with
+cplm_dist/distributed/heartbeat.py), never through a collective from the thread, which could interleave with
 the step loop's: rank r posts `cplm/save/<run>/<tag>/<r>` = {error, files: {name: bytes, sha256}},
 rank 0 waits for all, writes complete.json and `latest` (or removes the directory when any rank
 failed) and posts the verdict every rank waits for. A process killed during the write leaves no
@@ -39,8 +39,8 @@ import torch.distributed as dist
 
 from cplm_dist.checkpoint.manifest import COMPLETE, carry_tokenizer
 from cplm_dist.checkpoint.safe_io import os_error
+from cplm_dist.distributed.heartbeat import store_connection
 from cplm_dist.files import sha256_file
-from cplm_dist.heartbeat import store_connection
 
 KEY = "cplm/save/{run}/{tag}/{who}"
 POLL_S = 0.2

@@ -10,16 +10,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from cplm_dist.checkpoint.manifest import (CARRIED_TOKENIZER, COMPLETE, Manifest, check_intact, read_manifest,
-                                           resolve_checkpoint)
-from cplm_dist.checkpoint.safe_io import (layer_states_name, load_states, model_states_file, weights_only_torch_load)
+from cplm_dist.checkpoint.manifest import CARRIED_TOKENIZER, COMPLETE, Manifest, check_intact, read_manifest, resolve_checkpoint
+from cplm_dist.checkpoint.safe_io import layer_states_name, load_states, model_states_file, weights_only_torch_load
 from cplm_dist.config import Config, check_tp_divides, from_dict
 from cplm_dist.errors import CheckpointError, ConfigError
 from cplm_dist.files import sha256_file
 from cplm_dist.megatron_compat import import_deepspeed, parallel_state
 from cplm_dist.model.cplm import build_model
-from cplm_dist.model.sharding import full_state_dict, load_full_state_dict
-from cplm_dist.model.stages import checkpoint_layer_names
+from cplm_dist.model.parallel.sharding import full_state_dict, load_full_state_dict
+from cplm_dist.model.parallel.stages import checkpoint_layer_names
 
 
 def _self_contained(cfg: Config, manifest: Manifest) -> Config:
@@ -120,7 +119,7 @@ def _saved_shards(manifest: Manifest, cfg: Config) -> list[dict]:
 def load_model(path: str | Path, device=None, dtype=torch.float32):
     """(model in eval mode, config, manifest as plain data with `root` and `tag`) on this rank, at
     this launch's tp whatever tp the checkpoint was saved at: every saved tp rank's weights are
-    joined into the tp-independent tensors (cplm_dist.model.sharding) and this rank's shard is
+    joined into the tp-independent tensors (cplm_dist.model.parallel.sharding) and this rank's shard is
     taken. ZeRO-3 checkpoints keep the weights only in the optimizer shards, which DeepSpeed's
     zero_to_fp32 merges (saved at tp = 1). A pipeline checkpoint's per-layer files are read under
     the names a CPLM gives them, so it loads as a whole model too (evaluation and generation run

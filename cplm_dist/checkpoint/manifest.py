@@ -37,9 +37,9 @@ from pathlib import Path
 
 from cplm_dist.config import RESUMABLE_CHANGES, Config, check_tp_divides, to_dict
 from cplm_dist.data.indexed_data import content_fingerprint
+from cplm_dist.distributed.launch_env import LaunchEnv
 from cplm_dist.errors import CheckpointError, ConfigError, DataError, UsageError
 from cplm_dist.files import sha256_file, write_text_atomic
-from cplm_dist.launch_env import LaunchEnv
 
 LATEST = "latest"
 COMPLETE = "complete.json"

@@ -12,9 +12,9 @@ tp- and dp-independent fp32 weight and moments,
    unpadded size, row-parallel splits, SwiGLU's two sub-parameters, replicated tensors). ZeRO-0
    checkpoints hold a plain torch AdamW state per tp rank, which that converter does not read
    (it reads ZeRO optimizer shards only): `_zero0_to_universal` writes the same files from them
-   with our shard layout (cplm_dist.model.sharding).
+   with our shard layout (cplm_dist.model.parallel.sharding).
 2. **From universal** (`load_reshaped`, every rank). ZeRO 1-3 engines load it themselves
-   (`checkpoint.load_universal` in their DeepSpeed config, cplm_dist.engine): every rank cuts its
+   (`checkpoint.load_universal` in their DeepSpeed config, cplm_dist.train.engine): every rank cuts its
    tp shard and its ZeRO partition.
    A ZeRO-0 engine has no such loader (its optimizer is our AdamW), so `load_zero0` takes each
    parameter's shard with our layout and sets the weights, moments and step itself.
@@ -46,8 +46,8 @@ from cplm_dist.checkpoint.safe_io import (load_states, model_states_file, model_
 from cplm_dist.config import Config
 from cplm_dist.errors import CheckpointError
 from cplm_dist.megatron_compat import import_deepspeed
-from cplm_dist.model.sharding import full_shape, join_shards, spec_of, take_shard
-from cplm_dist.optim import parameter_groups
+from cplm_dist.model.parallel.sharding import full_shape, join_shards, spec_of, take_shard
+from cplm_dist.train.optim import parameter_groups
 
 log = logging.getLogger(__name__)
 

@@ -31,12 +31,12 @@ from cplm_dist.checkpoint.manifest import (COMPLETE, LATEST, Layout, Manifest, c
                                            damaged_files, latest_tag, read_manifest, tag_for, tokenizer_files, versions,
                                            write_manifest)
 from cplm_dist.checkpoint.reshape import UNIVERSAL_INFO, load_reshaped, universal_info
-from cplm_dist.checkpoint.safe_io import os_error
+from cplm_dist.checkpoint.safe_io import os_error, use_safe_loading
 from cplm_dist.config import Config, to_dict
+from cplm_dist.distributed import ParallelDims
 from cplm_dist.errors import CheckpointError, UsageError
 from cplm_dist.files import write_text_atomic
 from cplm_dist.model.counting import parameter_count
-from cplm_dist.parallel import ParallelDims
 
 log = logging.getLogger(__name__)
 
@@ -267,6 +267,7 @@ class Checkpointer:
         manifest `source`; with `reshape`, also from one saved at another layout
         (cplm_dist.checkpoint.reshape)."""
         check_layout(source, self.cfg, self.dims.tp_size, self.dims.dp_size, reshape)
+        use_safe_loading(engine)  # a resume never unpickles code from a received checkpoint
         if source.layout_change(self.cfg, self.dims.tp_size, self.dims.dp_size):
             client_state = load_reshaped(engine, source, self.cfg, self.dims)
         else:

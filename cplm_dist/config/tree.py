@@ -23,7 +23,7 @@ TokenizerBackend = Literal["sentencepiece", "huggingface"]
 Schedule = Literal["cosine", "wsd", "constant"]
 Precision = Literal["fp32", "bf16"]
 GradAccumDtype = Literal["fp32", "bf16"]
-Arch = Literal["llama", "gpt2"]  # the backbones: cplm_dist.model.backbone's records
+Arch = Literal["llama", "gpt2"]  # the backbones: cplm_dist.model.backbones's records
 RopeScalingType = Literal["linear", "ntk"]
 
 
@@ -46,7 +46,7 @@ class RopeScaling:
 
 @dataclass
 class ModelConfig:
-    """The decoder: its backbone (cplm_dist.model.backbone) and shapes (the size table in docs/copy_head.md)."""
+    """The decoder: its backbone (cplm_dist.model.backbones) and shapes (the size table in docs/copy_head.md)."""
 
     name: str = "tiny"
     # the backbone: llama (RMSNorm, SwiGLU, RoPE, no biases) or gpt2 (LayerNorm with bias, GELU MLP,
@@ -60,7 +60,7 @@ class ModelConfig:
     vocab_size: int = 512
     max_seq_len: int = 2048
     tie_embeddings: bool = True
-    # a fresh run starts from these weights (cplm_dist.checkpoint.init_from): one of our run, checkpoints/ or
+    # a fresh run starts from these weights (cplm_dist.interop.init_from): one of our run, checkpoints/ or
     # step-* directories (any tp; weights only), or a local HF LlamaForCausalLM / GPT2LMHeadModel directory (hf_llama, hf_gpt2)
     init_from: str | None = resumable(None)
     rope_theta: float = 10000.0
@@ -97,7 +97,7 @@ class CopyConfig:
 
 @dataclass
 class LossConfig:
-    """How the LM side of the loss is computed (cplm_dist.vocab_parallel); the value is the same."""
+    """How the LM side of the loss is computed (cplm_dist.model.loss); the value is the same."""
 
     impl: LossImpl = resumable("dense")  # chunked: logits made and differentiated `chunk_rows` rows at a time, none kept
     chunk_rows: int = resumable(1024)  # rows (tokens) per block of the chunked path (1024 x 49152 fp32: 201 MB)
@@ -147,7 +147,7 @@ class ParallelConfig:
 
 @dataclass
 class OptimConfig:
-    """AdamW and its learning-rate schedule (cplm_dist.optim)."""
+    """AdamW and its learning-rate schedule (cplm_dist.train.optim)."""
 
     lr: float = resumable(3e-4)
     min_lr: float = resumable(3e-5)  # floor of the cosine / WSD decay

@@ -3,14 +3,14 @@ the value and the fix (a `ConfigError`, exit code 2 at the entry points).
 
 `validate` runs at load (cplm_dist.config.loading.load_config); what depends on the launch (the
 world size, hence dp) is checked when the world is known: `batch_layout` here, the tp x pp grid
-in cplm_dist.parallel.
+in cplm_dist.distributed.
 """
 
 from __future__ import annotations
 
 from cplm_dist.config.tree import Config, ModelConfig
 from cplm_dist.errors import ConfigError
-from cplm_dist.model.backbone import backbone, backbones_with
+from cplm_dist.model.backbones import backbone, backbones_with
 
 
 def divisors(n: int) -> list[int]:

@@ -17,8 +17,8 @@ from pathlib import Path
 import torch.distributed as dist
 
 from cplm_dist.config import Config, parse_split
-from cplm_dist.data.node_local import copy_from_rank0, copy_plan
 from cplm_dist.data.indexed_data import check_indexed_dataset, content_fingerprint, split_token_counts
+from cplm_dist.data.node_local import copy_from_rank0, copy_plan
 from cplm_dist.data.tokenizer import Tokenizer, check_tokenizer_fits_model, load_tokenizer
 from cplm_dist.errors import DataError
 from cplm_dist.megatron_compat import (BlendedMegatronDatasetBuilder, GPTDataset, GPTDatasetConfig,
@@ -101,7 +101,7 @@ def build_datasets(cfg: Config, samples: tuple[int, int, int], tokenizer: Tokeni
         tokenizer = check_data(cfg, samples)
     if not dist.is_initialized():
         raise RuntimeError("build_datasets needs a process group (megatron's builder synchronises ranks): "
-                           "call cplm_dist.parallel.init_distributed first")
+                           "call cplm_dist.distributed.init_distributed first")
     d = cfg.data
     logging.getLogger("megatron.core.datasets").setLevel(logging.WARNING)
     paths = [e.path for e in d.blend]

@@ -5,7 +5,7 @@ sample i is the same on every rank and in every run. Step k of the run reads the
 [c, c + micro * dp) where c is the number consumed so far; data-parallel rank r takes the r-th
 block of `micro` of them (Megatron's pretraining sampler). Every tp rank of one dp rank reads the
 same samples, and so does every cp rank, keeping its two chunks of each row (parallel.cp:
-cplm_dist.model.context_parallel, Megatron's get_batch_on_this_cp_rank). The state a checkpoint stores is that one number, so a resumed run continues with
+cplm_dist.model.parallel.context, Megatron's get_batch_on_this_cp_rank). The state a checkpoint stores is that one number, so a resumed run continues with
 exactly the next samples: none repeated, none skipped, whatever the prefetching was.
 """
 
@@ -16,8 +16,7 @@ import functools
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from cplm_dist.vocab_parallel import IGNORE_INDEX
-
+from cplm_dist.model.loss import IGNORE_INDEX
 
 
 class PretrainingBatchSampler(Sampler[list[int]]):

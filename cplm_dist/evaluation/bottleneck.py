@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from cplm_dist import vocab_parallel as vp
+import cplm_dist.model.loss as vp
 
 
 def suppressed_fraction(grad_logits: torch.Tensor, lm_weight: torch.Tensor) -> float:

@@ -55,7 +55,7 @@ class CPLMHarnessModel(LM):
                  pretrained: str | None = None, seed: int | str | None = None, **_):
         from cplm_dist.checkpoint import load_checkpoint_config, load_model
         from cplm_dist.data.gpt_data import tokenizer_for
-        from cplm_dist.parallel import destroy_distributed, evaluation_tp, init_distributed
+        from cplm_dist.distributed import destroy_distributed, evaluation_tp, init_distributed
 
         super().__init__()
         checkpoint = checkpoint or pretrained  # lm-eval's usual name; it also names --output_path's folder

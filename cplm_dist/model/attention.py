@@ -1,6 +1,6 @@
 """Grouped-query self-attention from megatron-core tensor-parallel linears and torch SDPA.
 RoPE on q and k where the backbone's positions are rotary; biases on QKV and the output projection
-where its record has biases (cplm_dist.model.backbone).
+where its record has biases (cplm_dist.model.backbones).
 
 QKV is one ColumnParallelLinear whose rows are laid out per kv group, Megatron's way:
 [q_1 .. q_(nh/nkv), k, v] for each kv group, so an even split over tp hands every rank whole
@@ -18,13 +18,13 @@ import torch.nn.functional as F
 
 from cplm_dist.config import ModelConfig
 from cplm_dist.megatron_compat import ModelParallelConfig, tensor_parallel
-from cplm_dist.model.backbone import backbone
-from cplm_dist.model.context_parallel import ContextAttention
+from cplm_dist.model.backbones import backbone
 from cplm_dist.model.documents import flex_attend
 from cplm_dist.model.initialization import deferred_init
+from cplm_dist.model.parallel.context import ContextAttention
+from cplm_dist.model.parallel.sequence import sum_grad_over
+from cplm_dist.model.parallel.sharding import mark_split
 from cplm_dist.model.rotary import apply_rope
-from cplm_dist.model.sequence_parallel import sum_grad_over
-from cplm_dist.model.sharding import mark_split
 
 
 class Attention(torch.nn.Module):

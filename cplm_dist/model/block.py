@@ -1,10 +1,10 @@
 """One pre-norm transformer layer: x + attn(norm(x)), then x + mlp(norm(x)); the norm and MLP
-are the backbone's (its record's `norm` and `mlp`, cplm_dist.model.backbone).
+are the backbone's (its record's `norm` and `mlp`, cplm_dist.model.backbones).
 
 Under sequence parallelism x is this rank's (T/tp, B, D) positions: norms and residuals run on
 them, the attention and MLP linears gather and scatter the sequence (megatron-core).
 
-How a layer runs in training is set after it is built (cplm_dist.model.parallelize), the same for
+How a layer runs in training is set after it is built (cplm_dist.model.recompute_compile), the same for
 the whole model and a pipeline stage: `recompute` (activation checkpointing: only the input is kept,
 the layer runs again in backward) and `compiled` (its `block` compiled). Decoding with a KV cache
 always runs the eager block (the cache changes shape every token).

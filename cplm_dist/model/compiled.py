@@ -1,5 +1,5 @@
 """Where torch.compile can work (train.compile): regional compilation, each transformer layer's
-block on its own (cplm_dist.model.parallelize), not the whole model.
+block on its own (cplm_dist.model.recompute_compile), not the whole model.
 
 Every layer runs the same code, so dynamo traces one graph and every layer reuses it (parameters
 are graph inputs): compile time is one layer's, whatever the depth, and the fused norms, RoPE and

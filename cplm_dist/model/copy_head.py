@@ -7,7 +7,7 @@ x_j), summarised per token by two log-sum-exps, never a T x V tensor:
     A_t = logsumexp_{j in C_t} s_tj,   M_t = logsumexp_{j in C_t, src_j = y_t} s_tj.
 
 Several heads are combined into one (A_t, M_t) so that the loss interface stays per-token, as the
-mix's record says (cplm_dist.mixes, `average_heads`):
+mix's record says (cplm_dist.model.mixes, `average_heads`):
   - averaged (gate): the heads' copy distributions are averaged, p_copy = mean_h softmax(s_h);
     returned as A_t = 0 and M_t = log mean_h exp(M_h - A_h) (so M - A = log p_copy(y)), A_t = -inf
     if C_t empty;
@@ -41,7 +41,7 @@ head's weights then see this rank's positions only, so their gradients are summe
 
 Under context parallelism each cp rank holds two chunks of the sequence: its queries score the
 keys all-gathered over cp (the source ids from the gathered input ids), chunk by chunk, by the
-same paths with the chunk's offset (cplm_dist.model.context_parallel).
+same paths with the chunk's offset (cplm_dist.model.parallel.context).
 """
 
 from __future__ import annotations
@@ -53,13 +53,13 @@ import torch
 
 from cplm_dist.config import CopyConfig, ModelConfig
 from cplm_dist.errors import ConfigError
-from cplm_dist.mixes import MIXES
 from cplm_dist.model.compiled import unavailable_reason
 from cplm_dist.model.copy_lse import (FLEX_BLOCK, candidate_mask, chunked_copy_lse, dense_copy_lse, flex_copy_lse,
                                       masked_logsumexp, per_head)
+from cplm_dist.model.loss import NEG_INF, CopyTerms
+from cplm_dist.model.mixes import MIXES
+from cplm_dist.model.parallel.sequence import ReplicatedLinear, active, gather_sequence, sum_grad_over
 from cplm_dist.model.rotary import apply_rope, rope_angles
-from cplm_dist.model.sequence_parallel import ReplicatedLinear, active, gather_sequence, sum_grad_over
-from cplm_dist.vocab_parallel import NEG_INF, CopyTerms
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ class CopyHead(torch.nn.Module):
         width = cfg.num_heads * cfg.head_dim
         self.q = ReplicatedLinear(model_cfg.hidden_size, width, bias=False, device=device, dtype=dtype, grad_group=self.sp_group)
         self.k = ReplicatedLinear(model_cfg.hidden_size, width, bias=False, device=device, dtype=dtype, grad_group=self.sp_group)
-        if self.mix.gate == "hidden":  # the mix's own parameters (cplm_dist.mixes: Mix.own_parameters)
+        if self.mix.gate == "hidden":  # the mix's own parameters (cplm_dist.model.mixes: Mix.own_parameters)
             self.gate = ReplicatedLinear(model_cfg.hidden_size, 1, bias=True, device=device, dtype=dtype, grad_group=self.sp_group)
         elif self.mix.gate == "query":
             self.sentinel = torch.nn.Parameter(torch.empty(cfg.num_heads, cfg.head_dim, device=device, dtype=dtype))
@@ -143,7 +143,7 @@ class CopyHead(torch.nn.Module):
         return q, k
 
     def gate_logit(self, h: torch.Tensor, q: torch.Tensor, seq_first: bool = False) -> torch.Tensor | None:
-        """(B, T): the mix's gate term (cplm_dist.mixes, Mix.gate): the gate logit from h, the
+        """(B, T): the mix's gate term (cplm_dist.model.mixes, Mix.gate): the gate logit from h, the
         sentinel score from q, or None; h as `project` takes it."""
         if self.mix.gate == "hidden":
             gate = self.gate(h).squeeze(-1).float()
@@ -178,7 +178,7 @@ class CopyHead(torch.nn.Module):
         positions and the terms come back for all T positions, sequence-first (T, B), as the loss
         takes them. Under context parallelism (`context`, a ContextInputs) input_ids, labels and
         positions are this rank's chunks, docs the whole row's, and the keys are all-gathered
-        over cp (cplm_dist.model.context_parallel)."""
+        over cp (cplm_dist.model.parallel.context)."""
         sp, offset = self.sp_group is not None, 0
         rows = h.shape[0] if sp else h.shape[1]
         if sp:

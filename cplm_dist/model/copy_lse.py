@@ -42,7 +42,7 @@ import warnings
 
 import torch
 
-from cplm_dist.vocab_parallel import NEG_INF
+from cplm_dist.model.loss import NEG_INF
 
 
 def masked_logsumexp(x: torch.Tensor, mask: torch.Tensor | None, dim: int) -> torch.Tensor:

@@ -11,9 +11,9 @@ from __future__ import annotations
 import math
 
 from cplm_dist.config import Config
-from cplm_dist.model.backbone import backbone
-from cplm_dist.mixes import MIXES
-from cplm_dist.vocab_parallel import padded_vocab_size
+from cplm_dist.model.backbones import backbone
+from cplm_dist.model.loss import padded_vocab_size
+from cplm_dist.model.mixes import MIXES
 
 
 def layer_tensors(cfg: Config) -> list[tuple[int, bool, bool]]:
@@ -116,7 +116,7 @@ def tensor_sizes_per_device(cfg: Config, tp: int, *, layers: int | None = None, 
                             last: bool = True) -> list[int]:
     """Elements of each parameter tensor one tp rank holds, in module order (they sum to
     `parameters_per_device` for the whole model): what ZeRO-3's persistence threshold is applied
-    to, tensor by tensor. A pipeline stage (cplm_dist.model.stages.stage_tensor_sizes) holds
+    to, tensor by tensor. A pipeline stage (cplm_dist.model.parallel.stages.stage_tensor_sizes) holds
     `layers` transformer layers, the embedding if `first`, and if `last` the final norm, LM head
     and copy head, and under tied embeddings (not first) the embedding's shard too."""
     m, c = cfg.model, cfg.copy

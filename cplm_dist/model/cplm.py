@@ -20,12 +20,12 @@ Under sequence parallelism (docs/parallelism.md) the trunk runs in Megatron's se
     h (T/tp, B, D) -> LM head (all-gathers the sequence) -> logits (T, B, V/tp)
     h (T/tp, B, D) -> CopyHead (keys and per-token terms all-gathered) -> A_t, M_t, gate (T, B)
 and the loss, replicated over tp as without it, comes back as (B, T).
-Under context parallelism (parallel.cp, cplm_dist.model.context_parallel) input_ids and labels are
+Under context parallelism (parallel.cp, cplm_dist.model.parallel.context) input_ids and labels are
 this rank's two chunks of each row (B, T/cp): every layer all-gathers K and V over cp, the copy head
 its keys and the ids, and the loss comes back for this rank's tokens (B, T/cp).
 Copy on or off, the loss is the same function (copy off: no copy terms), so the matched baseline
 shares every line of loss code except the copy terms. The model never calls torch.distributed
-itself: collectives live in the megatron layers and in cplm_dist.vocab_parallel, on the tp group
+itself: collectives live in the megatron layers and in cplm_dist.model.loss, on the tp group
 handed in. It is built from the model, copy and loss sections and explicit flags (`build_model`).
 """
 
@@ -38,15 +38,15 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from cplm_dist import vocab_parallel
+import cplm_dist.model.loss as vocab_parallel
 from cplm_dist.config import Config, ModelConfig
 from cplm_dist.megatron_compat import parallel_state
-from cplm_dist.model.documents import attention_mask, check_positions, continued_positions, document_index
 from cplm_dist.model.block import TransformerLayer
-from cplm_dist.model.context_parallel import ContextInputs, ContextShard, context_inputs
+from cplm_dist.model.documents import attention_mask, check_positions, continued_positions, document_index
 from cplm_dist.model.initialization import init_parameters
-from cplm_dist.model.parallelize import parallelize
+from cplm_dist.model.parallel.context import ContextInputs, ContextShard, context_inputs
 from cplm_dist.model.parts import Embedding, Head, PartSpec
+from cplm_dist.model.recompute_compile import parallelize
 from cplm_dist.model.rotary import layer_rope
 
 log = logging.getLogger(__name__)
@@ -118,7 +118,7 @@ class CPLM(torch.nn.Module):
         `state`, of positions state.length.. (its caches are extended). Sequence parallel: this
         rank's positions, (T/tp, B, D). position_ids (B, T): document masking (module docstring
         of cplm_dist.model.documents); None: one document a row, or continuing the state's.
-        Context parallel: input_ids are this rank's two chunks (cplm_dist.model.context_parallel)."""
+        Context parallel: input_ids are this rank's two chunks (cplm_dist.model.parallel.context)."""
         if self.context is not None:
             return self._trunk(input_ids, 0, *self._context_inputs(input_ids, position_ids, state)[1:3], None)
         T, offset = input_ids.shape[1], (state.length if state is not None else 0)
@@ -296,7 +296,7 @@ def build_model(cfg: Config, *, tp_group: dist.ProcessGroup | None = None, devic
     """The model for this rank from cfg.model, cfg.copy, cfg.loss and cfg.seed, its tp group taken
     from the initialised parallel state unless given: its parts built, initialised from the seed
     (the same weights at every tp), then activation checkpointing and compilation applied as
-    cfg.train says unless given (cplm_dist.model.parallelize); sequence parallelism as
+    cfg.train says unless given (cplm_dist.model.recompute_compile); sequence parallelism as
     cfg.parallel says unless given (training only: the same parameters, so a checkpoint evaluates
     without it); its cp group (parallel.cp > 1) likewise from the parallel state unless given."""
     if cp_group is None and cfg.parallel.cp > 1 and parallel_state.model_parallel_is_initialized():
@@ -306,7 +306,7 @@ def build_model(cfg: Config, *, tp_group: dist.ProcessGroup | None = None, devic
         raise ValueError(f"parallel.cp={cfg.parallel.cp} but the context-parallel group has {context.size if context else 1} ranks")
     if tp_group is None:
         if not parallel_state.model_parallel_is_initialized():
-            raise RuntimeError("build_model needs the parallel groups: call cplm_dist.parallel.init_distributed first")
+            raise RuntimeError("build_model needs the parallel groups: call cplm_dist.distributed.init_distributed first")
         tp_group = parallel_state.get_tensor_model_parallel_group()
     tp = dist.get_world_size(tp_group)
     if tp != cfg.parallel.tp:

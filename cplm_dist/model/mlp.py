@@ -10,9 +10,9 @@ import torch.nn.functional as F
 from cplm_dist.config import ModelConfig
 from cplm_dist.megatron_compat import ModelParallelConfig, tensor_parallel
 from cplm_dist.model.attention import OutputLinear
-from cplm_dist.model.backbone import backbone
+from cplm_dist.model.backbones import backbone
 from cplm_dist.model.initialization import deferred_init
-from cplm_dist.model.sharding import mark_split
+from cplm_dist.model.parallel.sharding import mark_split
 
 
 class SwiGLUMLP(torch.nn.Module):

@@ -2,13 +2,13 @@
 float32 whatever the activation dtype.
 
 Under sequence parallelism each tp rank normalises its own positions only: `grad_group` (the tp
-group) sums the weight's gradient (cplm_dist.model.sequence_parallel.sum_grad_over).
+group) sums the weight's gradient (cplm_dist.model.parallel.sequence.sum_grad_over).
 """
 
 import torch
 
-from cplm_dist.model.backbone import backbone
-from cplm_dist.model.sequence_parallel import sum_grad_over
+from cplm_dist.model.backbones import backbone
+from cplm_dist.model.parallel.sequence import sum_grad_over
 
 
 class RMSNorm(torch.nn.Module):

@@ -1,8 +1,8 @@
 """The model's parts, each built by one class: the embedding (`Embedding`), the transformer layers
 (cplm_dist.model.block) and the head (`Head`: final norm, LM head, copy head, mixed loss). The
 whole model is these parts in a row (cplm_dist.model.cplm.CPLM); a pipeline stage is one of them
-with DeepSpeed's tuple interface (cplm_dist.model.pipeline). What is applied to the parts after
-they are built (activation checkpointing, compile) is cplm_dist.model.parallelize.
+with DeepSpeed's tuple interface (cplm_dist.model.parallel.pipeline). What is applied to the parts after
+they are built (activation checkpointing, compile) is cplm_dist.model.recompute_compile.
 
     spec = PartSpec.of(cfg, tp_group, device, dtype)      # what every part is built from
     x = Embedding(spec)(ids)                              # (B, T, D); sequence parallel: (T/tp, B, D)
@@ -20,17 +20,17 @@ from dataclasses import dataclass
 
 import torch
 
-from cplm_dist import vocab_parallel
+import cplm_dist.model.loss as vocab_parallel
 from cplm_dist.config import Config, CopyConfig, LossConfig, ModelConfig
 from cplm_dist.megatron_compat import ModelParallelConfig, tensor_parallel
-from cplm_dist.model.backbone import backbone
+from cplm_dist.model.backbones import backbone
 from cplm_dist.model.copy_head import CopyHead
 from cplm_dist.model.documents import document_index
 from cplm_dist.model.initialization import deferred_init
 from cplm_dist.model.norm import make_norm
+from cplm_dist.model.parallel.sequence import gather_sequence
+from cplm_dist.model.parallel.sharding import mark_split
 from cplm_dist.model.rotary import LearnedPositions
-from cplm_dist.model.sequence_parallel import gather_sequence
-from cplm_dist.model.sharding import mark_split
 
 
 def megatron_config(tp_size: int, device: torch.device, dtype: torch.dtype,
@@ -119,7 +119,7 @@ class Embedding(torch.nn.Module):
 
 class Head(torch.nn.Module):
     """The model's last part, over the last layer's output x: the final norm, the LM head's
-    vocabulary shard, the copy head and the mixed per-token loss (cplm_dist.vocab_parallel).
+    vocabulary shard, the copy head and the mixed per-token loss (cplm_dist.model.loss).
     `tied`: the embedding's weight when the LM head shares it, else None (its own weight)."""
 
     def __init__(self, spec: PartSpec):
@@ -155,7 +155,7 @@ class Head(torch.nn.Module):
         """Per-token loss terms (B, T) of final-norm states h (sequence parallel: this rank's
         (T/tp, B, D) positions), input_ids and labels (B, T); position_ids (B, T) under document
         masking (the copy head's candidates stay in their document: cplm_dist.model.documents).
-        Context parallel: `context` (cplm_dist.model.context_parallel.ContextInputs) and this
+        Context parallel: `context` (cplm_dist.model.parallel.context.ContextInputs) and this
         rank's chunks, (B, T/cp) each."""
         copy = None
         if self.copy_head is not None and context is not None:

@@ -3,7 +3,7 @@ Megatron default), or learned absolute positions added to the embedding (GPT-2's
 
 import torch
 
-from cplm_dist.model.backbone import backbone
+from cplm_dist.model.backbones import backbone
 
 
 def scaled_theta(dim: int, theta: float, scaling=None) -> float:
@@ -63,7 +63,7 @@ class LearnedPositions(torch.nn.Module):
 
     def __init__(self, max_seq_len: int, dim: int, *, device=None, dtype=None, sp_group=None):
         super().__init__()
-        from cplm_dist.model.sequence_parallel import active
+        from cplm_dist.model.parallel.sequence import active
 
         self.weight = torch.nn.Parameter(torch.empty(max_seq_len, dim, device=device, dtype=dtype))
         self.sp_group = sp_group if active(sp_group) else None
@@ -71,7 +71,7 @@ class LearnedPositions(torch.nn.Module):
     def forward(self, x: torch.Tensor, offset: int = 0, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """x (B, T, D) of positions offset.. (or those position_ids (B, T) name), or under sequence
         parallelism this rank's (T/tp, B, D)."""
-        from cplm_dist.model.sequence_parallel import sum_grad_over
+        from cplm_dist.model.parallel.sequence import sum_grad_over
 
         if self.sp_group is None:
             if position_ids is not None:

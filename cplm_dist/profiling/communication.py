@@ -43,7 +43,7 @@ loss's and the copy head's to the last), per micro-batch with a = n D b the acti
     tied/all_reduce    the tied embedding's gradient between first and last stage, once a step
                        (V/tp x D x b)
     dp                 as above over the stage's own parameters
-Context parallelism (cp = c > 1, pp = 1; cplm_dist.model.context_parallel): everything above is
+Context parallelism (cp = c > 1, pp = 1; cplm_dist.model.parallel.context): everything above is
 counted for this rank's n = micro-batch x seq / c tokens, and on the cp group, per micro-batch,
 with N = micro-batch x seq the positions of the whole sequences ("cp/<collective>"; by part,
 `cp_bytes_per_micro_batch`):
@@ -70,10 +70,10 @@ from __future__ import annotations
 from collections import defaultdict
 
 from cplm_dist.config import Config
-from cplm_dist.mixes import MIXES
 from cplm_dist.model.counting import _copy_head, replicated_parameters
-from cplm_dist.model.stages import pipeline_stages, stage_tensor_sizes
-from cplm_dist.vocab_parallel import padded_vocab_size
+from cplm_dist.model.loss import padded_vocab_size
+from cplm_dist.model.mixes import MIXES
+from cplm_dist.model.parallel.stages import pipeline_stages, stage_tensor_sizes
 
 ZERO3_PERSISTENCE_THRESHOLD = 100_000  # DeepSpeed's stage3_param_persistence_threshold default
 ZERO3_REUSE_DISTANCE = 1_000_000_000  # DeepSpeed's stage3_max_reuse_distance default

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from cplm_dist.parallel import synchronize
+from cplm_dist.distributed import synchronize
 
 
 @torch.no_grad()

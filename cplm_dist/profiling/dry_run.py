@@ -55,24 +55,24 @@ replica's step are set beside throughput.flops_per_token's, the FLOPs MFU counts
 
 from __future__ import annotations
 
-import time
-from collections import defaultdict
 import contextlib
 import io
+import time
+from collections import defaultdict
 from dataclasses import dataclass, field, replace
 
 import torch
 
 from cplm_dist.config import Config, batch_layout
+from cplm_dist.distributed import ParallelDims, check_world
 from cplm_dist.model.counting import parameter_count, replicated_parameters
-from cplm_dist.parallel import ParallelDims, check_world
+from cplm_dist.model.loss import padded_vocab_size
+from cplm_dist.model.parallel.stages import pipeline_stages
 from cplm_dist.profiling import communication
 from cplm_dist.profiling.fake_world import fake_rank, rank_of
 from cplm_dist.profiling.memory import bubble, bucket_bytes, in_flight, stage_estimates, state_bytes_per_parameter
 from cplm_dist.profiling.planner import Cluster, predict
 from cplm_dist.profiling.roofline import Device, Roofline
-from cplm_dist.model.stages import pipeline_stages
-from cplm_dist.vocab_parallel import padded_vocab_size
 
 HEADROOM = 0.9  # the share of a device's memory a layout may fill (the planner's Cluster.headroom)
 
@@ -194,7 +194,7 @@ class DryRun:
     def replica_flops(self) -> tuple[float, float]:
         """(FLOPs of one dp replica's step as traced: every role's micro-batch x accumulation, the
         recomputed forward included; the same from throughput.flops_per_token, the FLOPs MFU counts)."""
-        from cplm_dist.profiling.throughput import flops_per_token
+        from cplm_dist.train.throughput import flops_per_token
 
         L = self.layout
         traced = sum(r.trace.flops for r in self.roles) * L.accumulation
@@ -297,7 +297,7 @@ class _Schedule:
 
 def _build(cfg: Config, dims: ParallelDims, layout: Layout, device):
     from cplm_dist.model.cplm import build_model
-    from cplm_dist.model.pipeline import build_pipeline_model
+    from cplm_dist.model.parallel.pipeline import build_pipeline_model
 
     dtype = torch.bfloat16 if layout.precision == "bf16" else torch.float32  # DeepSpeed's bf16 copy of the model
     if layout.pp > 1:
@@ -310,7 +310,7 @@ def trace_rank(cfg: Config, dims: ParallelDims, layout: Layout, device: torch.de
     """Build this rank's modules and run its micro-batches (module docstring), in whatever world
     and tensor mode is active: a fake rank under FakeTensorMode (`dry_run`), or a real job of
     real tensors (how the tests hold the dry run to the real thing)."""
-    from cplm_dist.model.context_parallel import context_of
+    from cplm_dist.model.parallel.context import context_of
     from cplm_dist.profiling.live_tensors import StepTracker, peak_by_kind
     from cplm_dist.profiling.measure import CommTimer
     from cplm_dist.profiling.roofline import DEVICES

@@ -1,7 +1,7 @@
 """One rank of a job of any size, in one process and with no device: torch's fake process group
 (backend "fake": every collective returns at once, nothing moves) at the rank's place in the real
 world size, with megatron-core's tp, cp, dp and pp groups built as training builds them
-(cplm_dist.parallel), and tensors under FakeTensorMode (shapes, dtypes and storages, no memory,
+(cplm_dist.distributed), and tensors under FakeTensorMode (shapes, dtypes and storages, no memory,
 no arithmetic). cplm_dist.profiling.dry_run traces the real model in it.
 
     with fake_rank(rank=5, world=512, tp=4, pp=4) as dims, FakeTensorMode():
@@ -20,8 +20,8 @@ from unittest import mock
 
 import torch.distributed as dist
 
+from cplm_dist.distributed import destroy_distributed, parallel_dims
 from cplm_dist.megatron_compat import parallel_state
-from cplm_dist.parallel import destroy_distributed, parallel_dims
 
 
 def rank_of(*, tp_rank: int, pp_stage: int, tp: int, dp: int, dp_rank: int = 0, cp_rank: int = 0, cp: int = 1) -> int:

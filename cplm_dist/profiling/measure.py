@@ -1,7 +1,7 @@
 """Measuring training steps: throughput from clean steps, a breakdown from instrumented ones,
 several steps alternated on the same shapes (`alternate`), and the memory meters.
 
-Every step measured is training's own (cplm_dist.train_step.TrainStep) on synthetic tokens.
+Every step measured is training's own (cplm_dist.train.step.TrainStep) on synthetic tokens.
 `measure(step, ...)` runs warm-up steps, then `steps` clean steps (nothing added: no
 synchronisation inside the step, no wrapped collectives) for tokens/s, TFLOP/s and MFU, then
 `breakdown_steps` instrumented steps that time forward, backward and the optimizer step
@@ -25,9 +25,9 @@ import torch
 import torch.distributed as dist
 
 from cplm_dist.config import Config
+from cplm_dist.distributed import ParallelDims, synchronize
 from cplm_dist.megatron_compat import collective_holders
-from cplm_dist.parallel import ParallelDims, synchronize
-from cplm_dist.profiling.throughput import device_peak_flops, flops_per_token
+from cplm_dist.train.throughput import device_peak_flops, flops_per_token
 
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
                "broadcast", "all_to_all_single", "reduce", "_all_gather_base", "_reduce_scatter_base",
@@ -161,7 +161,7 @@ def measure(step, cfg: Config, dims: ParallelDims, *, warmup: int, steps: int, b
 
     `baseline_bytes`: memory in use before the model was built; the step's memory is reported
     above it (`step_memory_gb`, what cplm_dist.profiling.memory estimates) and as the absolute peak."""
-    from cplm_dist.model.context_parallel import context_of
+    from cplm_dist.model.parallel.context import context_of
 
     t = cfg.train
     batches = synthetic_batches(cfg, t.micro_batch_size, seq_len, device, torch.Generator().manual_seed(1234 + dims.dp_rank),
@@ -231,7 +231,7 @@ def alternate(steps: dict, cfg: Config, dims: ParallelDims, device: torch.device
     model): {name: {step_time_s (the median), tokens_per_s, tokens_per_s_per_device, memory_gb}}
     for `steps` = {name: (step, bytes its states took when built, `measure_building`)}, the
     memory being those states plus its steps' peak above them."""
-    from cplm_dist.model.context_parallel import context_of
+    from cplm_dist.model.parallel.context import context_of
 
     batches = synthetic_batches(cfg, cfg.train.micro_batch_size, seq_len, device, torch.Generator().manual_seed(0),
                                 context_of(dims))

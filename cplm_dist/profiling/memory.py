@@ -18,7 +18,7 @@ group ZeRO partitions over: dp x cp under context parallelism (DeepSpeed's seque
 group), dp alone otherwise.
 
 Activations saved for backward, per token, per transformer layer, counted from what our block's
-autograd graph keeps, by the backbone's features (cplm_dist.model.backbone; b = bytes per
+autograd graph keeps, by the backbone's features (cplm_dist.model.backbones; b = bytes per
 activation element; a test measures each shipped backbone with saved-tensor hooks and must agree
 exactly):
 
@@ -75,7 +75,7 @@ gradient buckets:
 On CPU the measured figure is the process's peak resident set above its size before the model
 was built, with glibc told to return freed blocks at once (cplm_dist.profiling.measure).
 
-Pipeline parallelism (parallel.pp = p > 1; DeepSpeed's 1F1B schedule, cplm_dist.model.pipeline):
+Pipeline parallelism (parallel.pp = p > 1; DeepSpeed's 1F1B schedule, cplm_dist.model.parallel.pipeline):
 the layers are split as CPLMPipe splits them, `partition(layer_parameters(cfg), p)` (pipeline
 layer 0 the embedding, 1..L the transformer layers, L+1 the head), and the figure is the heaviest
 stage's, each stage counted as above for its own part, with m = accumulation micro-batches a step:
@@ -97,7 +97,7 @@ stage's, each stage counted as above for its own part, with m = accumulation mic
     transient   one layer's activation gradients (+ its recomputation) on every stage; the
                 vocabulary gradient only on the stages holding a vocabulary tensor (first, last)
 
-Context parallelism (parallel.cp = c > 1, cplm_dist.model.context_parallel; pp = 1): each rank holds
+Context parallelism (parallel.cp = c > 1, cplm_dist.model.parallel.context; pp = 1): each rank holds
 T/c positions of each sequence (2 of 2c chunks), so everything counted per token above is counted
 for micro x T/c tokens: the layers' activations (or their checkpointed inputs), the final norm,
 the loss's logits, the rotary tables (one row a token: positions are given, (B, T/c, hd) each).
@@ -134,10 +134,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from cplm_dist.config import Config
-from cplm_dist.model.backbone import backbone
+from cplm_dist.model.backbones import backbone
 from cplm_dist.model.copy_lse import FLEX_VALUE_DIM
-from cplm_dist.model.stages import Stage, pipeline_stages, stage_parameters
-from cplm_dist.vocab_parallel import padded_vocab_size
+from cplm_dist.model.loss import padded_vocab_size
+from cplm_dist.model.parallel.stages import Stage, pipeline_stages, stage_parameters
 
 GIB = 1024**3
 COPY_SCORE_TENSORS = 6  # (B, H_c, T, T) fp32 tensors alive at the dense copy head's peak (measured)
@@ -271,7 +271,7 @@ def _context_copy_head_bytes(cfg: Config, micro_batch: int, seq_len: int, shards
     seq_len positions, and each run of consecutive rows (a chunk, or its sequence shard) scored
     against the prefix it sees by its own path (dense, chunked, flex: CopyHead.lse_path's rule);
     the heaviest tp rank of cp rank 0 (its second chunk ends at the last position)."""
-    from cplm_dist.model.context_parallel import ContextShard
+    from cplm_dist.model.parallel.context import ContextShard
 
     c = cfg.copy
     H, d = c.num_heads, c.head_dim

@@ -9,7 +9,7 @@ x activation checkpointing x sequence parallelism (tp > 1):
 
     memory   cplm_dist.profiling.memory.estimate (must fit `headroom` of the GPU's memory); at
              pp > 1 its heaviest pipeline stage
-    compute  training FLOPs per device (cplm_dist.profiling.throughput.flops_per_token, plus the
+    compute  training FLOPs per device (cplm_dist.train.throughput.flops_per_token, plus the
              recomputed forward of the layers with checkpointing) at `achievable` x the GPU's
              dense peak: the stated fraction a well-shaped matmul reaches, not a measurement
     tp       cplm_dist.profiling.communication bytes x the ring factor / the bandwidth of the
@@ -66,8 +66,7 @@ from cplm_dist.config import Config, ConfigError, check_tp_divides, divisors
 from cplm_dist.model.counting import _copy_head, _layer_matrices
 from cplm_dist.profiling.communication import ring_factor, step_bytes
 from cplm_dist.profiling.memory import GIB, Stage, bubble, estimate, pipeline_stages
-from cplm_dist.profiling.throughput import flops_per_token
-
+from cplm_dist.train.throughput import flops_per_token
 
 # Layouts whose predicted steps differ by less than this fraction rank as equal; among them the
 # smaller pp (no pipeline engine, whose schedule the model simplifies), the smaller cp, the lower ZeRO stage (fewer,

@@ -4,8 +4,8 @@ apart by what the directory holds:
     DIR/complete.json                       one of our step-* directories: that step
     DIR/checkpoints/ or DIR/step-*/         one of our run directories or its checkpoints/: the newest
                                             complete step (as --checkpoint resolves it for evaluation)
-    DIR/config.json with model_type llama   a Hugging Face LlamaForCausalLM (cplm_dist.hf_llama), into model.arch=llama
-    DIR/config.json with model_type gpt2    a Hugging Face GPT2LMHeadModel (cplm_dist.hf_gpt2), into model.arch=gpt2
+    DIR/config.json with model_type llama   a Hugging Face LlamaForCausalLM (cplm_dist.interop.hf.llama), into model.arch=llama
+    DIR/config.json with model_type gpt2    a Hugging Face GPT2LMHeadModel (cplm_dist.interop.hf.gpt2), into model.arch=gpt2
 
 From one of our checkpoints the run takes the weights only (evaluation's: `load_model`'s shards,
 joined and re-sharded, so any saved tp, ZeRO stage or pipeline layout), not the optimizer, the
@@ -40,7 +40,7 @@ from cplm_dist.checkpoint.loading import _saved_shards, read_checkpoint
 from cplm_dist.checkpoint.manifest import COMPLETE, Manifest
 from cplm_dist.config import Config
 from cplm_dist.errors import CheckpointError, ConfigError, UsageError
-from cplm_dist.model.backbone import backbone, backbones_with
+from cplm_dist.model.backbones import backbone, backbones_with
 
 log = logging.getLogger(__name__)
 
@@ -64,16 +64,16 @@ def _is_ours(d: Path) -> bool:
 def hf_map(model_cfg):
     """The module that maps this backbone's weights onto transformers' (cplm_dist/hf_<hf>.py, `hf`
     its record's): import and export (tools/export_hf.py) pick it here, never by model.arch."""
-    from cplm_dist import hf_gpt2, hf_llama
+    from cplm_dist.interop.hf import gpt2, llama
 
-    maps = {module.__name__.rpartition(".hf_")[2]: module for module in (hf_llama, hf_gpt2)}
+    maps = {module.__name__.rpartition(".")[2]: module for module in (llama, gpt2)}
     return maps[backbone(model_cfg).hf]
 
 
 def init_source(cfg: Config) -> InitSource:
     """Which source model.init_from names, checked against the run's config (reads complete.json
     or config.json only); one line (exit 2) when it cannot start this run."""
-    from cplm_dist.hf_llama import check_hf_dir
+    from cplm_dist.interop.hf.llama import check_hf_dir
 
     d, where = Path(cfg.model.init_from), f"model.init_from={cfg.model.init_from}"
     if not d.is_dir():
@@ -125,7 +125,7 @@ def _check_checkpoint(cfg: Config, where: str) -> InitSource:
 def initialise_from(model: torch.nn.Module, cfg: Config, tp_rank: int, tp_size: int) -> InitSource:
     """Overwrite this rank's freshly built `model` with model.init_from's weights, at this run's
     tp whatever tp they were saved at."""
-    from cplm_dist.hf_llama import initialise_from_hf
+    from cplm_dist.interop.hf.llama import initialise_from_hf
 
     source = init_source(cfg)
     for note in source.notes:
@@ -141,8 +141,8 @@ def initialise_from(model: torch.nn.Module, cfg: Config, tp_rank: int, tp_size: 
 def load_checkpoint_weights(model: torch.nn.Module, manifest: Manifest, saved: Config, tp_rank: int, tp_size: int,
                             require_copy_head: bool = True) -> None:
     """A checkpoint's weights (every saved tp rank's, joined) into this rank's shard of `model`
-    (cplm_dist.model.sharding: the tp-independent tensors, then this rank's part)."""
-    from cplm_dist.model.sharding import full_state_dict, load_full_state_dict
+    (cplm_dist.model.parallel.sharding: the tp-independent tensors, then this rank's part)."""
+    from cplm_dist.model.parallel.sharding import full_state_dict, load_full_state_dict
 
     full = full_state_dict(_saved_shards(manifest, saved), model)
     params = [n for n, _ in model.named_parameters()]

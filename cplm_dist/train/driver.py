@@ -18,9 +18,9 @@ with one line and exit code 2. SIGTERM or SIGUSR1 saves a checkpoint at the next
 and exits 0, for a requeue to continue with --resume auto.
 
 The pieces, in the order `main` uses them: config (cplm_dist.config) -> checks -> parallel groups
-(cplm_dist.parallel) -> model (cplm_dist.model) -> DeepSpeed engine (cplm_dist.engine) -> data
-(cplm_dist.data) -> resume (cplm_dist.checkpoint) -> the step (cplm_dist.train_step, the one
-the profiler measures too) and its log (cplm_dist.run_log) -> checkpoints.
+(cplm_dist.distributed) -> model (cplm_dist.model) -> DeepSpeed engine (cplm_dist.train.engine) -> data
+(cplm_dist.data) -> resume (cplm_dist.checkpoint) -> the step (cplm_dist.train.step, the one
+the profiler measures too) and its log (cplm_dist.train.run_log) -> checkpoints.
 """
 
 from __future__ import annotations
@@ -33,25 +33,25 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from cplm_dist import hosts
-from cplm_dist.checkpoint import (Checkpointer, Manifest, RunLock, check_async_save, check_out_dir, find_resume, init_source,
-                                  initialise_from)
-from cplm_dist.cli import config_parser, exit_on_usage_error, load_from_args
+from cplm_dist.checkpoint import Checkpointer, Manifest, RunLock, check_async_save, check_out_dir, find_resume
 from cplm_dist.config import Config, batch_layout
+from cplm_dist.config.cli import config_parser, exit_on_usage_error, load_from_args
 from cplm_dist.data.gpt_data import build_datasets, check_data
-from cplm_dist.data.loader import ResumableLoader, model_inputs
-from cplm_dist.model.context_parallel import context_of
-from cplm_dist.heartbeat import Heartbeat
-from cplm_dist.launch_env import LaunchEnv
+from cplm_dist.data.loader import ResumableLoader
+from cplm_dist.distributed import ParallelDims, check_world, default_device, destroy_distributed, init_distributed, synchronize
+from cplm_dist.distributed.heartbeat import Heartbeat
+from cplm_dist.distributed.launch_env import LaunchEnv
+from cplm_dist.distributed.lost_rank import lost_rank_message
+from cplm_dist.interop.init_from import init_source, initialise_from
 from cplm_dist.model.copy_head import check_copy_impl
 from cplm_dist.model.counting import parameter_count
-from cplm_dist.model.stages import stage_summary
-from cplm_dist.optim import parameters_finite
-from cplm_dist.parallel import ParallelDims, check_world, default_device, destroy_distributed, init_distributed, synchronize
-from cplm_dist.run_log import RunLog
-from cplm_dist.wandb_log import check_wandb
-from cplm_dist.train_step import build_train_step, build_training_model
-from cplm_dist.vocab_parallel import IGNORE_INDEX
+from cplm_dist.model.parallel.context import context_of
+from cplm_dist.model.parallel.stages import stage_summary
+from cplm_dist.train.optim import parameters_finite
+from cplm_dist.train.run_log import RunLog
+from cplm_dist.train.step import build_train_step, build_training_model
+from cplm_dist.train.validation import evaluate
+from cplm_dist.train.wandb_log import check_wandb
 
 EXIT_BAD_STEPS = 3
 EXIT_LOST_RANK = 4
@@ -95,56 +95,6 @@ class StopRequest:
         return bool(flag.item())
 
 
-def lost_rank_message(e: Exception, stop: StopRequest, timeout_minutes: float) -> str | None:
-    """One line for a collective that failed because another rank died or hung, else None; it
-    names the ranks that went quiet (their heartbeats stopped) and what they were doing."""
-    text = str(e)
-    # gloo reports a peer that stopped answering (a hung rank, a cut link) as a timed-out wait, or,
-    # when its own pair times out first, as "Application timeout caused pair closure"
-    markers = ("Timed out", "timed out", "Application timeout", "Connection closed by peer", "Connection reset",
-               "NCCL communicator was aborted")
-    if not isinstance(e, (RuntimeError, dist.DistError)) or not any(m in text for m in markers):
-        return None
-    first = text.strip().splitlines()[0][:160]
-    peer = hosts.ranks_at(text)
-    quiet = stop.heartbeat.quiet_ranks() if stop.heartbeat is not None else []
-    seen = "; ".join(f"rank {r}{hosts.on_host(r)} went quiet {age:.0f}s ago while {phase}" + (f" (step {step})" if step else "")
-                     for r, age, phase, step in quiet[:3])
-    return (f"rank {dist.get_rank() if dist.is_initialized() else '?'} lost contact with another rank while {stop.phase} "
-            f"({first}{'; that is ' + peer if peer else ''}){'; ' + seen if seen else ''}; a rank died or hung longer than "
-            f"train.collective_timeout_minutes={timeout_minutes}: the job stops; continue with --resume auto")
-
-
-@torch.no_grad()
-def evaluate(engine, dataset, cfg: Config, dims: ParallelDims, device) -> float:
-    """Mean per-token loss over the first eval_batches micro-batches of the validation split."""
-    loader = ResumableLoader(dataset, cfg.train.micro_batch_size, dims.dp_rank, dims.dp_size, context=context_of(dims))
-    if dims.pp_size > 1:
-        return evaluate_pipeline(engine, loader, cfg, dims, device)
-    engine.eval()
-    total = torch.zeros(2, dtype=torch.float64, device=device)
-    for _, batch in zip(range(cfg.train.eval_batches), loader):
-        out = engine(*model_inputs(batch, device))
-        total += torch.stack([out.nll.double().sum(), (batch["labels"] != IGNORE_INDEX).sum().to(device).double()])
-    dist.all_reduce(total, group=dims.grad_group)  # context parallel: each cp rank's tokens are its own
-    engine.train()
-    return float(total[0] / total[1])
-
-
-@torch.no_grad()
-def evaluate_pipeline(engine, loader: ResumableLoader, cfg: Config, dims: ParallelDims, device) -> float:
-    """`evaluate` through the pipeline: the last stage sums nll and tokens over its micro-batches
-    (cplm_dist.model.pipeline), the sums are added over dp, and the ratio goes to every stage."""
-    batches = ((model_inputs(b), b["labels"]) for b in loader)
-    engine.module.eval_sums.zero_()
-    engine.eval_batch(batches if engine.is_first_stage() or engine.is_last_stage() else None,
-                      num_micro_batches=cfg.train.eval_batches, bcast_loss=False)
-    sums = engine.module.eval_sums
-    dist.all_reduce(sums, group=dims.dp_group)
-    dist.broadcast(sums, src=dist.get_global_rank(dims.pp_group, dims.pp_size - 1), group=dims.pp_group)
-    return float(sums[0] / sums[1])
-
-
 @exit_on_usage_error
 def main(argv=None) -> int:
     stop = StopRequest(announce=LaunchEnv.from_environ(mpi_rendezvous=False).rank == 0)
@@ -181,7 +131,7 @@ def run(argv, stop: StopRequest) -> int:
     dp = world // (p.tp * p.cp * p.pp)
     accumulation = batch_layout(cfg, dp)
     resume = find_resume(cfg, args.resume, cfg.parallel.tp, dp, args.reshape, args.allow_data_change)
-    if cfg.model.init_from and resume is None:  # one of our checkpoints or a HF Llama (cplm_dist.checkpoint.init_from)
+    if cfg.model.init_from and resume is None:  # one of our checkpoints or a HF Llama (cplm_dist.interop.init_from)
         init_source(cfg)
     check_copy_impl(cfg.copy, torch.cuda.is_available())
     check_async_save(cfg, world)
@@ -201,7 +151,7 @@ def run(argv, stop: StopRequest) -> int:
         stop.heartbeat = Heartbeat.start(phase=stop.phase)
         return train(cfg, dims, accumulation, resume, samples, tokenizer, stop, args.reshape)
     except (RuntimeError, dist.DistError) as e:
-        message = lost_rank_message(e, stop, t.collective_timeout_minutes)
+        message = lost_rank_message(e, stop.phase, stop.heartbeat, dims.hosts, t.collective_timeout_minutes)
         if message is None:
             raise
         print(f"error: {message}", file=sys.stderr, flush=True)

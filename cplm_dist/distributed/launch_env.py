@@ -1,5 +1,5 @@
 """Where this process sits in the job, from whatever launched it: the one reader of launcher
-variables (cplm_dist.parallel builds the process groups from the answer).
+variables (cplm_dist.distributed builds the process groups from the answer).
 
 | launcher | rank / world / local rank | rendezvous (MASTER_ADDR, MASTER_PORT) |
 |---|---|---|
@@ -69,7 +69,7 @@ class LaunchEnv:
 def slurm_port(env: Mapping[str, str]) -> int:
     """The rendezvous port of a Slurm job: 20000 + (job id x 8 + restart count) % 20000, a fresh
     port per (job, restart), so that a requeued run never waits on its predecessor's socket. The
-    sbatch scripts take theirs from here too (`python -m cplm_dist.launch_env slurm-port`)."""
+    sbatch scripts take theirs from here too (`python -m cplm_dist.distributed.launch_env slurm-port`)."""
     return 20000 + (int(env.get("SLURM_JOB_ID", "0")) * 8 + int(env.get("SLURM_RESTART_COUNT", "0"))) % 20000
 
 
@@ -123,5 +123,5 @@ if __name__ == "__main__":
     import sys
 
     if sys.argv[1:] != ["slurm-port"]:
-        sys.exit("usage: python -m cplm_dist.launch_env slurm-port")
+        sys.exit("usage: python -m cplm_dist.distributed.launch_env slurm-port")
     print(slurm_port(os.environ))

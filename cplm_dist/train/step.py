@@ -7,7 +7,7 @@ profiler cannot time something training does not do; and how both build it.
 A step reads `accumulation` micro-batches. Each micro-batch's loss is its summed per-token loss
 over its trained tokens (labels != -100); DeepSpeed averages the micro-batches and the dp ranks.
 Under context parallelism a rank's loss is its own tokens' share of the sequence's mean (the
-token count summed over cp), and DeepSpeed sums the gradients over cp (cplm_dist.engine).
+token count summed over cp), and DeepSpeed sums the gradients over cp (cplm_dist.train.engine).
 The figures returned (loss, the LM head's own loss, the copy share) are averaged the same way over
 the dp group, so every rank gets the same numbers. `phases` (a dict) adds forward, backward and
 optimizer seconds to it, synchronising the device between them (the profiler's breakdown steps;
@@ -33,12 +33,12 @@ import torch.distributed as dist
 
 from cplm_dist.config import Config
 from cplm_dist.data.loader import model_inputs
-from cplm_dist.engine import build_engine
+from cplm_dist.distributed import ParallelDims, synchronize
 from cplm_dist.model.cplm import build_model
-from cplm_dist.model.pipeline import build_pipeline_model
-from cplm_dist.optim import grad_norm
-from cplm_dist.parallel import ParallelDims, synchronize
-from cplm_dist.vocab_parallel import IGNORE_INDEX
+from cplm_dist.model.loss import IGNORE_INDEX
+from cplm_dist.model.parallel.pipeline import build_pipeline_model
+from cplm_dist.train.engine import build_engine
+from cplm_dist.train.optim import grad_norm
 
 
 @dataclass
@@ -151,7 +151,7 @@ class TrainStep:
 def build_training_model(cfg: Config, dims: ParallelDims, device: torch.device) -> torch.nn.Module:
     """The module a run hands DeepSpeed: this rank's pipeline stage at parallel.pp > 1 (a
     PipelineModule), else the whole CPLM; activation checkpointing and compile as cfg.train says
-    (cplm_dist.model.parallelize)."""
+    (cplm_dist.model.recompute_compile)."""
     if dims.pp_size > 1:
         return build_pipeline_model(cfg, dims, device=device)
     return build_model(cfg, tp_group=dims.tp_group, device=device)

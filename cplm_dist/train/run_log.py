@@ -21,12 +21,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from cplm_dist import hosts
 from cplm_dist.config import Config
-from cplm_dist.parallel import ParallelDims
-from cplm_dist.profiling.throughput import device_peak_flops, flops_per_token, peak_memory_bytes
-from cplm_dist.train_step import StepResult
-from cplm_dist.wandb_log import start_wandb, wandb_values
+from cplm_dist.distributed import ParallelDims
+from cplm_dist.train.step import StepResult
+from cplm_dist.train.throughput import device_peak_flops, flops_per_token, peak_memory_bytes
+from cplm_dist.train.wandb_log import start_wandb, wandb_values
 
 
 def _mean(xs: list[float]) -> float:
@@ -45,11 +44,11 @@ class RunLog:
         self.tokens_per_step = t.global_batch_size * cfg.data.seq_length
         self.flops_per_token = flops_per_token(cfg, cfg.data.seq_length)
         self.peak_flops = device_peak_flops(t.precision, device)
-        self.device = device
+        self.device, self.hosts = device, dims.hosts
         self._new_window()
         if self.enabled:
             self.dir.mkdir(parents=True, exist_ok=True)
-        if cfg.train.wandb:  # every rank calls it: rank 0 starts the run, a failure is one line on all (cplm_dist.wandb_log)
+        if cfg.train.wandb:  # every rank calls it: rank 0 starts the run, a failure is one line on all (cplm_dist.train.wandb_log)
             self.wandb = start_wandb(cfg, self.dir, dims.rank, dims.world_size)
         if not self.enabled:
             return
@@ -109,7 +108,7 @@ class RunLog:
                   f"{tps:,.0f} tok/s | {record['tflops_per_device']:.2f} TFLOP/s/device"
                   + (f" | MFU {record['mfu']:.1%}" if record["mfu"] is not None else "")
                   + f" | mem {record['peak_memory_gb']:.2f} GB"
-                  + (f" | data wait {max(waits):.3f}s (rank {record['data_wait_max_rank']}{hosts.on_host(record['data_wait_max_rank'])})"
+                  + (f" | data wait {max(waits):.3f}s (rank {record['data_wait_max_rank']}{self.hosts.on_host(record['data_wait_max_rank'])})"
                      if max(waits) > 0.05 * record["step_time_s"] else ""))
         self._new_window()
 

@@ -10,7 +10,7 @@ The pieces, in the order a loss uses them (docs/copy_head.md):
    `chunked_target_logit_and_lse` (loss.impl=chunked) computes the same two numbers from the
    hidden states and the LM-head shard, block of rows by block of rows, recomputing each block's
    logits in backward: no [N, V/tp] tensor is kept.
-2. `mix_weights`           each mix's two log-weights (its record in cplm_dist.mixes), and `mixture`:
+2. `mix_weights`           each mix's two log-weights (its record in cplm_dist.model.mixes), and `mixture`:
        log p(w) = logaddexp(lm + log softmax_V(z)_w,  copy + log copy_mass_w)
    where copy_mass_w = sum_{j in C_t, src_j = w} exp(s_tj) (M_t at w = y_t). The per-row loss and
    the full distribution are both this one line; the copy side's share of the mass is 1 - exp(lm).
@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from cplm_dist.mixes import MIXES, NEG_INF, MixWeights
+from cplm_dist.model.mixes import MIXES, NEG_INF, MixWeights
 
 IGNORE_INDEX = -100  # a label that is not trained on (Megatron's and torch's convention)
 
@@ -236,7 +236,7 @@ def chunked_target_logit_and_lse(
 
 
 # ---------------------------------------------------------------------------------------------
-# 2. the mixtures: each mix's two log-weights (cplm_dist.mixes), one formula
+# 2. the mixtures: each mix's two log-weights (cplm_dist.model.mixes), one formula
 # ---------------------------------------------------------------------------------------------
 
 

@@ -7,8 +7,8 @@ for a feature, never the backbone's name (litgpt's way: a new architecture is a 
 | mlp: swiglu ([gate; up] in one fc1), gelu | cplm_dist.model.mlp, counting, profiling.memory |
 | bias on every linear (QKV, attention out, MLP) | cplm_dist.model.attention and mlp, counting |
 | positions: rope (in attention), learned (added to the embedding) | rotary, model.parts, counting, profiling.memory |
-| hf: transformers' model_type its weights map onto (llama, gpt2), whose map is cplm_dist/hf_<hf>.py | model.init_from (cplm_dist.checkpoint.init_from), tools/export_hf.py |
-| the MLP width rule of a scaling ladder | cplm_dist.scaling |
+| hf: transformers' model_type its weights map onto (llama, gpt2), whose map is cplm_dist/hf_<hf>.py | model.init_from (cplm_dist.interop.init_from), tools/export_hf.py |
+| the MLP width rule of a scaling ladder | cplm_dist.experiments.scaling |
 
 A third backbone is a record here (and its name in config.tree's `Arch`); a feature no record has
 yet is one more field and the sites that read it.

@@ -1,11 +1,11 @@
 """Process groups: joins the job the launcher started and builds the TP x CP x DP x PP groups.
 
     dims = init_distributed(tp_size=2, pp_size=2)   # torchrun, slurm, mpirun, DeepSpeed's launcher, or one process
-    dims = init_distributed(tp_size=2, cp_size=2)   # context parallelism (cplm_dist.model.context_parallel)
+    dims = init_distributed(tp_size=2, cp_size=2)   # context parallelism (cplm_dist.model.parallel.context)
     dims.tp_group, dims.dp_group, dims.pp_group      # passed explicitly to everything below
     dims.cp_group, dims.dp_cp_group                  # the cp ranks of one sequence; dp x cp (gradients, token counts)
 
-Where this process sits comes from cplm_dist.launch_env, the one reader of launcher variables.
+Where this process sits comes from cplm_dist.distributed.launch_env, the one reader of launcher variables.
 Groups come from `megatron.core.parallel_state`; the backend is gloo on CPU and nccl on GPU.
 Ranks are laid out Megatron's way, which is also DeepSpeed's pipeline topology (axes pipe, data,
 model): the tp ranks of one group are consecutive, then cp, then dp, and the pipeline stage varies
@@ -17,17 +17,17 @@ from __future__ import annotations
 
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from cplm_dist import hosts
 from cplm_dist.config import divisors
+from cplm_dist.distributed.hosts import JoinedHosts, join
+from cplm_dist.distributed.launch_env import LaunchEnv
 from cplm_dist.errors import ConfigError
-from cplm_dist.launch_env import LaunchEnv
 from cplm_dist.megatron_compat import parallel_state
 
 
@@ -50,6 +50,7 @@ class ParallelDims:
     cp_size: int = 1
     cp_group: dist.ProcessGroup | None = None  # the ranks that share one sequence (None: cp = 1)
     dp_cp_group: dist.ProcessGroup | None = None  # dp x cp: where gradients and token counts are summed (None: dp_group)
+    hosts: JoinedHosts = field(default_factory=JoinedHosts)  # where each rank joined from (names for messages)
 
     @property
     def grad_group(self) -> dist.ProcessGroup:
@@ -117,13 +118,14 @@ def init_distributed(tp_size: int = 1, *, pp_size: int = 1, cp_size: int = 1, ba
                      shared_dir: str | os.PathLike | None = None) -> ParallelDims:
     """Join the job (once per process) and build the TP, CP, DP and PP groups through parallel_state.
     Joining (every rank arriving, the hosts' addresses checked, `shared_dir` the same directory on
-    every host) takes at most `join_timeout_minutes` (cplm_dist.hosts); each collective at most
+    every host) takes at most `join_timeout_minutes` (cplm_dist.distributed.hosts); each collective at most
     `timeout_minutes`."""
     # Megatron's tp linears overlap their all-reduce with compute; on GPU that needs one hardware
     # queue per device to keep the order (Megatron's own launchers set this). Harmless on CPU.
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     env = LaunchEnv.from_environ()
     check_world(tp_size, env.world_size, pp_size, cp_size)
+    joined = JoinedHosts()
     if not dist.is_initialized():
         if backend is None:
             backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -135,7 +137,7 @@ def init_distributed(tp_size: int = 1, *, pp_size: int = 1, cp_size: int = 1, ba
                                     timeout=timedelta(minutes=timeout_minutes))
         else:
             init_method = f"tcp://{env.master_addr}:{env.master_port}"
-            store = hosts.join(env, backend, join_timeout_minutes=join_timeout_minutes,
+            store, joined = join(env, backend, join_timeout_minutes=join_timeout_minutes,
                                shared_dir=None if shared_dir is None else Path(shared_dir))
             dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size,
                                     timeout=timedelta(minutes=timeout_minutes))
@@ -155,11 +157,12 @@ def init_distributed(tp_size: int = 1, *, pp_size: int = 1, cp_size: int = 1, ba
             tensor_model_parallel_size=tp_size, pipeline_model_parallel_size=pp_size, context_parallel_size=cp_size,
             create_gloo_process_groups=False, distributed_timeout_minutes=timeout_minutes,
         )
-    return parallel_dims()
+    return parallel_dims(joined)
 
 
-def parallel_dims() -> ParallelDims:
-    """The coordinates of this rank, from the groups `init_distributed` built."""
+def parallel_dims(joined: JoinedHosts | None = None) -> ParallelDims:
+    """The coordinates of this rank, from the groups `init_distributed` built (`joined`: where
+    the ranks joined from, when this process joined the job)."""
     return ParallelDims(
         rank=dist.get_rank(),
         world_size=dist.get_world_size(),
@@ -173,6 +176,7 @@ def parallel_dims() -> ParallelDims:
         pp_size=parallel_state.get_pipeline_model_parallel_world_size(),
         pp_group=parallel_state.get_pipeline_model_parallel_group(),
         **context_dims(),
+        hosts=joined or JoinedHosts(),
     )
 
 

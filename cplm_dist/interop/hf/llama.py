@@ -1,19 +1,19 @@
 """Hugging Face Llama <-> CPLM backbone: one name and layout map, used both ways; and the
 directory side both families share (HFImportError, check_hf_dir, read_hf, initialise_from_hf,
 write_hf_dir with its generation_config.json), each given the family's map: a module with
-ARCHITECTURE, hf_config, check_hf_config, to_hf and from_hf (this one, cplm_dist.hf_gpt2), which
-the caller picks from the backbone's record (cplm_dist.model.backbone's `hf`;
-cplm_dist.checkpoint.init_from.hf_map).
+ARCHITECTURE, hf_config, check_hf_config, to_hf and from_hf (this one, cplm_dist.interop.hf.gpt2), which
+the caller picks from the backbone's record (cplm_dist.model.backbones's `hf`;
+cplm_dist.interop.init_from.hf_map).
 
 Import (`model.init_from: <local HF Llama directory>`): a transformers `LlamaForCausalLM` saved
 with `save_pretrained` (config.json and *.safetensors) initialises the backbone at any tp; the
 copy head starts fresh. Export (`tools/export_hf.py`): copy off, a stock `LlamaForCausalLM`
-directory that loads without remote code; copy on, a `CPLMForCausalLM` (cplm_dist/hf_remote,
+directory that loads without remote code; copy on, a `CPLMForCausalLM` (cplm_dist/interop/hf/remote,
 copied into the directory and named in config.json's auto_map) for
 `AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)`, whose logits are the
 mixture's log-probabilities.
 
-Both sides are tp-independent "full" weights (cplm_dist.model.sharding turns them into a rank's
+Both sides are tp-independent "full" weights (cplm_dist.model.parallel.sharding turns them into a rank's
 shards). The layouts differ in two places:
 
 | ours | HF Llama |
@@ -36,7 +36,7 @@ import torch
 
 from cplm_dist.config import CopyConfig, ModelConfig
 from cplm_dist.errors import UsageError
-from cplm_dist.model.backbone import BACKBONES, backbone, backbones_with
+from cplm_dist.model.backbones import BACKBONES, backbone, backbones_with
 
 ARCHITECTURE = "LlamaForCausalLM"
 
@@ -52,13 +52,13 @@ class HFImportError(UsageError):
     """A Hugging Face directory that cannot initialise this model (one line, exit 2)."""
 
 
-REMOTE_CODE = Path(__file__).resolve().parent / "hf_remote"  # the transformers side of a copy-on export
+REMOTE_CODE = Path(__file__).resolve().parent / "remote"  # the transformers side of a copy-on export
 REMOTE_FILES = tuple(sorted(p.name for p in REMOTE_CODE.glob("*.py") if p.name != "__init__.py"))  # every file, copied
 
 
 def hf_config(m: ModelConfig, copy: CopyConfig | None = None) -> dict:
     """config.json for this model: a stock `LlamaForCausalLM` without copy head, else our
-    `CPLMForCausalLM` (cplm_dist/hf_remote, loaded with trust_remote_code=True)."""
+    `CPLMForCausalLM` (cplm_dist/interop/hf/remote, loaded with trust_remote_code=True)."""
     out = {"architectures": [ARCHITECTURE], "model_type": backbone(m).hf, **{hf: getattr(m, ours) for ours, hf in SHAPE_FIELDS},
            "head_dim": m.head_dim, "max_position_embeddings": m.max_seq_len, "rms_norm_eps": m.norm_eps,
            **hf_rope(m), "tie_word_embeddings": m.tie_embeddings, "hidden_act": "silu", "attention_bias": False,
@@ -242,7 +242,7 @@ def read_hf(directory: str | Path, m: ModelConfig, family) -> dict[str, torch.Te
 def initialise_from_hf(model: torch.nn.Module, directory: str | Path, tp_rank: int, tp_size: int, family) -> None:
     """Overwrite this rank's backbone with a HF model's weights at any tp (the copy head keeps its
     fresh initialisation)."""
-    from cplm_dist.model.sharding import load_full_state_dict
+    from cplm_dist.model.parallel.sharding import load_full_state_dict
 
     load_full_state_dict(model, read_hf(directory, model.model_cfg, family), tp_rank, tp_size, require_all=False)
 

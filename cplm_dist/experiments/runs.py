@@ -14,7 +14,7 @@ from pathlib import Path
 from cplm_dist.checkpoint.manifest import latest_tag, tag_for
 from cplm_dist.data.quickstart import build_quickstart_data
 from cplm_dist.errors import UsageError
-from cplm_dist.mixes import MIXES
+from cplm_dist.model.mixes import MIXES
 
 VARIANTS = {"off": ["copy.enabled=false"], **{name: [f"copy.mix={name}"] for name in MIXES}}  # copy off, then each mix
 COPY_TASKS = ("induction", "mqar", "spamlang")

@@ -1,12 +1,12 @@
 """Hugging Face GPT-2 <-> CPLM backbone (model.arch=gpt2): one name and layout map, used both
-ways (the directory side is cplm_dist.hf_llama's, shared by both families).
+ways (the directory side is cplm_dist.interop.hf.llama's, shared by both families).
 
 Import (`model.init_from: <local HF GPT-2 directory>`): a transformers `GPT2LMHeadModel` saved
 with `save_pretrained` (config.json and *.safetensors) initialises the backbone at any tp; the
 copy head starts fresh. GPT-2 has one K/V head a query head, so the run has
 model.num_kv_heads = n_head; its learned position table cannot stretch, so model.max_seq_len =
 n_positions. Export (`tools/export_hf.py`): copy off, a stock `GPT2LMHeadModel` that loads without
-remote code; copy on, a `CPLMGPT2ForCausalLM` (cplm_dist/hf_remote/modeling_cplm_gpt2.py, named
+remote code; copy on, a `CPLMGPT2ForCausalLM` (cplm_dist/interop/hf/remote/modeling_cplm_gpt2.py, named
 in config.json's auto_map) whose logits are the mixture's log-probabilities.
 
 | ours | HF GPT-2 (Conv1D weights are [in, out]: ours transposed) |
@@ -30,8 +30,8 @@ from __future__ import annotations
 import torch
 
 from cplm_dist.config import CopyConfig, ModelConfig
-from cplm_dist.hf_llama import HFImportError, check_tied, copy_fields
-from cplm_dist.model.backbone import backbone
+from cplm_dist.interop.hf.llama import HFImportError, check_tied, copy_fields
+from cplm_dist.model.backbones import backbone
 
 ARCHITECTURE = "GPT2LMHeadModel"
 TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh")  # F.gelu(approximate="tanh"), two spellings
@@ -48,7 +48,7 @@ LINEARS = {"attention.proj": "attn.c_proj", "mlp.fc1": "mlp.c_fc", "mlp.fc2": "m
 
 def hf_config(m: ModelConfig, copy: CopyConfig | None = None) -> dict:
     """config.json for this model: a stock `GPT2LMHeadModel` without copy head, else our
-    `CPLMGPT2ForCausalLM` (cplm_dist/hf_remote, loaded with trust_remote_code=True). No token ids
+    `CPLMGPT2ForCausalLM` (cplm_dist/interop/hf/remote, loaded with trust_remote_code=True). No token ids
     (GPT2Config's 50256 is not in our vocabulary): write_hf_dir adds the tokenizer's."""
     out = {"architectures": [ARCHITECTURE], "model_type": backbone(m).hf, "vocab_size": m.vocab_size,
            "n_positions": m.max_seq_len, "n_embd": m.hidden_size, "n_layer": m.num_layers, "n_head": m.num_heads,

@@ -3,7 +3,7 @@ DeepSpeed's 1F1B pipeline engine, with megatron-core tensor parallelism inside e
 
     model = build_pipeline_model(cfg, dims)     # this rank's stage only; dims from init_distributed(tp, pp_size=pp)
 
-The layers, in order (cplm_dist.model.stages: the split, its weights and names; DeepSpeed builds
+The layers, in order (cplm_dist.model.parallel.stages: the split, its weights and names; DeepSpeed builds
 only this stage's share), each the model's own part (cplm_dist.model.parts) with DeepSpeed's tuple
 interface:
 
@@ -15,14 +15,14 @@ interface:
                               per-token nll, LM-only nll, copy share                        last stage
 
 Activation checkpointing and compile are applied to the built stage as to the whole model
-(cplm_dist.model.parallelize).
+(cplm_dist.model.recompute_compile).
 
 The copy head scores every earlier position's id, so the input ids travel with the hidden states
 from stage to stage (with the labels: 16 bytes a token against 2 x hidden_size bytes of bf16
 activations). Tied embeddings are DeepSpeed's tied layer: the first and last stage each hold the
 vocabulary shard, the last stage's copy is synchronised from the first at start and on load, and
 their gradients are summed across the two stages before the optimizer step. The stage split is
-ours (cplm_dist.model.stages.partition), balanced by parameters.
+ours (cplm_dist.model.parallel.stages.partition), balanced by parameters.
 
 Every parameter carries the name it has in `CPLM` (`canonical_named_parameters`), so the seeded
 initialisation draws the same weights as at pp = 1 and evaluation loads a pipeline checkpoint
@@ -36,16 +36,16 @@ from collections import OrderedDict
 import torch
 
 from cplm_dist.config import Config
+from cplm_dist.distributed import ParallelDims
 from cplm_dist.megatron_compat import import_deepspeed
 from cplm_dist.model.block import TransformerLayer
 from cplm_dist.model.documents import MaskOfLastRow
 from cplm_dist.model.initialization import init_parameters
-from cplm_dist.model.parallelize import parallelize
+from cplm_dist.model.loss import IGNORE_INDEX
+from cplm_dist.model.parallel.stages import pipeline_layers, stage_bounds
 from cplm_dist.model.parts import Embedding, Head, PartSpec
+from cplm_dist.model.recompute_compile import parallelize
 from cplm_dist.model.rotary import layer_rope
-from cplm_dist.model.stages import pipeline_layers, stage_bounds
-from cplm_dist.parallel import ParallelDims
-from cplm_dist.vocab_parallel import IGNORE_INDEX
 
 
 class EmbeddingStage(Embedding):

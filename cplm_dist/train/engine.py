@@ -15,7 +15,7 @@ our parallel groups, and `deepspeed.initialize` with our optimizer and schedule.
 | `--reshape` to another layout, ZeRO > 0 | checkpoint.load_universal (cplm_dist.checkpoint.reshape) |
 | parallel.pp > 1, sequence_parallel | pipeline.pipe_partitioned, grad_partitioned (off under sp: activations already sharded) |
 
-At parallel.pp > 1 the model is a `PipelineModule` (cplm_dist.model.pipeline) and DeepSpeed builds
+At parallel.pp > 1 the model is a `PipelineModule` (cplm_dist.model.parallel.pipeline) and DeepSpeed builds
 its pipeline engine, whose process grid (axes pipe, data, model) is the same rank layout as ours.
 At ZeRO-0 there DeepSpeed's fp32 clipping would count each later stage's tp-replicated parameters
 out and the tied embedding twice, so the optimizer clips itself (`clip_before_step`).
@@ -29,11 +29,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from cplm_dist.checkpoint.safe_io import use_safe_loading
 from cplm_dist.config import Config, batch_layout
+from cplm_dist.distributed import ParallelDims
 from cplm_dist.megatron_compat import import_deepspeed
-from cplm_dist.optim import build_optimizer, build_scheduler, grad_norm
-from cplm_dist.parallel import ParallelDims
+from cplm_dist.train.optim import build_optimizer, build_scheduler, grad_norm
 
 
 class DeepSpeedMPU:
@@ -169,7 +168,6 @@ def build_engine(model: torch.nn.Module, cfg: Config, dims: ParallelDims, load_u
         model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config,
         mpu=None if pipeline else DeepSpeedMPU(dims), dist_init_required=False,  # a pipeline brings its own grid
     )
-    use_safe_loading(engine)  # a resume never unpickles code from a received checkpoint
     return engine, optimizer, scheduler
 
 

@@ -2,7 +2,7 @@
 tp x cp x pp divides the job's world, and the batch arithmetic holds. No data, no checkpoint, no
 process group: it runs on a login node (launch/submit.sh calls it before sbatch).
 
-    python -m cplm_dist.preflight --world 16 --config configs/runs/cplm-7b.yaml parallel.pp=2
+    python -m cplm_dist.train.preflight --world 16 --config configs/runs/cplm-7b.yaml parallel.pp=2
 
 Prints the layout the job will train with on stderr; exit 2 with one line when it cannot run.
 """
@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import sys
 
-from cplm_dist.cli import exit_on_usage_error, load_from_args
 from cplm_dist.config import batch_layout
+from cplm_dist.config.cli import exit_on_usage_error, load_from_args
+from cplm_dist.distributed import check_world
 from cplm_dist.errors import UsageError
-from cplm_dist.parallel import check_world
 
 
 @exit_on_usage_error
 def main(argv=None) -> int:
-    from cplm_dist.train import train_parser  # the job's own arguments, whatever flags training gains
+    from cplm_dist.train.driver import train_parser  # the job's own arguments, whatever flags training gains
 
     parser = train_parser()
     parser.add_argument("--world", type=int, required=True, help="processes the job starts (nodes x tasks per node)")

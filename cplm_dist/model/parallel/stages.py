@@ -1,6 +1,6 @@
 """Pipeline stage arithmetic: which layers each stage of parallel.pp holds, what they weigh and
 what they are called, from the config alone (no DeepSpeed, no allocation). The stages themselves
-(DeepSpeed's PipelineModule) are cplm_dist.model.pipeline; the memory estimator, the
+(DeepSpeed's PipelineModule) are cplm_dist.model.parallel.pipeline; the memory estimator, the
 communication model, the planner and checkpoint loading read the split from here.
 
 The layers, in order (`pipeline_layers`):
@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 
 from cplm_dist.config import Config
 from cplm_dist.model.counting import parameter_count, parameters_per_device, tensor_sizes_per_device
-from cplm_dist.vocab_parallel import padded_vocab_size
+from cplm_dist.model.loss import padded_vocab_size
 
 
 @dataclass(frozen=True)

@@ -2,12 +2,12 @@
 
 | field | what | read by |
 |---|---|---|
-| log_weights | the log-weights of the two components, log p(w) = logaddexp(lm + log softmax_V(z)_w, copy + log copy_mass_w) | cplm_dist.vocab_parallel (the loss and the full distribution) |
+| log_weights | the log-weights of the two components, log p(w) = logaddexp(lm + log softmax_V(z)_w, copy + log copy_mass_w) | cplm_dist.model.loss (the loss and the full distribution) |
 | gate | the per-token third term: "hidden" (a gate logit, a linear of h), "query" (the sentinel score q . k_s), None | the copy head (its parameters and that term), profiling.communication (floats it gathers) |
 | own_parameters | what the mix adds to the copy head beside q and k | the copy head, cplm_dist.model.counting |
 | average_heads | heads normalised one by one and their copy distributions averaged; else pooled | the copy head |
 
-`experiments.VARIANTS` runs one variant a mix. The exported remote code (cplm_dist/hf_remote)
+`experiments.VARIANTS` runs one variant a mix. The exported remote code (cplm_dist/interop/hf/remote)
 spells the mixes again, standalone: a test pins it to these records. A new mix is a record here
 (and its name in config.tree's `MixMode`); a new kind of `gate`, a branch in the copy head.
 """

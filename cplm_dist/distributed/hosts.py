@@ -1,7 +1,8 @@
 """Joining the job across hosts: the rendezvous store, bounded by `train.join_timeout_minutes`,
 and what the hosts must agree on before the first collective.
 
-    store = join(env, backend, join_timeout_minutes=5, shared_dir=out_dir)   # then init_process_group(store=store)
+    store, joined = join(env, backend, join_timeout_minutes=5, shared_dir=out_dir)   # then init_process_group(store=store)
+    joined.ranks_at(error_text), joined.on_host(rank)   # names for messages (ParallelDims.hosts keeps it)
 
 Every rank connects to the store rank 0 hosts (or, under torchrun, its agent's), publishes where
 it runs (its host and machine, the address its collectives will advertise, a listening port on
@@ -38,23 +39,56 @@ import struct
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
 import torch.distributed as dist
 
+from cplm_dist.distributed.launch_env import LaunchEnv
 from cplm_dist.errors import LaunchError
-from cplm_dist.launch_env import LaunchEnv
 
 PREFIX = "cplm/hosts/"
-JOINED: list[dict] = []  # every rank's {host, machine, address, port, probe, made} from this process's last join
 PROBE_SECONDS = 3.0  # a TCP connect to a reachable peer takes milliseconds; an unreachable one never answers
 FIX = ("map each host's name in /etc/hosts (or DNS) to the address of the network the hosts share, or pick "
        "that network's interface with {var}=<interface>")
 
 
-def join(env: LaunchEnv, backend: str, *, join_timeout_minutes: float, shared_dir: Path | None = None) -> dist.Store:
-    """The job's store, after every rank arrived and the hosts checked out (module docstring)."""
+@dataclass(frozen=True)
+class JoinedHosts:
+    """Where each rank of the job joined from, as the join saw it ({host, machine, address, port,
+    probe, made} a rank; none in a one-process job): the names messages give ranks."""
+
+    peers: tuple[dict, ...] = field(default_factory=tuple)
+
+    def host_of(self, rank: int) -> str | None:
+        """The host rank `rank` joined from (None in a one-process job)."""
+        return self.peers[rank]["host"] if 0 <= rank < len(self.peers) else None
+
+    def on_host(self, rank: int) -> str:
+        """' on HOST' naming rank `rank`'s host in a job that spans hosts, else '' (one host: the
+        name tells nothing)."""
+        if not spans_machines(self.peers):
+            return ""
+        return f" on {self.host_of(rank)}" if self.host_of(rank) else ""
+
+    def ranks_at(self, text: str) -> str:
+        """'rank 1 on node2' for the joined ranks whose advertised address appears in `text` (a
+        collective's error names the peer it lost by address), '' when none does or the job runs on
+        one host (where every rank has the same address)."""
+        if not spans_machines(self.peers):
+            return ""
+        found: dict[str, list[int]] = {}
+        for rank, p in enumerate(self.peers):
+            if re.search(rf"(?<![\d.]){re.escape(p['address'])}(?![\d])", text):
+                found.setdefault(p["host"], []).append(rank)
+        return "; ".join(f"rank {_ranges(r)} on {h}" if len(r) == 1 else f"ranks {_ranges(r)} on {h}" for h, r in found.items())
+
+
+def join(env: LaunchEnv, backend: str, *, join_timeout_minutes: float,
+         shared_dir: Path | None = None) -> tuple[dist.Store, JoinedHosts]:
+    """The job's store, after every rank arrived and the hosts checked out (module docstring), and
+    where each rank joined from."""
     timeout = timedelta(minutes=join_timeout_minutes)
     store = dist.PrefixStore(f"{PREFIX}{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/",
                              connect_store(env, timeout, join_timeout_minutes))
@@ -69,7 +103,6 @@ def join(env: LaunchEnv, backend: str, *, join_timeout_minutes: float, shared_di
             {"host": host, "machine": machine_id(), "address": address, "port": listener.getsockname()[1],
              "probe": probe, "made": [str(d) for d in made]}))
         peers = _gather(store, "rank", env.world_size, join_timeout_minutes, host)
-        JOINED[:] = peers
         verdict = check_peers(env.rank, peers, backend)
         if not verdict and env.rank == 0 and shared_dir is not None:
             verdict = check_probes(shared_dir, peers)
@@ -93,39 +126,14 @@ def join(env: LaunchEnv, backend: str, *, join_timeout_minutes: float, shared_di
     # the process group's keys under this attempt's prefix too (as torch's env:// does): torchrun's
     # agent store outlives an elastic restart, and the gloo addresses the previous attempt left in it
     # sent the restarted ranks to dead processes (connectFullMesh: Connection refused)
-    return dist.PrefixStore(f"cplm/pg/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store.underlying_store)
-
-
-def host_of(rank: int) -> str | None:
-    """The host rank `rank` joined from (None before a join, or in a one-process job)."""
-    return JOINED[rank]["host"] if 0 <= rank < len(JOINED) else None
+    return (dist.PrefixStore(f"cplm/pg/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store.underlying_store),
+            JoinedHosts(tuple(peers)))
 
 
 def spans_machines(peers: list[dict]) -> bool:
     """The ranks run on more than one machine (hostname and boot id: two "nodes" started on one
     machine are one host, cloned machines that share a hostname are not)."""
     return len({(p["host"], p.get("machine")) for p in peers}) > 1
-
-
-def on_host(rank: int) -> str:
-    """' on HOST' naming rank `rank`'s host in a job that spans hosts, else '' (one host: the
-    name tells nothing)."""
-    if not spans_machines(JOINED):
-        return ""
-    return f" on {host_of(rank)}" if host_of(rank) else ""
-
-
-def ranks_at(text: str) -> str:
-    """'rank 1 on node2' for the joined ranks whose advertised address appears in `text` (a
-    collective's error names the peer it lost by address), '' when none does or the job runs on
-    one host (where every rank has the same address)."""
-    if not spans_machines(JOINED):
-        return ""
-    found: dict[str, list[int]] = {}
-    for rank, p in enumerate(JOINED):
-        if re.search(rf"(?<![\d.]){re.escape(p['address'])}(?![\d])", text):
-            found.setdefault(p["host"], []).append(rank)
-    return "; ".join(f"rank {_ranges(r)} on {h}" if len(r) == 1 else f"ranks {_ranges(r)} on {h}" for h, r in found.items())
 
 
 def connect_store(env: LaunchEnv, timeout: timedelta, minutes: float) -> dist.Store:
