@@ -14,6 +14,7 @@ With CUDA nothing is changed.
 """
 
 import contextlib
+import functools
 import logging
 import os
 import sys
@@ -28,7 +29,7 @@ def _hidden(module: str):
     """`import <module>` fails inside (a None entry in sys.modules), unless it is imported already.
     megatron-core's `import megatron.core` tries `import wandb` for its inference contexts' own
     logging (HAVE_WANDB), which we never use: with wandb installed that cost every process that
-    imports cplm_dist 0.6 s. Our own W&B logging (cplm_dist.wandb_log) imports it afterwards."""
+    imports cplm_dist 0.6 s. Our own W&B logging (cplm_dist.train.wandb_log) imports it afterwards."""
     if module in sys.modules:
         yield
         return
@@ -40,7 +41,36 @@ def _hidden(module: str):
             del sys.modules[module]
 
 
-with warnings.catch_warnings(), _hidden("wandb"):
+@contextlib.contextmanager
+def _compile_on_first_call():
+    """`torch.compile(fn)` returns a function that compiles `fn` when it is first called.
+    megatron-core compiles its fused kernels (`megatron.core.jit.jit_fuser`, e.g. the bias-GeGLU
+    fusions) as it is imported, which imports torch's dynamo and inductor: 2.5 s in every process,
+    for kernels our layers never call. Whatever calls one still gets it compiled."""
+    real = torch.compile
+
+    def lazy(model=None, **options):
+        if model is None:  # @torch.compile(mode=...)
+            return lambda fn: lazy(fn, **options)
+        compiled = None
+
+        @functools.wraps(model)
+        def call(*args, **kwargs):
+            nonlocal compiled
+            if compiled is None:
+                compiled = real(model, **options)
+            return compiled(*args, **kwargs)
+
+        return call
+
+    torch.compile = lazy
+    try:
+        yield
+    finally:
+        torch.compile = real
+
+
+with warnings.catch_warnings(), _hidden("wandb"), _compile_on_first_call():
     warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
     warnings.filterwarnings("ignore", message=".*Apex is not installed.*")
     from megatron.core import ModelParallelConfig, parallel_state, tensor_parallel
