@@ -41,6 +41,21 @@ def test_overrides_are_typed_and_nested():
     assert cfg.copy.enabled is False
 
 
+def test_head_dim_is_hidden_over_heads_unless_given():
+    """model.head_dim null (every config and checkpoint written before the field): hidden_size /
+    num_heads, as it always was; given (Qwen3's 128 beside hidden 1024 / 16 heads): its own, and
+    hidden_size need not split over the heads then."""
+    from cplm_dist.config import from_dict, to_dict
+
+    tiny = load_config("tiny")
+    assert tiny.model.head_dim == tiny.model.hidden_size // tiny.model.num_heads == 16
+    saved = to_dict(tiny)
+    del saved["model"]["head_dim"]  # a checkpoint's config from before the field
+    assert from_dict(saved) == tiny
+    wide = load_config("tiny", ["model.head_dim=48", "model.hidden_size=100"])  # 100 / 8 heads is not whole
+    assert wide.model.head_dim == 48
+
+
 def test_base_chain(tmp_path):
     (tmp_path / "run.yaml").write_text("base: tiny\nmodel:\n  num_layers: 3\n")
     cfg = load_config(tmp_path / "run.yaml")
@@ -59,6 +74,8 @@ BAD = [
     (["model.num_layers=two"], r"^model\.num_layers='two' must be an integer"),
     (["copy.enabled=maybe"], r"^copy\.enabled='maybe' must be true or false"),
     (["model.hidden_size=100"], r"^model\.hidden_size=100 must be divisible by model\.num_heads=8"),
+    (["model.head_dim=15"], r"^model\.head_dim=15 must be even for rotary embeddings: use 14 or 16$"),
+    (["model.head_dim=0"], r"^model\.head_dim=0 must be a positive integer"),
     (["parallel.tp=0"], r"^parallel\.tp=0 must be a positive integer"),
     (["copy.impl=flash"], r"^copy\.impl='flash' is not valid: choose one of \['auto', 'chunked', 'dense', 'flex'\]"),
     (["copy.chunk_size=0"], r"^copy\.chunk_size=0 must be a positive integer"),

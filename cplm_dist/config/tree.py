@@ -23,7 +23,7 @@ TokenizerBackend = Literal["sentencepiece", "huggingface"]
 Schedule = Literal["cosine", "wsd", "constant"]
 Precision = Literal["fp32", "bf16"]
 GradAccumDtype = Literal["fp32", "bf16"]
-Arch = Literal["llama", "gpt2"]  # the backbones: cplm_dist.model.backbones's records
+Arch = Literal["llama", "gpt2", "qwen3"]  # the backbones: cplm_dist.model.backbones's records
 RopeScalingType = Literal["linear", "ntk"]
 
 
@@ -49,13 +49,18 @@ class ModelConfig:
     """The decoder: its backbone (cplm_dist.model.backbones) and shapes (the size table in docs/copy_head.md)."""
 
     name: str = "tiny"
-    # the backbone: llama (RMSNorm, SwiGLU, RoPE, no biases) or gpt2 (LayerNorm with bias, GELU MLP,
-    # learned absolute positions, biases); the copy head and the loss are the same for both
+    # the backbone: llama (RMSNorm, SwiGLU, RoPE, no biases), gpt2 (LayerNorm with bias, GELU MLP,
+    # learned absolute positions, biases) or qwen3 (llama's, with queries and keys RMS-normalised per
+    # head); the copy head and the loss are the same for all
     arch: Arch = "llama"
     num_layers: int = 2
     hidden_size: int = 128
     num_heads: int = 8
     num_kv_heads: int = 4
+    # the width of one attention head; null: hidden_size / num_heads (filled in as the config is built,
+    # so a config or checkpoint written before the field reads as it did). Qwen3's is its own (128):
+    # q is num_heads x head_dim wide, k and v num_kv_heads x head_dim, whatever hidden_size is
+    head_dim: int | None = None
     ffn_hidden_size: int = 256
     vocab_size: int = 512
     max_seq_len: int = 2048
@@ -72,9 +77,11 @@ class ModelConfig:
     # Megatron pads the vocabulary to a multiple of this times tp; padded ids never get mass.
     make_vocab_size_divisible_by: int = 128
 
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+    def __post_init__(self):
+        # null is hidden_size / num_heads; a split that is not whole stays null for validation to name
+        if self.head_dim is None and isinstance(self.num_heads, int) and self.num_heads > 0 \
+                and isinstance(self.hidden_size, int) and self.hidden_size % self.num_heads == 0:
+            self.head_dim = self.hidden_size // self.num_heads
 
 
 @dataclass

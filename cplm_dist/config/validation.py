@@ -36,13 +36,7 @@ def validate(cfg: Config) -> None:
                         "model.rope_theta": m.rope_theta, "copy.init_std": c.init_std}.items():
         if not value > 0:
             raise ConfigError(f"{name}={value} must be > 0")
-    if m.hidden_size % m.num_heads:
-        raise ConfigError(
-            f"model.hidden_size={m.hidden_size} must be divisible by model.num_heads={m.num_heads} "
-            f"(valid head counts: {divisors(m.hidden_size)[:12]}...)"
-        )
-    if m.head_dim % 2:
-        raise ConfigError(f"model.hidden_size/num_heads = {m.head_dim} must be even for rotary embeddings")
+    validate_head_dim(m)
     if c.rope and c.head_dim % 2:
         raise ConfigError(f"copy.head_dim={c.head_dim} must be even when copy.rope=true")
     if m.num_heads % m.num_kv_heads:
@@ -61,6 +55,23 @@ def validate(cfg: Config) -> None:
             f"data.seq_length={cfg.data.seq_length} is not divisible by parallel.tp={tp}, which "
             f"parallel.sequence_parallel=true needs (each tp rank holds seq_length/tp positions): "
             f"make seq_length a multiple of {tp} or set parallel.sequence_parallel=false")
+
+
+def validate_head_dim(m: ModelConfig) -> None:
+    """model.head_dim: given, any positive even width (q and k/v widths = heads x head_dim need not
+    be hidden_size: Qwen3); null, hidden_size / num_heads, which must then be whole and even."""
+    if m.head_dim is None:  # null and not a whole split (ModelConfig fills in a whole one)
+        raise ConfigError(
+            f"model.hidden_size={m.hidden_size} must be divisible by model.num_heads={m.num_heads} "
+            f"(valid head counts: {divisors(m.hidden_size)[:12]}...), or set model.head_dim"
+        )
+    if m.head_dim < 1:
+        raise ConfigError(f"model.head_dim={m.head_dim} must be a positive integer (or null: hidden_size / num_heads)")
+    if m.head_dim % 2 and m.head_dim * m.num_heads == m.hidden_size:
+        raise ConfigError(f"model.hidden_size/num_heads = {m.head_dim} must be even for rotary embeddings")
+    if m.head_dim % 2:
+        raise ConfigError(f"model.head_dim={m.head_dim} must be even for rotary embeddings: use "
+                          f"{m.head_dim - 1} or {m.head_dim + 1}")
 
 
 def validate_pipeline(cfg: Config) -> None:

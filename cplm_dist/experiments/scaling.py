@@ -38,9 +38,11 @@ from cplm_dist.train.throughput import flops_per_token
 
 
 def shape_fields(arch: str, layers: int, hidden: int, head_dim: int) -> dict[str, int]:
-    """model.* of a ladder point: heads of head_dim, kv heads = heads, the backbone's MLP width rule."""
+    """model.* of a ladder point: heads of head_dim, kv heads = heads, the backbone's MLP width rule.
+    model.head_dim is set too: a base config's own (Qwen3's 128, or the hidden / heads it was
+    built with) would otherwise stay while the width changes."""
     heads = hidden // head_dim
-    return {"num_layers": layers, "hidden_size": hidden, "num_heads": heads, "num_kv_heads": heads,
+    return {"num_layers": layers, "hidden_size": hidden, "num_heads": heads, "num_kv_heads": heads, "head_dim": head_dim,
             "ffn_hidden_size": BACKBONES[arch].mlp_width(hidden)}
 
 
