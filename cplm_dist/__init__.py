@@ -14,7 +14,7 @@ The packages, in the order a run's data flows through them; each imports only fr
     evaluation/, profiling/, experiments/   what reads trained models, measures steps, drives many runs
 
 Module paths of the layout before 2026-12 (cplm_dist.distributed, cplm_dist.model.loss,
-cplm_dist.interop.hf.llama, ...) still import: `MOVED` maps each to the module that holds it now.
+cplm_dist.hf_llama, ...) still import: `MOVED` maps each to the module that holds it now.
 """
 
 import importlib
@@ -47,8 +47,8 @@ MOVED = {  # old module path -> the module that holds it now (a package's submod
     "cplm_dist.run_log": "cplm_dist.train.run_log",
     "cplm_dist.wandb_log": "cplm_dist.train.wandb_log",
     "cplm_dist.preflight": "cplm_dist.train.preflight",
-    "cplm_dist.hf_llama": "cplm_dist.interop.hf.llama",
-    "cplm_dist.hf_gpt2": "cplm_dist.interop.hf.gpt2",
+    "cplm_dist.hf_llama": "cplm_dist.model.backbones.llama",  # the Llama map (its adapter); directories: interop.hf.directory
+    "cplm_dist.hf_gpt2": "cplm_dist.model.backbones.gpt2",
     "cplm_dist.hf_remote": "cplm_dist.interop.hf.remote",
     "cplm_dist.scaling": "cplm_dist.experiments.scaling",
 }

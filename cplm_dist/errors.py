@@ -24,3 +24,8 @@ class CheckpointError(UsageError):
 class LaunchError(UsageError):
     """A launch the job cannot run under: the hosts cannot reach each other, a rank never arrived,
     a directory that must be shared is node-local."""
+
+
+class HFImportError(UsageError):
+    """A Hugging Face directory that cannot initialise this model (a backbone's HF adapter checks
+    its config.json: cplm_dist.model.backbones; the directory: cplm_dist.interop.hf.directory)."""

@@ -41,11 +41,12 @@ def _assert_generation_config(directory: Path, hf, ids: dict) -> None:
 def _random_llama(directory: Path, overrides: list[str]) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from cplm_dist.interop.hf.llama import hf_config
+    from cplm_dist.model.backbones import backbone
 
     cfg = load_config("tiny", ["copy.enabled=false", *overrides])
     torch.manual_seed(3)
-    model = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in hf_config(cfg.model).items() if k != "architectures"}))
+    model = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in backbone(cfg.model).hf.hf_config(cfg.model).items()
+                                            if k != "architectures"}))
     with torch.no_grad():  # random norms too, so a swapped norm would show
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -155,10 +156,10 @@ def test_a_tp_that_does_not_divide_the_heads_is_one_line(from_llama):
 def test_init_from_starts_a_run_from_a_hf_directory(from_llama, loaded):
     from safetensors.torch import load_file
 
-    from cplm_dist.interop.hf.llama import to_hf
+    from cplm_dist.model.backbones import backbone
 
-    llama = from_llama[1]
-    saved = {k: v for k, v in to_hf(loaded[1]["full"], loaded[1]["cfg"].model).items() if not k.startswith("copy_head.")}
+    llama, m = from_llama[1], loaded[1]["cfg"].model
+    saved = {k: v for k, v in backbone(m).hf.to_hf(loaded[1]["full"], m).items() if not k.startswith("copy_head.")}
     source = load_file(str(llama / "model.safetensors"))
     assert sorted(saved) == sorted(source)
     for name, tensor in source.items():
@@ -187,7 +188,7 @@ def test_a_checkpoint_loads_at_any_tp_and_exports(from_llama, loaded, tmp_path):
     for tp in (2, 4):
         torch.testing.assert_close(at[tp], at[1], rtol=1e-5, atol=1e-5, msg=f"loaded at tp={tp} vs tp=1")
     out = tmp_path / "exported"
-    from cplm_dist.interop.hf.llama import REMOTE_FILES
+    from cplm_dist.interop.hf.directory import REMOTE_FILES
 
     proc = subprocess.run([sys.executable, "tools/export_hf.py", "--checkpoint", str(run), "--out", str(out)],
                           capture_output=True, text=True, timeout=300, cwd=REPO)
@@ -206,11 +207,7 @@ def test_a_checkpoint_loads_at_any_tp_and_exports(from_llama, loaded, tmp_path):
 
 
 def test_bad_hf_directories_give_one_line(small_data, tmp_path):
-    from cplm_dist.interop.hf import llama as hf_llama
-    from cplm_dist.interop.hf.llama import HFImportError
-
-    def check_hf_dir(directory, m):
-        return hf_llama.check_hf_dir(directory, m, hf_llama)
+    from cplm_dist.interop.hf.directory import HFImportError, check_hf_dir
 
     _random_llama(tmp_path / "llama", [])
     (tmp_path / "empty").mkdir()
@@ -263,8 +260,7 @@ EXPORT_VARIANTS = {
 def _export_worker(directory):
     from cplm_dist.distributed import init_distributed
     from cplm_dist.evaluation.generation import generate
-    from cplm_dist.interop.hf.llama import write_hf_dir
-    from cplm_dist.interop.init_from import hf_map
+    from cplm_dist.interop.hf.directory import write_hf_dir
     from cplm_dist.model import build_model
     from cplm_dist.model.parallel.sharding import full_state_dict
 
@@ -274,8 +270,7 @@ def _export_worker(directory):
         cfg = load_config("tiny", [*overrides, "model.vocab_size=300", "model.rope_theta=5000"])
         model = build_model(cfg).eval()
         (Path(directory) / name).mkdir()
-        write_hf_dir(full_state_dict([model.state_dict()], model), cfg.model, cfg.copy, Path(directory) / name, torch.float32,
-                     hf_map(cfg.model))
+        write_hf_dir(full_state_dict([model.state_dict()], model), cfg.model, cfg.copy, Path(directory) / name, torch.float32)
         span = torch.randint(0, 300, (2, 7), generator=torch.Generator().manual_seed(6))
         ids = torch.cat([span, span], dim=1)  # repeats, so the copy head has matches
         out[name] = {"ids": ids, "logprobs": model.next_token_logprobs(ids), "greedy": generate(model, ids[:, :9], 5).tokens}

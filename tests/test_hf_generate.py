@@ -143,8 +143,7 @@ def _export_worker(directory):
     our decoder's greedy tokens (cplm_dist.evaluation.generation.generate, tools/generate.py's)."""
     from cplm_dist.distributed import init_distributed
     from cplm_dist.evaluation.generation import generate
-    from cplm_dist.interop.hf.llama import write_hf_dir
-    from cplm_dist.interop.init_from import hf_map
+    from cplm_dist.interop.hf.directory import write_hf_dir
     from cplm_dist.model import build_model
     from cplm_dist.model.parallel.sharding import full_state_dict
 
@@ -159,8 +158,7 @@ def _export_worker(directory):
                 if n.startswith("copy_head."):
                     p.normal_(0, 0.3)
         (Path(directory) / name).mkdir()
-        write_hf_dir(full_state_dict([model.state_dict()], model), cfg.model, cfg.copy, Path(directory) / name, torch.float32,
-                     hf_map(cfg.model))
+        write_hf_dir(full_state_dict([model.state_dict()], model), cfg.model, cfg.copy, Path(directory) / name, torch.float32)
         prompt = _prompt(length=12, vocab=300)
         out[name] = {"prompt": prompt, "greedy": generate(model, prompt, 6).tokens}
     return out
@@ -208,7 +206,7 @@ def test_a_gpt2_export_directory_loads_with_its_remote_class_and_caches(tmp_path
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
-    from cplm_dist.interop.hf.llama import REMOTE_CODE, REMOTE_FILES
+    from cplm_dist.interop.hf.directory import REMOTE_CODE, REMOTE_FILES
 
     model = _tiny("gpt2", "sentinel", "next", heads=2, rope=ROPES[3])
     model.save_pretrained(tmp_path)

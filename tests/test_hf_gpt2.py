@@ -42,10 +42,10 @@ def _random_gpt2(directory: Path, overrides: list[str], **hf) -> None:
     """A random transformers GPT2LMHeadModel of the tiny shapes (`hf`: config keys to change)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from cplm_dist.interop.hf.gpt2 import hf_config
+    from cplm_dist.model.backbones import backbone
 
     cfg = load_config("tiny", [*GPT2, "copy.enabled=false", *overrides])
-    fields = {k: v for k, v in hf_config(cfg.model).items() if k not in ("architectures", "model_type", "torch_dtype")}
+    fields = {k: v for k, v in backbone(cfg.model).hf.stock_config(cfg.model).items() if k != "torch_dtype"}
     torch.manual_seed(3)
     model = GPT2LMHeadModel(GPT2Config(**{**fields, **hf}))
     _randomise(model)
@@ -92,8 +92,7 @@ def _gpt2_export_worker(directory):
     (the map of its record; the test tokenizer's ids); our log-probs and greedy tokens."""
     from cplm_dist.distributed import init_distributed
     from cplm_dist.evaluation.generation import generate
-    from cplm_dist.interop.hf.llama import write_hf_dir
-    from cplm_dist.interop.init_from import hf_map
+    from cplm_dist.interop.hf.directory import write_hf_dir
     from cplm_dist.model import build_model
     from cplm_dist.model.parallel.sharding import full_state_dict
 
@@ -106,7 +105,7 @@ def _gpt2_export_worker(directory):
         _randomise(model)
         (Path(directory) / name).mkdir()
         write_hf_dir(full_state_dict([model.state_dict()], model), cfg.model, cfg.copy, Path(directory) / name, torch.float32,
-                     hf_map(cfg.model), tokens=TEST_TOKENIZER_IDS)
+                     tokens=TEST_TOKENIZER_IDS)
         span = torch.randint(0, 300, (2, 7), generator=torch.Generator().manual_seed(6))
         ids = torch.cat([span, span], dim=1)  # repeats, so the copy head has matches
         out[name] = {"ids": ids, "logprobs": model.next_token_logprobs(ids), "greedy": generate(model, ids[:, :9], 5).tokens}
@@ -213,20 +212,19 @@ def _gpt2_variant(root: Path, name: str, source: Path, **changes) -> Path:
 
 def test_bad_gpt2_directories_give_one_line(small_data, tmp_path):
     from cplm_dist.checkpoint import init_source
-    from cplm_dist.interop.hf.llama import HFImportError, check_hf_dir
-    from cplm_dist.interop.init_from import hf_map
+    from cplm_dist.interop.hf.directory import HFImportError, check_hf_dir, read_hf
 
     _random_gpt2(tmp_path / "gpt2", MHA)
     _random_llama(tmp_path / "llama", [])
     ok = load_config("tiny", [*GPT2, *MHA]).model
-    check_hf_dir(tmp_path / "gpt2", ok, hf_map(ok))
+    check_hf_dir(tmp_path / "gpt2", ok)
     llama = load_config("tiny").model
     where = f"model.init_from={tmp_path}"
     cases = [  # (directory, our model config, the line)
         (tmp_path / "gpt2", llama, "/gpt2: its model_type is gpt2, which model.arch=llama does not read: set model.arch=gpt2"),
         (tmp_path / "llama", ok, "/llama: its model_type is llama, which model.arch=gpt2 does not read: set model.arch=llama"),
         (_gpt2_variant(tmp_path, "mistral", tmp_path / "gpt2", model_type="mistral"), ok,
-         "/mistral: model_type='mistral': only model_type llama or gpt2 checkpoints import"),
+         "/mistral: model_type='mistral': only model_type llama, gpt2 or qwen3 checkpoints import"),
         (tmp_path / "gpt2", load_config("tiny", GPT2).model,
          "/gpt2: GPT-2 has a K/V head per query head (n_head=8), this run has model.num_kv_heads=4: set model.num_kv_heads=8"),
         (_gpt2_variant(tmp_path, "gelu", tmp_path / "gpt2", activation_function="gelu"), ok,
@@ -250,15 +248,13 @@ def test_bad_gpt2_directories_give_one_line(small_data, tmp_path):
     ]
     for directory, m, line in cases:
         with pytest.raises(HFImportError) as e:
-            check_hf_dir(directory, m, hf_map(m))
+            check_hf_dir(directory, m)
         assert str(e.value) == where + line, directory.name
     with pytest.raises(HFImportError, match=r"its weights do not fit a GPT2LMHeadModel of these shapes"):
-        from cplm_dist.interop.hf.llama import read_hf
-
         (tmp_path / "broken").mkdir()
         (tmp_path / "broken" / "config.json").write_bytes((tmp_path / "gpt2" / "config.json").read_bytes())
         (tmp_path / "llama" / "model.safetensors").rename(tmp_path / "broken" / "model.safetensors")
-        read_hf(tmp_path / "broken", ok, hf_map(ok))
+        read_hf(tmp_path / "broken", ok)
     assert init_source(load_config("tiny", [*GPT2, *MHA, f"model.init_from={tmp_path / 'gpt2'}"])).kind == "hf"
     fresh = tmp_path / "fresh"  # through cplm-train: one line, exit 2, nothing written
     proc = run_cli(argv(small_data, fresh, f"model.init_from={tmp_path / 'gpt2'}"))

@@ -8,7 +8,7 @@ prompt of --prompt tokens (a span said twice, so the copy head has something to 
     python tools/bench_hf_generate.py --export hf/my-run                # an existing export directory
 
 Without --export, the config's model (copy on, random weights) is built with cplm_dist and written
-as tools/export_hf.py writes it (cplm_dist.interop.hf.llama.write_hf_dir), into a temporary directory; the
+as tools/export_hf.py writes it (cplm_dist.interop.hf.directory.write_hf_dir), into a temporary directory; the
 directory is then loaded as a user would (AutoModelForCausalLM, trust_remote_code=True). Each mode
 runs --repeats times after one warm-up; the table shows the median, the positions the backbone was
 fed in one generate (counted by a hook on it) and whether both modes chose the same tokens.
@@ -36,8 +36,7 @@ def export(config: str, overrides: list[str], directory: Path, dtype: torch.dtyp
     """The config's copy-on model, random, exported into `directory` (as tools/export_hf.py does)."""
     from cplm_dist.config import load_config
     from cplm_dist.distributed import destroy_distributed, init_distributed
-    from cplm_dist.interop.hf.llama import write_hf_dir
-    from cplm_dist.interop.init_from import hf_map
+    from cplm_dist.interop.hf.directory import write_hf_dir
     from cplm_dist.model import build_model
     from cplm_dist.model.parallel.sharding import full_state_dict
 
@@ -45,7 +44,7 @@ def export(config: str, overrides: list[str], directory: Path, dtype: torch.dtyp
     init_distributed(1)
     torch.manual_seed(0)
     model = build_model(cfg).eval()
-    write_hf_dir(full_state_dict([model.state_dict()], model), cfg.model, cfg.copy, directory, dtype, hf_map(cfg.model))
+    write_hf_dir(full_state_dict([model.state_dict()], model), cfg.model, cfg.copy, directory, dtype)
     destroy_distributed()
 
 

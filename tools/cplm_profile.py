@@ -157,19 +157,20 @@ def copy_overhead(cfg: Config, args) -> dict:
 
 
 class HFAdapter(torch.nn.Module):
-    """transformers' LlamaForCausalLM of our shapes (cplm_dist.interop.hf.llama.llama_config) behind our
-    forward signature, with its own (standard) cross-entropy loss."""
+    """transformers' own class of our backbone and shapes (LlamaForCausalLM for llama:
+    cplm_dist.interop.hf.directory.transformers_config) behind our forward signature, with its own
+    (standard) cross-entropy loss."""
 
     def __init__(self, cfg: Config, device):
         super().__init__()
         try:
-            from transformers import LlamaForCausalLM
+            from transformers import AutoModelForCausalLM
         except ImportError:
             raise UsageError("--peer needs transformers: pip install -e '.[bench]'") from None
-        from cplm_dist.interop.hf.llama import llama_config
+        from cplm_dist.interop.hf.directory import transformers_config
 
         torch.manual_seed(cfg.seed)
-        self.model = LlamaForCausalLM(llama_config(cfg.model, attn_implementation="sdpa")).to(device)
+        self.model = AutoModelForCausalLM.from_config(transformers_config(cfg.model, attn_implementation="sdpa")).to(device)
 
     def forward(self, input_ids, labels):
         from cplm_dist.model.loss import TokenLoss

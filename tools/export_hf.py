@@ -2,13 +2,14 @@
 
     python tools/export_hf.py --checkpoint runs/my-run --out hf/my-run [--dtype bf16]
 
-From any saved tp (the shards are joined) and ZeRO stage 0-2 (ZeRO-3 at tp = 1), either backbone
-(the map is the one its record names, cplm_dist.interop.init_from.hf_map):
+From any saved tp (the shards are joined) and ZeRO stage 0-2 (ZeRO-3 at tp = 1), any backbone
+(through its record's HF adapter, cplm_dist.model.backbones: `backbone(m).hf`):
 
 | model.arch | copy off (no remote code) | copy on (trust_remote_code=True) |
 |---|---|---|
 | llama | `LlamaForCausalLM` | `CPLMForCausalLM` (cplm_dist/interop/hf/remote/modeling_cplm.py) |
 | gpt2 | `GPT2LMHeadModel` (GQA's K/V heads repeated; tied or not) | `CPLMGPT2ForCausalLM` (modeling_cplm_gpt2.py) |
+| qwen3 | `Qwen3ForCausalLM` (q/k norms; tied or not) | `CPLMQwen3ForCausalLM` (modeling_cplm_qwen3.py) |
 
 Writes config.json, generation_config.json (the run's tokenizer's bos/eos/pad ids, those it has,
 and use_cache), model.safetensors and the run's tokenizer file (tokenizer.model for SentencePiece)
@@ -46,8 +47,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 def export(checkpoint: str, out: Path, dtype: str) -> Path:
     from cplm_dist.checkpoint import load_model, tokenizer_files
     from cplm_dist.config import to_dict
-    from cplm_dist.interop.hf.llama import write_hf_dir
-    from cplm_dist.interop.init_from import hf_map
+    from cplm_dist.interop.hf.directory import write_hf_dir
     from cplm_dist.model.parallel.sharding import full_state_dict
 
     model, cfg, info = load_model(checkpoint)
@@ -58,7 +58,7 @@ def export(checkpoint: str, out: Path, dtype: str) -> Path:
         for name, file in files.items():  # tokenizer.model, or tokenizer.json and its config
             shutil.copy2(file, tmp / name)
         tokens = token_ids(tmp / next(iter(files)), cfg.data.tokenizer_backend) if files else {}
-        write_hf_dir(full, cfg.model, cfg.copy, tmp, DTYPES[dtype], hf_map(cfg.model), tokens=tokens,
+        write_hf_dir(full, cfg.model, cfg.copy, tmp, DTYPES[dtype], tokens=tokens,
                      extra={"cplm_dist": {"checkpoint": str(Path(info["root"]) / info["tag"]), "step": info["step"],
                                           "rope_theta": cfg.model.rope_theta, "rope_scaling": to_dict(cfg)["model"]["rope_scaling"]}})
         if out.exists():

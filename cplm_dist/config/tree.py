@@ -43,6 +43,12 @@ class RopeScaling:
     type: RopeScalingType
     factor: float  # > 1: how many times longer a context the positions are stretched to
 
+    def scaled_theta(self, theta: float, dim: int) -> float:
+        """The base RoPE runs at for head dim `dim`: ntk's theta * factor ** (dim / (dim - 2)), so
+        the lowest frequency covers factor times the positions while the highest ones are nearly
+        unchanged; linear keeps theta (it divides the positions)."""
+        return theta * self.factor ** (dim / (dim - 2)) if self.type == "ntk" else theta
+
 
 @dataclass
 class ModelConfig:

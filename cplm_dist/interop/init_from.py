@@ -4,8 +4,9 @@ apart by what the directory holds:
     DIR/complete.json                       one of our step-* directories: that step
     DIR/checkpoints/ or DIR/step-*/         one of our run directories or its checkpoints/: the newest
                                             complete step (as --checkpoint resolves it for evaluation)
-    DIR/config.json with model_type llama   a Hugging Face LlamaForCausalLM (cplm_dist.interop.hf.llama), into model.arch=llama
-    DIR/config.json with model_type gpt2    a Hugging Face GPT2LMHeadModel (cplm_dist.interop.hf.gpt2), into model.arch=gpt2
+    DIR/config.json with model_type llama   a Hugging Face LlamaForCausalLM, into model.arch=llama
+    DIR/config.json with model_type gpt2    a Hugging Face GPT2LMHeadModel, into model.arch=gpt2
+    DIR/config.json with model_type qwen3   a Hugging Face Qwen3ForCausalLM, into model.arch=qwen3
 
 From one of our checkpoints the run takes the weights only (evaluation's: `load_model`'s shards,
 joined and re-sharded, so any saved tp, ZeRO stage or pipeline layout), not the optimizer, the
@@ -18,11 +19,11 @@ checkpoint into a copy-on run keeps the fresh copy head (as a HF model does), a 
 copy-off run leaves its copy head out; both say so.
 
 A Hugging Face directory (save_pretrained: config.json and *.safetensors) initialises the backbone
-at any tp through the map its record names (`hf_map`: cplm_dist/hf_<record's hf>.py); its
-model_type must be the one the run's model.arch reads (else one line naming the model.arch that
-does), its shapes the run's; a GPT-2 also needs model.num_kv_heads = n_head and model.max_seq_len
-= n_positions, and GELU's tanh approximation (gelu_new or gelu_pytorch_tanh). The copy head
-starts fresh.
+at any tp through its record's HF adapter (`backbone(m).hf`, read by cplm_dist.interop.hf.directory);
+its model_type must be the one the run's model.arch reads (else one line naming the model.arch
+that does), its shapes the run's; a GPT-2 also needs model.num_kv_heads = n_head and
+model.max_seq_len = n_positions, and GELU's tanh approximation (gelu_new or gelu_pytorch_tanh); a
+Qwen3 no sliding-window layers. The copy head starts fresh.
 
     source = init_source(cfg)            # before anything starts: one line when it cannot be used
     initialise_from(model, cfg, tp_rank, tp_size)   # after the model is built, before DeepSpeed
@@ -45,14 +46,14 @@ from cplm_dist.model.backbones import backbone, backbones_with
 log = logging.getLogger(__name__)
 
 # the fields that make the weights' shapes: a checkpoint's must be the run's
-SHAPE_FIELDS = ("arch", "num_layers", "hidden_size", "num_heads", "num_kv_heads", "ffn_hidden_size", "vocab_size",
-                "tie_embeddings")
+SHAPE_FIELDS = ("arch", "num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "ffn_hidden_size",
+                "vocab_size", "tie_embeddings")
 COPY_SHAPE_FIELDS = ("num_heads", "head_dim", "mix")
 
 
 @dataclass(frozen=True)
 class InitSource:
-    kind: str  # "checkpoint" (ours) or "hf" (a HF Llama or GPT-2 directory)
+    kind: str  # "checkpoint" (ours) or "hf" (a HF directory of a backbone's stock class)
     path: Path  # the step directory, or the HF directory
     notes: tuple[str, ...] = ()  # what the run should know (the copy head fresh or left out)
 
@@ -61,32 +62,23 @@ def _is_ours(d: Path) -> bool:
     return (d / COMPLETE).is_file() or (d / "checkpoints").is_dir() or any(d.glob(f"step-*/{COMPLETE}"))
 
 
-def hf_map(model_cfg):
-    """The module that maps this backbone's weights onto transformers' (cplm_dist/hf_<hf>.py, `hf`
-    its record's): import and export (tools/export_hf.py) pick it here, never by model.arch."""
-    from cplm_dist.interop.hf import gpt2, llama
-
-    maps = {module.__name__.rpartition(".")[2]: module for module in (llama, gpt2)}
-    return maps[backbone(model_cfg).hf]
-
-
 def init_source(cfg: Config) -> InitSource:
     """Which source model.init_from names, checked against the run's config (reads complete.json
     or config.json only); one line (exit 2) when it cannot start this run."""
-    from cplm_dist.interop.hf.llama import check_hf_dir
+    from cplm_dist.interop.hf.directory import check_hf_dir, families
 
     d, where = Path(cfg.model.init_from), f"model.init_from={cfg.model.init_from}"
     if not d.is_dir():
         raise UsageError(f"{where}: no such directory: give one of our run, checkpoints/ or step-* directories, "
-                         "or a Hugging Face Llama or GPT-2 directory (save_pretrained)")
+                         f"or a Hugging Face {families('family')} directory (save_pretrained)")
     if _is_ours(d):
         return _check_checkpoint(cfg, where)
     if (d / "config.json").is_file():
-        check_hf_dir(d, cfg.model, hf_map(cfg.model))
+        check_hf_dir(d, cfg.model)
         return InitSource("hf", d)
     raise UsageError(f"{where}: neither one of our checkpoints (a step-* directory with {COMPLETE}, a run directory or "
-                     "its checkpoints/) nor a Hugging Face Llama or GPT-2 (config.json, model_type llama or gpt2): "
-                     "point it at one of those")
+                     f"its checkpoints/) nor a Hugging Face {families('family')} (config.json, model_type "
+                     f"{families('model_type')}): point it at one of those")
 
 
 def _check_checkpoint(cfg: Config, where: str) -> InitSource:
@@ -125,13 +117,13 @@ def _check_checkpoint(cfg: Config, where: str) -> InitSource:
 def initialise_from(model: torch.nn.Module, cfg: Config, tp_rank: int, tp_size: int) -> InitSource:
     """Overwrite this rank's freshly built `model` with model.init_from's weights, at this run's
     tp whatever tp they were saved at."""
-    from cplm_dist.interop.hf.llama import initialise_from_hf
+    from cplm_dist.interop.hf.directory import initialise_from_hf
 
     source = init_source(cfg)
     for note in source.notes:
         log.warning(note)
     if source.kind == "hf":
-        initialise_from_hf(model, source.path, tp_rank, tp_size, hf_map(cfg.model))
+        initialise_from_hf(model, source.path, tp_rank, tp_size)
     else:
         saved, manifest = read_checkpoint(source.path)
         load_checkpoint_weights(model, manifest, saved, tp_rank, tp_size, require_copy_head=saved.copy.enabled)

@@ -7,12 +7,9 @@ from cplm_dist.model.backbones import backbone
 
 
 def scaled_theta(dim: int, theta: float, scaling=None) -> float:
-    """The base RoPE runs at: model.rope_scaling's NTK-aware rule stretches it,
-    theta' = theta * factor ** (dim / (dim - 2)), so the lowest frequency covers factor times the
-    positions while the highest ones are nearly unchanged; otherwise theta."""
-    if scaling is not None and scaling.type == "ntk":
-        return theta * scaling.factor ** (dim / (dim - 2))
-    return theta
+    """The base RoPE runs at: model.rope_scaling's (RopeScaling.scaled_theta: ntk stretches it),
+    otherwise theta."""
+    return theta if scaling is None else scaling.scaled_theta(theta, dim)
 
 
 def rope_angles(positions: torch.Tensor, dim: int, theta: float, scaling=None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,12 +1,13 @@
 """The configs of a copy-on export: a backbone's transformers config plus the copy head's fields
-(docs/copy_head.md of cplm_dist), the same copy_* keys for either backbone (config.json as
-cplm_dist.interop.hf.llama.copy_fields writes them).
+(docs/copy_head.md of cplm_dist), the same copy_* keys for every backbone (config.json as
+cplm_dist.model.backbones.hf_adapter.copy_fields writes them).
 
-    CPLMConfig       LlamaConfig + copy_*   model_type "cplm"       (modeling_cplm.CPLMForCausalLM)
-    CPLMGPT2Config   GPT2Config + copy_*    model_type "cplm_gpt2"  (modeling_cplm_gpt2.CPLMGPT2ForCausalLM)
+    CPLMConfig        LlamaConfig + copy_*   model_type "cplm"        (modeling_cplm.CPLMForCausalLM)
+    CPLMGPT2Config    GPT2Config + copy_*    model_type "cplm_gpt2"   (modeling_cplm_gpt2.CPLMGPT2ForCausalLM)
+    CPLMQwen3Config   Qwen3Config + copy_*   model_type "cplm_qwen3"  (modeling_cplm_qwen3.CPLMQwen3ForCausalLM)
 """
 
-from transformers import GPT2Config, LlamaConfig
+from transformers import GPT2Config, LlamaConfig, Qwen3Config
 
 # copy_* field -> default. copy_rope_theta None: the backbone's rope_theta; copy_rope_scaling:
 # {type: linear | ntk, factor} or None (the copy head's own RoPE, at its own head dim)
@@ -35,6 +36,14 @@ class CPLMConfig(LlamaConfig):
 
 class CPLMGPT2Config(GPT2Config):
     model_type = "cplm_gpt2"
+
+    def __init__(self, **kwargs):
+        set_copy_fields(self, kwargs)
+        super().__init__(**kwargs)
+
+
+class CPLMQwen3Config(Qwen3Config):
+    model_type = "cplm_qwen3"
 
     def __init__(self, **kwargs):
         set_copy_fields(self, kwargs)

@@ -1,5 +1,6 @@
-"""The copy head, the copy/LM mixture and their KV cache, shared by both copy-on remote classes
-(modeling_cplm.CPLMForCausalLM on Llama, modeling_cplm_gpt2.CPLMGPT2ForCausalLM on GPT-2): a
+"""The copy head, the copy/LM mixture and their KV cache, shared by every copy-on remote class
+(modeling_cplm.CPLMForCausalLM on Llama, modeling_cplm_gpt2.CPLMGPT2ForCausalLM on GPT-2,
+modeling_cplm_qwen3.CPLMQwen3ForCausalLM on Qwen3): a
 backbone's final hidden state h (after its final norm) feeds the LM head and the copy head, and
 the logits returned are the mixture's log-probabilities (softmax of them is the mixture), so
 `generate()` samples from the mixture.
@@ -140,8 +141,14 @@ def _kept_rows(logits_to_keep):
 
 class CopyMixtureMixin:
     """The copy head's forward, mixture and cache on top of a transformers causal LM (first in the
-    bases, so its forward and prepare_inputs_for_generation are the ones used). The backbone is
-    `self.base_model` (Llama's `model`, GPT-2's `transformer`), its head `self.lm_head`."""
+    bases, so its __init__, forward and prepare_inputs_for_generation are the ones used). The
+    backbone is `self.base_model` (Llama's and Qwen3's `model`, GPT-2's `transformer`), its head
+    `self.lm_head`."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.copy_head = CopyHead(config)
+        self.post_init()
 
     def prepare_inputs_for_generation(self, input_ids, attention_mask=None, **kwargs):
         """generate()'s inputs (transformers' own: with a cache, the new tokens only), after

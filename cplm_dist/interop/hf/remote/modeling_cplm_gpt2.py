@@ -8,13 +8,8 @@ names plus copy_head.* (q.weight, k.weight, and gate.weight/bias or sentinel by 
 from transformers import GPT2LMHeadModel
 
 from .configuration_cplm import CPLMGPT2Config
-from .copy_mixture import CopyHead, CopyMixtureMixin
+from .copy_mixture import CopyMixtureMixin
 
 
 class CPLMGPT2ForCausalLM(CopyMixtureMixin, GPT2LMHeadModel):
     config_class = CPLMGPT2Config
-
-    def __init__(self, config):
-        super().__init__(config)
-        self.copy_head = CopyHead(config)
-        self.post_init()

@@ -1,5 +1,6 @@
-"""Hugging Face GPT-2 <-> CPLM backbone (model.arch=gpt2): one name and layout map, used both
-ways (the directory side is cplm_dist.interop.hf.llama's, shared by both families).
+"""The gpt2 backbone (LayerNorm with bias, GELU MLP, learned absolute positions, biases on every
+linear) and its HF adapter onto transformers' `GPT2LMHeadModel`, used both ways
+(cplm_dist.model.backbones.hf_adapter).
 
 Import (`model.init_from: <local HF GPT-2 directory>`): a transformers `GPT2LMHeadModel` saved
 with `save_pretrained` (config.json and *.safetensors) initialises the backbone at any tp; the
@@ -27,11 +28,16 @@ the same function and imports too; exact "gelu" does not).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from cplm_dist.config import CopyConfig, ModelConfig
-from cplm_dist.interop.hf.llama import HFImportError, check_tied, copy_fields
-from cplm_dist.model.backbones import backbone
+from cplm_dist.errors import HFImportError
+from cplm_dist.model.backbones.hf_adapter import HFAdapter, RemoteClass, Weights, check_shapes, check_tied
+from cplm_dist.model.backbones.record import Backbone
+
+if TYPE_CHECKING:  # the config package imports the records (config.validation): types only here
+    from cplm_dist.config.tree import ModelConfig
 
 ARCHITECTURE = "GPT2LMHeadModel"
 TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh")  # F.gelu(approximate="tanh"), two spellings
@@ -46,33 +52,24 @@ NORMS = {"attn_norm": "ln_1", "mlp_norm": "ln_2"}
 LINEARS = {"attention.proj": "attn.c_proj", "mlp.fc1": "mlp.c_fc", "mlp.fc2": "mlp.c_proj"}  # Conv1D: transposed
 
 
-def hf_config(m: ModelConfig, copy: CopyConfig | None = None) -> dict:
-    """config.json for this model: a stock `GPT2LMHeadModel` without copy head, else our
-    `CPLMGPT2ForCausalLM` (cplm_dist/interop/hf/remote, loaded with trust_remote_code=True). No token ids
-    (GPT2Config's 50256 is not in our vocabulary): write_hf_dir adds the tokenizer's."""
-    out = {"architectures": [ARCHITECTURE], "model_type": backbone(m).hf, "vocab_size": m.vocab_size,
-           "n_positions": m.max_seq_len, "n_embd": m.hidden_size, "n_layer": m.num_layers, "n_head": m.num_heads,
-           "n_inner": m.ffn_hidden_size, "activation_function": "gelu_new", "layer_norm_epsilon": m.norm_eps,
-           "initializer_range": m.init_std, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
-           "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
-           "add_cross_attention": False, "tie_word_embeddings": m.tie_embeddings, "use_cache": True,
-           "bos_token_id": None, "eos_token_id": None, "pad_token_id": None, "torch_dtype": "float32"}
-    if copy is not None and copy.enabled:
-        out.update({"architectures": ["CPLMGPT2ForCausalLM"], "model_type": "cplm_gpt2",
-                    "auto_map": {"AutoConfig": "configuration_cplm.CPLMGPT2Config",
-                                 "AutoModelForCausalLM": "modeling_cplm_gpt2.CPLMGPT2ForCausalLM"}, **copy_fields(m, copy)})
-    return out
+def stock_config(m: ModelConfig) -> dict:
+    """GPT2Config's fields for this model. No token ids (GPT2Config's 50256 is not in our
+    vocabulary): the export adds the tokenizer's."""
+    return {"vocab_size": m.vocab_size, "n_positions": m.max_seq_len, "n_embd": m.hidden_size, "n_layer": m.num_layers,
+            "n_head": m.num_heads, "n_inner": m.ffn_hidden_size, "activation_function": "gelu_new",
+            "layer_norm_epsilon": m.norm_eps, "initializer_range": m.init_std, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
+            "attn_pdrop": 0.0, "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
+            "reorder_and_upcast_attn": False, "add_cross_attention": False, "tie_word_embeddings": m.tie_embeddings,
+            "use_cache": True, "bos_token_id": None, "eos_token_id": None, "pad_token_id": None, "torch_dtype": "float32"}
 
 
 def check_hf_config(hf: dict, m: ModelConfig, where: str) -> None:
     """One line naming the first field where the HF GPT-2 (its model_type checked by
-    check_hf_dir) and the config disagree, or a GPT-2 variant the backbone does not compute."""
+    the directory side) and the config disagree, or a GPT-2 variant the backbone does not compute."""
     hf = {**DEFAULTS, **{k: v for k, v in hf.items() if v is not None or k == "n_inner"}}
     ffn = hf["n_inner"] if hf["n_inner"] is not None else 4 * hf["n_embd"]
-    for ours, theirs, value in (*((o, t, hf[t]) for o, t in SHAPE_FIELDS), ("ffn_hidden_size", "n_inner", ffn)):
-        if value != getattr(m, ours):
-            raise HFImportError(f"{where}: {theirs}={value} but model.{ours}={getattr(m, ours)}: set model.{ours}={value} "
-                                "(the shapes must match the checkpoint)")
+    check_shapes({**{ours: (theirs, hf[theirs]) for ours, theirs in SHAPE_FIELDS}, "ffn_hidden_size": ("n_inner", ffn),
+                  "head_dim": ("n_embd/n_head", hf["n_embd"] // hf["n_head"])}, m, where)
     if m.num_kv_heads != hf["n_head"]:
         raise HFImportError(f"{where}: GPT-2 has a K/V head per query head (n_head={hf['n_head']}), this run has "
                             f"model.num_kv_heads={m.num_kv_heads}: set model.num_kv_heads={hf['n_head']}")
@@ -93,7 +90,7 @@ def check_hf_config(hf: dict, m: ModelConfig, where: str) -> None:
     check_tied(hf["tie_word_embeddings"], m, where)
 
 
-def to_hf(full: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, torch.Tensor]:
+def to_hf(full: Weights, m: ModelConfig) -> Weights:
     """Our full weights -> GPT2LMHeadModel's state dict (K/V heads repeated for GQA), plus the
     copy head's (same names) if any."""
     g, hd = m.num_heads // m.num_kv_heads, m.head_dim
@@ -118,7 +115,7 @@ def to_hf(full: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, torch.Tens
     return {k: v.contiguous() for k, v in out.items()}
 
 
-def from_hf(hf: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, torch.Tensor]:
+def from_hf(hf: Weights, m: ModelConfig) -> Weights:
     """GPT2LMHeadModel's state dict (or a GPT2Model's, without the transformer. prefix) -> our
     full backbone weights (no copy head; model.num_kv_heads = num_heads, check_hf_config)."""
     if not any(k.startswith("transformer.") for k in hf):
@@ -141,3 +138,13 @@ def from_hf(hf: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, torch.Tens
                 tensor = hf[f"{theirs}{theirs_name}.{kind}"]
                 full[f"{ours}{name}.{kind}"] = tensor.t() if kind == "weight" else tensor
     return full
+
+
+HF = HFAdapter(family="GPT-2", model_type="gpt2", architecture=ARCHITECTURE,
+               remote=RemoteClass("cplm_gpt2", config="CPLMGPT2Config", module="modeling_cplm_gpt2",
+                                  architecture="CPLMGPT2ForCausalLM"),
+               stock_config=stock_config, check=check_hf_config, to_hf=to_hf, from_hf=from_hf)
+
+# LayerNorm with bias, GELU MLP (4 D), learned absolute positions, biases on every linear
+GPT2 = Backbone("gpt2", norm="layernorm", mlp="gelu", bias=True, positions="learned", qk_norm=False, hf=HF,
+                ffn_ratio=(4, 1), ffn_multiple=1)

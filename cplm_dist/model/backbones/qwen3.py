@@ -1,0 +1,91 @@
+"""The qwen3 backbone (Llama's: RMSNorm, SwiGLU, RoPE, GQA, no biases; plus queries and keys
+RMS-normalised per head before RoPE, and its own head width model.head_dim) and its HF adapter onto
+transformers' `Qwen3ForCausalLM`, used both ways (cplm_dist.model.backbones.hf_adapter): Llama's map
+(llama.py) plus the q/k norms. `model.init_from: <local HF Qwen3 directory>` imports at any tp (the
+copy head starts fresh); tools/export_hf.py writes a stock `Qwen3ForCausalLM` (copy off, no remote
+code) or our `CPLMQwen3ForCausalLM` (copy on: cplm_dist/interop/hf/remote/modeling_cplm_qwen3.py).
+
+| ours | HF Qwen3 |
+|---|---|
+| layers.i.attention.q_norm.weight, k_norm.weight [head_dim], shared by the heads | model.layers.i.self_attn.q_norm.weight, k_norm.weight |
+| everything else | as Llama's (llama.py) |
+
+An import is refused (one line) where transformers' Qwen3 computes something else: sliding-window
+layers, attention biases, another head_dim, norm epsilon, activation or RoPE type.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import cplm_dist.model.backbones.llama as llama
+from cplm_dist.errors import HFImportError
+from cplm_dist.model.backbones.hf_adapter import HFAdapter, RemoteClass, Weights
+from cplm_dist.model.backbones.record import Backbone
+
+if TYPE_CHECKING:  # the config package imports the records (config.validation): types only here
+    from cplm_dist.config.tree import ModelConfig
+
+ARCHITECTURE = "Qwen3ForCausalLM"
+# Qwen3Config's defaults, for the keys a config.json may leave out (its head_dim is its own, not hidden / heads)
+DEFAULTS = {"head_dim": 128, "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "hidden_act": "silu",
+            "attention_bias": False, "use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 28,
+            "layer_types": None}
+QK_NORMS = {"attention.q_norm.weight": "self_attn.q_norm.weight", "attention.k_norm.weight": "self_attn.k_norm.weight"}
+
+
+def stock_config(m: ModelConfig) -> dict:
+    """Qwen3Config's fields for this model: Llama's (no mlp_bias key), every layer full attention."""
+    fields = {k: v for k, v in llama.stock_config(m).items() if k != "mlp_bias"}
+    return {**fields, "use_sliding_window": False, "sliding_window": None, "max_window_layers": m.num_layers,
+            "layer_types": ["full_attention"] * m.num_layers, "attention_dropout": 0.0}
+
+
+def sliding_layers(hf: dict) -> list[int]:
+    """The layers transformers' Qwen3 runs with sliding-window attention: config.json's layer_types,
+    else (Qwen3Config's rule) from max_window_layers on when use_sliding_window is set."""
+    types = hf["layer_types"]
+    if types is None:
+        window = hf["sliding_window"] if hf["use_sliding_window"] else None
+        types = ["sliding_attention" if window is not None and i >= hf["max_window_layers"] else "full_attention"
+                 for i in range(hf["num_hidden_layers"])]
+    return [i for i, kind in enumerate(types) if kind != "full_attention"]
+
+
+def check_hf_config(hf: dict, m: ModelConfig, where: str) -> None:
+    """One line naming the first field where the HF Qwen3 (its model_type checked by the directory
+    side) and the config disagree, or a Qwen3 variant the backbone does not compute."""
+    hf = {**DEFAULTS, **{k: v for k, v in hf.items() if v is not None}}
+    sliding = sliding_layers({"num_hidden_layers": m.num_layers, **hf})
+    if sliding:
+        raise HFImportError(f"{where}: sliding-window attention on layers {sliding} (use_sliding_window="
+                            f"{str(hf['use_sliding_window']).lower()}, layer_types); the CPLM qwen3 attends to every "
+                            "earlier position on every layer: not importable (a Qwen3 with use_sliding_window=false is)")
+    llama.check_hf_config(hf, m, where, family="Qwen3")
+
+
+def to_hf(full: Weights, m: ModelConfig) -> Weights:
+    """Our full weights -> Qwen3ForCausalLM's state dict, plus the copy head's (same names) if any."""
+    out = llama.to_hf(full, m)
+    for i in range(m.num_layers):
+        out.update({f"model.layers.{i}.{theirs}": full[f"layers.{i}.{ours}"].contiguous() for ours, theirs in QK_NORMS.items()})
+    return out
+
+
+def from_hf(hf: Weights, m: ModelConfig) -> Weights:
+    """Qwen3ForCausalLM's state dict -> our full backbone weights (no copy head)."""
+    full = llama.from_hf(hf, m)
+    for i in range(m.num_layers):
+        full.update({f"layers.{i}.{ours}": hf[f"model.layers.{i}.{theirs}"] for ours, theirs in QK_NORMS.items()})
+    return full
+
+
+HF = HFAdapter(family="Qwen3", model_type="qwen3", architecture=ARCHITECTURE,
+               remote=RemoteClass("cplm_qwen3", config="CPLMQwen3Config", module="modeling_cplm_qwen3",
+                                  architecture="CPLMQwen3ForCausalLM"),
+               stock_config=stock_config, check=check_hf_config, to_hf=to_hf, from_hf=from_hf)
+
+# Llama's features plus RMS-normalised queries and keys per head before RoPE; its head width is
+# model.head_dim (128 in the released sizes, not hidden / heads); SwiGLU at 3 D
+QWEN3 = Backbone("qwen3", norm="rmsnorm", mlp="swiglu", bias=False, positions="rope", qk_norm=True, hf=HF,
+                 ffn_ratio=(3, 1), ffn_multiple=64)
