@@ -214,7 +214,10 @@ def test_every_subpackage_is_packaged():
     found = {".".join(p.parent.relative_to(REPO).parts) for p in (REPO / "cplm_dist").rglob("__init__.py")}
     configs = {".".join(("cplm_dist",) + p.relative_to(REPO).parts) for p in (REPO / "configs").rglob("*")
                if p.is_dir()} | {"cplm_dist.configs"}
-    assert found | configs | {"cplm_dist_tools"} == listed
+    assert found | configs | {"cplm_dist.launch", "cplm_dist_tools"} == listed
     data = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    launch = data.pop("cplm_dist.launch")  # launch/ ships as cplm_dist/launch: every script in it
+    assert {p.name for p in (REPO / "launch").iterdir() if any(p.match(g) for g in launch)} == \
+        {p.name for p in (REPO / "launch").iterdir() if p.name != "README.md"}
     # the configs, and the lm-eval task YAMLs shipped next to their Python
     assert set(data) == configs | {"cplm_dist.evaluation.harness_tasks"} and all(v == ["*.yaml"] for v in data.values())

@@ -124,7 +124,7 @@ def _main_in(cwd, entry, args, log_dir):
         if entry == "train":
             from cplm_dist.train.driver import main
         else:
-            from tools.generate import main
+            from cplm_dist_tools.generate import main
         return main(args)
     finally:
         sys.stdout.flush()

@@ -114,7 +114,7 @@ def test_evaluate_by_context_length_and_compare(trained, tmp_path):
 
 def test_evaluate_by_length_refuses_what_cannot_run_in_one_line(trained, capsys):
     """Checked before the model is loaded (in-process: no process group is made)."""
-    from tools.evaluate import main
+    from cplm_dist_tools.evaluate import main
 
     for args, words in [(["--context-lengths", "256"], "exceeds the checkpoint's model.max_seq_len=128"),
                         (["--context-lengths", "8"], "too short"),

@@ -1,7 +1,10 @@
-"""A non-editable install works away from the repository: the shipped configs travel as package
-data, and the console scripts run from an empty directory."""
+"""A non-editable install works away from the repository: the shipped configs and launch scripts
+travel as package data, and the console scripts run from an empty directory (cplm-scaling --slurm
+included). The tests import the tools by their installed name only."""
 
+import ast
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -19,7 +22,7 @@ def installed(tmp_path_factory) -> Path:
     this interpreter's site-packages (a .pth line), so nothing is downloaded."""
     tmp = tmp_path_factory.mktemp("packaging")
     src = tmp / "src"
-    for part in ("cplm_dist", "configs", "tools", "pyproject.toml", "README.md"):
+    for part in ("cplm_dist", "configs", "launch", "tools", "pyproject.toml", "README.md"):
         (shutil.copytree if (REPO / part).is_dir() else shutil.copy)(REPO / part, src / part)
     venv = tmp / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
@@ -49,3 +52,39 @@ def test_installed_profiler_runs_from_an_empty_directory(installed, tmp_path):
                "--breakdown-steps", "1", "--csv", "", "train.micro_batch_size=1", "data.seq_length=32")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "tokens_per_s" in proc.stdout
+
+
+def test_installed_scaling_driver_submits_through_the_installed_scripts(installed, tmp_path):
+    """cplm-scaling --slurm from an empty directory, with submit.sh's --dry-run: the installed
+    submit.sh checks the point (preflight, by the installed interpreter) and prints the sbatch of
+    the installed slurm.sbatch; the evaluation module it names is the installed one."""
+    site = next((installed / "lib").glob("python*/site-packages"))
+    proc = run(installed, tmp_path, "cplm-scaling", "--base-config", "tiny", "--sizes", "2e5", "--head-dim", "32",
+               "--variants", "gate", "--out", "ladder", "--slurm", "--gpus-per-node 0 --time 00:05:00 --dry-run")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    submitted = [line for line in proc.stdout.splitlines() if line.startswith("dry run: gate-")]
+    assert len(submitted) == 1 and " would be submitted as: sbatch " in submitted[0], proc.stdout
+    script = Path(next(w for w in shlex.split(submitted[0]) if w.endswith(".sbatch")))
+    assert script == site / "cplm_dist" / "launch" / "slurm.sbatch" and script.is_file()
+    assert "train.out_dir=ladder/points/gate-" in submitted[0]  # relative paths: the driver's directory
+    assert "layout: 1 processes = tp 1 x pp 1 x dp 1" in (tmp_path / "ladder" / "scaling.log").read_text()
+    evaluate = shlex.split(proc.stdout.split("each point is evaluated with ")[1].split(" once trained")[0])
+    assert evaluate == [str(installed / "bin" / "python"), "-m", "cplm_dist_tools.evaluate"]
+    found = run(installed, tmp_path, "python", "-c", f"import importlib.util as u; print(u.find_spec('{evaluate[2]}').origin)")
+    assert Path(found.stdout.strip()) == site / "cplm_dist_tools" / "evaluate.py", found.stderr
+
+
+def test_tests_import_the_tools_by_their_installed_name():
+    """tools/ is the package cplm_dist_tools (what the console scripts import); a test importing
+    `tools.x` as well would load a second copy of the module, with its own globals."""
+    wrong = []
+    for path in sorted((REPO / "tests").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module or ""]
+            else:
+                continue
+            wrong += [f"{path.name}:{node.lineno} {n}" for n in names if n == "tools" or n.startswith("tools.")]
+    assert wrong == []

@@ -443,7 +443,7 @@ def test_estimator_counts_the_full_fp32_accumulator_of_fp32_gradient_accumulatio
 def test_estimate_memory_refuses_zero_2_and_3_with_pipeline_stages(capsys):
     """DeepSpeed's pipeline engine trains with ZeRO 0-1: the estimator does not print a layout that
     training refuses (from --zero or from the config's zero_stage)."""
-    from tools.estimate_memory import main
+    from cplm_dist_tools.estimate_memory import main
 
     for argv, zero in ((["--config", "cplm-7b", "--tp", "2", "--pp", "2", "--dp", "4", "--zero", "3"], 3),
                        (["--config", "cplm-7b", "--pp", "2", "--dp", "4", "train.zero_stage=2"], 2)):

@@ -3,12 +3,18 @@ they compare, one subprocess per command with its output in a log, and whether a
 
 A run is finished when its checkpoints' `latest` names its last step; a driver that is stopped
 and started again skips finished runs and continues the others with `--resume auto`.
+
+A driver starts everything through what is installed, never through a checkout's paths: training
+and the evaluation tools as `python -m MODULE` (after the --launcher prefix), the launch/ scripts
+from `launch_script` (inside the package in a wheel, beside it in a checkout).
 """
 
 from __future__ import annotations
 
+import shlex
 import statistics
 import subprocess
+import sys
 from pathlib import Path
 
 from cplm_dist.checkpoint.manifest import latest_tag, tag_for
@@ -18,6 +24,22 @@ from cplm_dist.model.mixes import MIXES
 
 VARIANTS = {"off": ["copy.enabled=false"], **{name: [f"copy.mix={name}"] for name in MIXES}}  # copy off, then each mix
 COPY_TASKS = ("induction", "mqar", "spamlang")
+_PACKAGE_DIR = Path(__file__).resolve().parent.parent
+
+
+def launch_script(name: str) -> Path:
+    """launch/<name> of this installation: a wheel ships launch/ inside the package
+    (cplm_dist/launch, as configs/), a checkout (or an editable install) has it beside cplm_dist/."""
+    for directory in (_PACKAGE_DIR / "launch", _PACKAGE_DIR.parent / "launch"):
+        if (directory / name).is_file():
+            return directory / name
+    raise UsageError(f"launch/{name} is neither in {_PACKAGE_DIR} nor beside it: reinstall cplm_dist")
+
+
+def interpreter(launcher: str) -> list[str]:
+    """The prefix of a driver's commands: the --launcher words (e.g. 'torchrun --nproc-per-node 8',
+    which takes `-m module` as python does), else this interpreter."""
+    return shlex.split(launcher) or [sys.executable]
 
 
 def run(cmd: list[str], log: Path, cwd: Path | None = None) -> None:
