@@ -288,9 +288,7 @@ def test_ablation_in_miniature(small_data, tmp_path, capsys, monkeypatch):
 
 
 def test_ablation_summarises_paired_differences_across_seeds():
-    from argparse import Namespace
-
-    from cplm_dist_tools.ablate import across_seeds
+    from cplm_dist.experiments.ablation import across_seeds
 
     def run(variant, seed, loss, induction):
         return {"size": "tiny", "variant": variant, "seed": seed, "valid_loss": loss,
@@ -298,7 +296,7 @@ def test_ablation_summarises_paired_differences_across_seeds():
 
     runs = [run("off", 1, 5.0, 0.0), run("gate", 1, 4.0, 0.30), run("off", 2, 5.0, 0.10), run("gate", 2, 5.005, 0.105),
             run("off", 3, 4.0, 0.0), run("gate", 3, 4.5, 0.2)]
-    table = across_seeds(runs, Namespace(sizes=["tiny"], variants=["off", "gate"]), ["induction", "mqar", "needle", "spamlang"])
+    table = across_seeds(runs, ["tiny"], ["off", "gate"], ["induction", "mqar", "needle", "spamlang"])
     row = next(line for line in table.splitlines() if line.startswith("| tiny | gate |"))
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[2] == "3"

@@ -9,30 +9,24 @@ evaluated on the copy / retrieval suite and the gradient bottleneck, summarised 
 Writes <out>/report.md (tables; the copy-on minus copy-off differences and whether copy on wins,
 with the seeds used), <out>/summary.json, and PNGs: validation loss against tokens, suite
 accuracy per variant, gradient suppression. Finished runs are reused, so an interrupted
-ablation continues where it stopped.
+ablation continues where it stopped. The runs, their summaries and the report are
+cplm_dist.experiments.ablation's; the evaluations run as the installed evaluate and grad_bottleneck
+tools (python -m cplm_dist_tools.evaluate, after --launcher).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import shlex
-import statistics
 import sys
 from pathlib import Path
 
 from cplm_dist.config import load_config
 from cplm_dist.config.cli import exit_on_usage_error
-from cplm_dist.experiments.runs import COPY_TASKS, VARIANTS, ensure_quickstart_data, finished, mean_score, run
+from cplm_dist.experiments.ablation import SIZES, Ablation, run_ablation, write_report
+from cplm_dist.experiments.runs import VARIANTS, ensure_quickstart_data, interpreter
 
-TOOLS = Path(__file__).resolve().parent  # evaluate.py and grad_bottleneck.py beside this one
-
-SIZES = {  # name -> overrides on the base config
-    "base": [],
-    "tiny": [],
-    "small": ["model.num_layers=4", "model.hidden_size=256", "model.ffn_hidden_size=512"],
-}
-MARGIN = 0.01  # a suite difference smaller than this (absolute accuracy) counts as a tie, not a win
+EVALUATE, BOTTLENECK = "cplm_dist_tools.evaluate", "cplm_dist_tools.grad_bottleneck"  # this package's tools, as installed
 
 
 def parser() -> argparse.ArgumentParser:
@@ -55,156 +49,16 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     log = out / "ablation.log"
-    py = shlex.split(args.launcher) or [sys.executable]  # torchrun takes `-m module` and scripts alike
-    base = load_config(args.base_config, args.overrides)  # fail early on a bad base
-    ensure_quickstart_data(base, log)
-    runs = []
-    for size in args.sizes:
-        for variant in args.variants:
-            for seed in args.seeds:
-                name = f"{size}-{variant}-seed{seed}"
-                run_dir = out / name
-                overrides = [*args.overrides, *SIZES[size], *VARIANTS[variant], f"seed={seed}", f"data.seed={seed}",
-                             f"train.train_steps={args.steps}", f"train.out_dir={run_dir}",
-                             f"train.eval_interval={max(1, args.steps // 4)}", f"train.save_interval={args.steps}",
-                             f"train.log_interval={max(1, args.steps // 20)}"]
-                load_config(args.base_config, overrides)
-                if not finished(run_dir, args.steps):
-                    print(f"train {name} ...", flush=True)
-                    run([*py, "-m", "cplm_dist.train", "--config", args.base_config, *overrides, "--resume", "auto"], log)
-                evaluation = run_dir / "eval" / "eval.json"
-                if not evaluation.exists():
-                    print(f"evaluate {name} ...", flush=True)
-                    run([*py, str(TOOLS / "evaluate.py"), "--checkpoint", str(run_dir), "--samples", str(args.samples),
-                         "--out", str(evaluation.parent)], log)
-                bottleneck = run_dir / "eval" / "bottleneck.json"
-                if not bottleneck.exists():
-                    run([*py, str(TOOLS / "grad_bottleneck.py"), "--checkpoint", str(run_dir), "--json", str(bottleneck)], log)
-                runs.append(summarise(name, size, variant, seed, run_dir, evaluation, bottleneck))
+    py = interpreter(args.launcher)  # torchrun takes `-m module` as python does
+    ensure_quickstart_data(load_config(args.base_config, args.overrides), log)  # fail early on a bad base
+    ablation = Ablation(args.base_config, args.sizes, args.variants, args.seeds, steps=args.steps, samples=args.samples,
+                        overrides=args.overrides, out=out)
+    runs = run_ablation(ablation, py, [*py, "-m", EVALUATE], [*py, "-m", BOTTLENECK], log)
     (out / "summary.json").write_text(json.dumps(runs, indent=2) + "\n")
-    report = write_report(runs, args, out)
+    report = write_report(runs, ablation, out)
     print(report)
     print(f"wrote {out / 'report.md'}, {out / 'summary.json'} and plots")
     return 0
-
-
-def summarise(name, size, variant, seed, run_dir: Path, evaluation: Path, bottleneck: Path) -> dict:
-    from cplm_dist.train.run_log import read_metrics
-
-    ev = json.loads(evaluation.read_text())
-    bn = json.loads(bottleneck.read_text())
-    mixed = next(r for r in bn if r["loss_of"] in ("mixture", "LM head"))
-    metrics = run_dir / "logs" / "metrics.jsonl"
-    train, valid = read_metrics(metrics), read_metrics(metrics, "valid")
-    return {
-        "name": name, "size": size, "variant": variant, "seed": seed,
-        "valid_loss": valid[max(valid)]["loss"] if valid else None,
-        "valid_curve": [(train[s]["consumed_tokens"] if s in train else None, valid[s]["loss"]) for s in sorted(valid)],
-        "perplexity": (ev.get("validation") or {}).get("perplexity"),
-        "suite": {task: mean_score(rows) for task, rows in ev["tasks"].items()},
-        "suppressed_fraction": mixed["suppressed_fraction"],
-        "grad_h_lm": mixed["grad_norm_h_via_lm_head"], "grad_h_copy": mixed["grad_norm_h_via_copy_head"],
-    }
-
-
-def write_report(runs: list[dict], args, out: Path) -> str:
-    tasks = sorted({t for r in runs for t in r["suite"]}, key=lambda t: ["induction", "mqar", "phonebook", "needle", "spamlang"].index(t))
-    lines = ["# Copy head ablation", "",
-             f"Base config `{args.base_config}`, {args.steps} steps per run, seeds {args.seeds}, "
-             f"{args.samples} samples per suite setting. Every run of a seed sees the same data in the same order "
-             "and starts from the same seed; only the copy head differs.", "",
-             "| run | valid loss | " + " | ".join(tasks) + " | LM-head gradient suppressed | dL/dh via LM / copy |",
-             "|---" * (4 + len(tasks)) + "|"]
-    for r in runs:
-        lines.append(f"| {r['name']} | {r['valid_loss']:.4f} | " + " | ".join(f"{r['suite'].get(t, float('nan')):.3f}" for t in tasks)
-                     + f" | {r['suppressed_fraction']:.4f} | {r['grad_h_lm']:.3g} / {r['grad_h_copy']:.3g} |")
-    lines += ["", "Suite columns: mean accuracy over settings (induction, mqar, spamlang) or mean exact match "
-              "(phonebook, needle).", "", "## Copy on minus copy off", ""]
-    verdicts = []
-    for size in args.sizes:
-        for seed in args.seeds:
-            off = next((r for r in runs if (r["size"], r["variant"], r["seed"]) == (size, "off", seed)), None)
-            if off is None:
-                continue
-            for r in runs:
-                if (r["size"], r["seed"]) != (size, seed) or r["variant"] == "off":
-                    continue
-                diffs = {t: r["suite"].get(t, float("nan")) - off["suite"].get(t, float("nan")) for t in tasks}
-                scored = [t for t in COPY_TASKS if t in diffs]
-                wins = [t for t in scored if diffs[t] > MARGIN]
-                ties = [t for t in scored if abs(diffs[t]) <= MARGIN]
-                verdicts.append(len(wins) == len(scored))
-                lines.append(f"- {size}, seed {seed}, {r['variant']}: valid loss {r['valid_loss'] - off['valid_loss']:+.4f}; "
-                             + ", ".join(f"{t} {d:+.3f}" for t, d in diffs.items())
-                             + f" -- better than copy off by more than {MARGIN} on {len(wins)}/{len(scored)} of "
-                               f"{', '.join(scored)}" + (f" (within {MARGIN}: {', '.join(ties)})" if ties else ""))
-    if verdicts:
-        lines += ["", f"Copy on beat copy off by more than {MARGIN} on all of {', '.join(COPY_TASKS)} in "
-                      f"{sum(verdicts)} of {len(verdicts)} matched pairs."]
-    if len(args.seeds) > 1:
-        lines += ["", "## Across seeds", "", across_seeds(runs, args, tasks)]
-    lines += ["", "![validation loss](loss.png) ![suite](suite.png) ![suppression](suppression.png)", ""]
-    (out / "report.md").write_text("\n".join(lines))
-    plots(runs, tasks, out)
-    return "\n".join(lines)
-
-
-def paired_differences(runs: list[dict], size: str, variant: str, metric) -> list[float]:
-    """metric(variant run) - metric(copy-off run) for every seed that has both."""
-    by = {(r["size"], r["variant"], r["seed"]): r for r in runs}
-    return [metric(r) - metric(by[(size, "off", seed)]) for (sz, v, seed), r in by.items()
-            if (sz, v) == (size, variant) and (size, "off", seed) in by]
-
-
-def across_seeds(runs: list[dict], args, tasks: list[str]) -> str:
-    """Copy on minus copy off per size and variant: mean [min, max] over seeds, and how many seeds
-    it won (valid loss: lower by more than 0.01 nats; suite: higher by more than MARGIN)."""
-    metrics = {"valid loss": lambda r: r["valid_loss"]}
-    metrics.update({t: (lambda r, t=t: r["suite"].get(t, float("nan"))) for t in tasks if t in COPY_TASKS})
-    rows = ["| size | variant | seeds | " + " | ".join(metrics) + " |", "|---" * (3 + len(metrics)) + "|"]
-    for size in args.sizes:
-        for variant in args.variants:
-            if variant == "off":
-                continue
-            cells, n = [], 0
-            for name, metric in metrics.items():
-                d = paired_differences(runs, size, variant, metric)
-                n = max(n, len(d))
-                if not d:
-                    cells.append("-")
-                    continue
-                won = sum(x < -0.01 for x in d) if name == "valid loss" else sum(x > MARGIN for x in d)
-                cells.append(f"{statistics.mean(d):+.3f} [{min(d):+.3f}, {max(d):+.3f}], won {won}/{len(d)}")
-            if n:
-                rows.append(f"| {size} | {variant} | {n} | " + " | ".join(cells) + " |")
-    return ("Copy on minus copy off, mean [min, max] over seeds; a valid-loss win is lower by more than 0.01 "
-            f"nats, a suite win higher by more than {MARGIN}.\n\n" + "\n".join(rows))
-
-
-def plots(runs: list[dict], tasks: list[str], out: Path) -> None:
-    from cplm_dist.profiling.plotting import figure, lines
-
-    with figure(out / "loss.png", size=(6, 4)) as ax:
-        curves = {r["name"]: [(t, v) for t, v in r["valid_curve"] if t is not None] for r in runs}
-        lines(ax, curves, xlabel="tokens", ylabel="validation loss", title="validation loss against tokens")
-    groups: dict[str, list[dict]] = {}  # size-variant -> its runs, one per seed
-    for r in runs:
-        groups.setdefault(f"{r['size']}-{r['variant']}", []).append(r)
-    with figure(out / "suite.png", size=(max(6, 0.3 * len(tasks) * len(groups)), 4)) as ax:
-        width = 0.8 / max(1, len(groups))
-        for i, (name, rs) in enumerate(groups.items()):
-            values = [[r["suite"].get(t, 0) for r in rs] for t in tasks]
-            means = [statistics.mean(v) for v in values]
-            spread = [[m - min(v) for m, v in zip(means, values)], [max(v) - m for m, v in zip(means, values)]]
-            ax.bar([j + i * width for j in range(len(tasks))], means, width, yerr=spread if len(rs) > 1 else None,
-                   capsize=2, label=f"{name} ({len(rs)} seed{'s' if len(rs) > 1 else ''})")
-        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(tasks))], tasks)
-        ax.set(ylabel="accuracy / exact match (mean, min-max)", title="copy and retrieval suite", ylim=(0, 1))
-        ax.legend(fontsize=7)
-    with figure(out / "suppression.png", size=(6, 4)) as ax:
-        ax.bar([r["name"] for r in runs], [r["suppressed_fraction"] for r in runs])
-        ax.set(ylabel="suppressed fraction", title="LM-head gradient suppression", ylim=(0.8, 1.0))
-        ax.tick_params(axis="x", labelrotation=60, labelsize=7)
 
 
 if __name__ == "__main__":

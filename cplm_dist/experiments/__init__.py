@@ -1,5 +1,8 @@
-"""Many runs from one driver: the copy variants compared, one subprocess a run (runs.py), scaling
-ladders and their fits (scaling.py)."""
+"""Many runs from one driver: one subprocess a run and the copy variants (runs.py), the copy-head
+ablation and its paired statistics (ablation.py), scaling ladders (ladder.py: points planned,
+trained, evaluated, collected; slurm.py: each point a Slurm job; ladder_report.py: fits, gains,
+report) and their shapes and power-law fits (scaling.py). tools/ablate.py and tools/scaling.py
+are their command lines."""
 
 # what cplm_dist.experiments held when it was one module (runs.py now)
 _RUNS = ("VARIANTS", "COPY_TASKS", "run", "finished", "mean_score", "ensure_quickstart_data")
