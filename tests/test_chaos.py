@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from cplm_dist_tools.chaos import final_checkpoint, same_weights
+from cplm_dist.checkpoint import final_checkpoint, same_weights
 from tests.slurm_cluster import LocalSlurm, ensure_slurm
 from tests.test_launchers import launch_env
 from tests.test_train import argv, train

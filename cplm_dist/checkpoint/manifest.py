@@ -100,6 +100,14 @@ def resolve_checkpoint(path: str | Path) -> tuple[Path, str]:
     return root, tag
 
 
+def final_checkpoint(run: Path, steps: int) -> Path | None:
+    """The step directory of the latest complete checkpoint of `run` (a run directory or its
+    checkpoints/) when it holds step `steps` or later, else None."""
+    root = run / "checkpoints" if (run / "checkpoints").is_dir() else run
+    tag = latest_tag(root) if root.is_dir() else None
+    return root / tag if tag is not None and read_manifest(root / tag).step >= steps else None
+
+
 # --- the tokenizer a checkpoint carries -------------------------------------------------------------
 
 

@@ -138,3 +138,19 @@ def _probe_write(directory: Path) -> str | None:
     finally:
         probe.unlink(missing_ok=True)
     return None
+
+
+def same_weights(a: Path, b: Path) -> tuple[bool, int]:
+    """(every tensor of every mp_rank_*_model_states.pt "module" in step directories `a` and `b`
+    equal, dtype and bits, how many were compared); no such files, or other names, is unequal."""
+    names = sorted(p.name for p in a.glob("mp_rank_*_model_states.pt"))
+    if not names or names != sorted(p.name for p in b.glob("mp_rank_*_model_states.pt")):
+        return False, 0
+    equal, count = True, 0
+    for name in names:
+        x, y = safe_load(a / name)["module"], safe_load(b / name)["module"]
+        tensors = [k for k, v in x.items() if isinstance(v, torch.Tensor)]
+        count += len(tensors)
+        equal &= x.keys() == y.keys() and all(
+            isinstance(y[k], torch.Tensor) and x[k].dtype == y[k].dtype and torch.equal(x[k], y[k]) for k in tensors)
+    return bool(equal), count
