@@ -10,12 +10,11 @@ The sequence length and global batch default to the config's data.seq_length and
 train.global_batch_size; precision is train.precision. Predictions, not measurements: compute at
 --achievable x the GPU's dense peak, communication at the stated bandwidths. --write sets the
 chosen layout's fields in a run config, parallel.pp and parallel.cp included (a file keeps its other sections; a
-shipped name becomes `base: <name>`).
+shipped name becomes `base: <name>`; cplm_dist/profiling/layout_config.py, cplm_dist/config/editing.py).
 """
 
 from __future__ import annotations
 
-import re
 import sys
 from pathlib import Path
 
@@ -23,9 +22,8 @@ from cplm_dist.config import divisors
 from cplm_dist.config.cli import config_parser, exit_on_usage_error, load_from_args
 from cplm_dist.errors import UsageError
 from cplm_dist.model.counting import parameter_count
+from cplm_dist.profiling.layout_config import PLAN_NOTE, layout_overrides, write_run_config
 from cplm_dist.profiling.planner import Cluster, Plan, plan
-
-PLAN_NOTE = "# layout from tools/plan.py"
 COLUMNS = [("tp", "tp"), ("cp", "cp"), ("pp", "pp"), ("dp", "dp"), ("zero", "ZeRO"), ("micro_batch", "micro"), ("accumulation", "accum"),
            ("activation_checkpointing", "ckpt"), ("sequence_parallel", "sp"), ("memory_gib", "GiB"),
            ("compute_s", "compute s"), ("tp_comm_s", "tp s"), ("cp_comm_s", "cp s"), ("exposed_dp_s", "dp s (exposed)"),
@@ -47,79 +45,15 @@ def table(plans: list[Plan]) -> str:
     return "\n".join(lines)
 
 
-def set_fields(text: str, fields: dict[tuple[str, str], object]) -> str:
-    """`text` (a run config's YAML) with each (section, key) set to its value, as text: comments and
-    order kept; a missing key goes under its section, a missing section at the end."""
-    lines, section, done = text.splitlines(), None, set()
-    out = []
-    for line in lines:
-        top = re.match(r"^(\w+):\s*(#.*)?$", line)
-        if top:
-            if section is not None:
-                out += _missing(fields, section, done)
-            section = top.group(1)
-        kv = re.match(r"^(  )(\w+):(\s*)([^#]*?)(\s*#.*)?$", line)
-        if kv and section is not None and (section, kv.group(2)) in fields:
-            key = (section, kv.group(2))
-            line = f"  {kv.group(2)}: {_yaml(fields[key])}{kv.group(5) or ''}"
-            done.add(key)
-        out.append(line)
-    if section is not None:
-        out += _missing(fields, section, done)
-    for sec in dict.fromkeys(s for s, _ in fields):
-        rest = _missing(fields, sec, done)
-        if rest:
-            out += [f"{sec}:", *rest]
-    return "\n".join(out) + "\n"
-
-
-def _missing(fields: dict, section: str, done: set) -> list[str]:
-    keys = [k for (s, k) in fields if s == section and (s, k) not in done]
-    done.update((section, k) for k in keys)
-    return [f"  {k}: {_yaml(fields[(section, k)])}" for k in keys]
-
-
-def _yaml(value) -> str:
-    return ("true" if value else "false") if isinstance(value, bool) else str(value)
-
-
-def layout_fields(best: Plan, seq_len: int, global_batch: int) -> dict[tuple[str, str], object]:
-    """{(section, field): value} of the chosen layout: what --write sets and --dry-run traces."""
-    return {("parallel", "tp"): best.tp, ("parallel", "pp"): best.pp, ("parallel", "cp"): best.cp,
-            ("parallel", "sequence_parallel"): best.sequence_parallel,
-            ("data", "seq_length"): seq_len, ("train", "micro_batch_size"): best.micro_batch,
-            ("train", "global_batch_size"): global_batch, ("train", "zero_stage"): best.zero,
-            ("train", "activation_checkpointing"): best.activation_checkpointing}
-
-
-def write_run_config(path: Path, source: str, best: Plan, seq_len: int, global_batch: int, note: str) -> None:
-    """Set the layout fields of a run config (from `source`: a YAML file, or a shipped name that
-    becomes its base) and write it to `path`, the plan's line under the first comment line."""
-    src = Path(source)
-    text = src.read_text() if src.is_file() else f"base: {source}\n"
-    text = set_fields(text, layout_fields(best, seq_len, global_batch))
-    lines = [line for line in text.splitlines() if not line.startswith(PLAN_NOTE)]
-    at = 1 if lines and lines[0].startswith("#") else 0
-    lines.insert(at, note)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("\n".join(lines) + "\n")
-    tmp.replace(path)
-
-
-def layout_overrides(best: Plan, seq_len: int, global_batch: int) -> list[str]:
-    """The chosen layout as config overrides (what --write sets)."""
-    return [f"{section}.{key}={_yaml(value)}" for (section, key), value in layout_fields(best, seq_len, global_batch).items()]
-
-
 def confirm(best: Plan, args, cluster: Cluster, seq_len: int, global_batch: int) -> int:
     """--dry-run: trace the best layout (cplm_dist.profiling.dry_run) on a device of --gpu-gb, its
     step beside the planner's for `cluster`; its exit code (0 fits, 1 does not)."""
     from cplm_dist.config import load_config
     from cplm_dist.profiling.dry_run import dry_run
-    from cplm_dist_tools.dry_run import device_of, report
+    from cplm_dist.profiling.dry_run_report import device_named, report
 
     chosen = load_config(args.config, [*args.overrides, *layout_overrides(best, seq_len, global_batch)])
-    device = device_of("h100" if args.gpu_gb <= 80 else "h200", args.gpu_gb)
+    device = device_named("h100" if args.gpu_gb <= 80 else "h200", args.gpu_gb)
     print(f"dry run of the best layout ({device.name} figures, {args.gpu_gb:g} GiB):", flush=True)
     return report(dry_run(chosen, gpus=args.gpus, device=device, cluster=cluster, progress=lambda line: print(line, flush=True)), None)
 

@@ -5,6 +5,7 @@
     tree.py        the dataclasses (one a section, `Config` their root), the `resumable` marks
     loading.py     YAML + `base:` + dotted overrides -> the typed tree (`load_config`, `from_dict`)
     validation.py  cross-field checks at load, and the batch arithmetic once dp is known
+    editing.py     a run config's YAML edited as text, comments and order kept (plan --write)
 
 Every error is a `ConfigError`: one line naming the field, the value and what would be valid.
 """

@@ -7,6 +7,8 @@
 - `memory`         per-device memory of a step from the config and layout alone
 - `communication`  each collective's bytes a step, from the config and layout alone
 - `planner`        the layouts that fit a cluster, their predicted step time and MFU
+- `layout_config`  the chosen layout as config fields and overrides, written into a run config
+- `dry_run_report` a dry run's table, verdict and JSON
 - `sweep`          a grid of profiler runs, each point a fresh launch
 - `records`        the profiler's console table, CSV rows and their markdown report
 - `plotting`       the PNG figures the tools write
