@@ -1,7 +1,8 @@
-"""Scaling ladders (cplm_dist/experiments/scaling.py, tools/scaling.py): shapes hit their parameter targets,
-the power-law fit recovers known exponents, and a 2-size x 2-variant ladder runs end to end on
-CPU, is interrupted and resumed without rerunning finished points. (Its Slurm path runs in
-test_launchers.py, on the local Slurm those tests start.)"""
+"""Scaling ladders (cplm_dist/experiments/scaling.py, ladder.py, ladder_report.py; tools/scaling.py):
+shapes hit their parameter targets, the power-law fit recovers known exponents, and a 2-size x
+2-variant ladder runs end to end on CPU, is interrupted and resumed without rerunning finished
+points. (Its Slurm path runs in test_multihost.py on a local Slurm; an installed cplm-scaling
+--slurm's dry run from an empty directory in test_packaging.py.)"""
 
 import csv
 import json
