@@ -72,13 +72,13 @@ class Fault:
 
 def launch(plan: ChaosPlan, out: Path, log: Path, restarts: int, resume: bool = True) -> subprocess.Popen:
     """One launch of the run through the installed launch/torchrun.sh, its output appended to `log`."""
-    from cplm_dist.experiments.runs import launch_script
+    from cplm_dist.experiments.runs import launch_script, script_env
 
     cmd = [str(launch_script("torchrun.sh")), "--nproc-per-node", str(plan.nproc_per_node), "--max-restarts", str(restarts),
            "--", *plan.train, f"train.out_dir={out}", *(["--resume", "auto"] if resume else [])]
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "a") as f:
-        return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True, env=script_env())
 
 
 def ranks(agent: int) -> dict[int, int]:

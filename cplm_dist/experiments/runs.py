@@ -11,6 +11,7 @@ from `launch_script` (inside the package in a wheel, beside it in a checkout).
 
 from __future__ import annotations
 
+import os
 import shlex
 import statistics
 import subprocess
@@ -34,6 +35,12 @@ def launch_script(name: str) -> Path:
         if (directory / name).is_file():
             return directory / name
     raise UsageError(f"launch/{name} is neither in {_PACKAGE_DIR} nor beside it: reinstall cplm_dist")
+
+
+def script_env() -> dict[str, str]:
+    """The environment a launch script runs with: this interpreter as PYTHON unless one is set
+    (env.sh would look for a .venv beside the scripts, which an installed package has not)."""
+    return {**os.environ, "PYTHON": os.environ.get("PYTHON", sys.executable)}
 
 
 def interpreter(launcher: str) -> list[str]:

@@ -10,22 +10,19 @@ With --dry-run among the submit options nothing is queued: each point's sbatch c
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 from cplm_dist.errors import UsageError
-from cplm_dist.experiments.runs import finished, launch_script
+from cplm_dist.experiments.runs import finished, launch_script, script_env
 
 
 def submit(point: dict, options: list[str], log_dir: Path, log: Path) -> str:
     """Submit one point; sbatch's last word (the job id, or under --dry-run the command)."""
     cmd = [str(launch_script("submit.sh")), *options, "--job-name", f"scaling-{point['point']}",
            "--log-dir", str(log_dir), "--", *point["train_args"], "--resume", "auto"]
-    env = {**os.environ, "PYTHON": os.environ.get("PYTHON", sys.executable)}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=script_env())
     with log.open("a") as f:
         f.write(proc.stdout + proc.stderr)
     if proc.returncode != 0:
