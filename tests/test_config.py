@@ -35,6 +35,15 @@ def test_shipped_model_size_matches_name(name):
     assert parameter_count(baseline)["copy_head"] == 0
 
 
+def test_qwen3_config_has_the_released_shapes():
+    """configs/models/qwen3-0.6b.yaml is Qwen3-0.6B: 596,049,920 parameters without the copy head
+    (transformers' Qwen3ForCausalLM of its config, tied), its q/k-norm weights included."""
+    cfg = load_config("qwen3-0.6b", ["copy.enabled=false"])
+    assert (cfg.model.arch, cfg.model.head_dim, cfg.model.num_heads * cfg.model.head_dim) == ("qwen3", 128, 2048)
+    assert parameter_count(cfg)["total"] == 596_049_920
+    assert parameter_count(cfg)["layers"] == 28 * (3 * 1024 * 3072 + 1024 * (2048 + 2 * 1024) + 2048 * 1024 + 2 * 1024 + 2 * 128)
+
+
 def test_overrides_are_typed_and_nested():
     cfg = load_config("tiny", ["model.num_layers=4", "copy.mix=joint", "model.norm_eps=1e-6", "copy.enabled=false"])
     assert cfg.model.num_layers == 4 and cfg.copy.mix == "joint" and cfg.model.norm_eps == 1e-6

@@ -1,5 +1,5 @@
 """Context parallelism (parallel.cp): cp = 2 and 4 give the per-token nll and the gradients (summed
-over cp) of cp = 1, for every mix and paste mode, copy off, both backbones, the chunked copy path
+over cp) of cp = 1, for every mix and paste mode, copy off, every backbone, the chunked copy path
 and the chunked loss, with and without document masking, at tp 1 and at tp 2 with sequence
 parallelism; the chunk arithmetic; training at cp 2 x dp 2 follows one rank at ZeRO-1 and ZeRO-3;
 a stopped and resumed cp run equals the straight one; --reshape from cp 2 to cp 1; bad layouts get
@@ -17,13 +17,15 @@ from tests.test_documents import DOC_VARIANTS, _labels, packed_row
 from tests.test_model import VARIANTS, batch
 
 # every mix and paste mode, copy off (padded, untied), the chunked copy path (chunk 5 or 7 of 24),
-# gpt2 (learned positions; plain heads), the chunked loss
+# gpt2 (learned positions; plain heads), qwen3 (qk-norm, heads of model.head_dim), the chunked loss
 CP_VARIANTS = {name: VARIANTS[name] for name in (
     "copy-off-padded-untied", "gate-next-2heads-rope", "gate-self", "joint-next", "joint-self-padded-untied",
-    "sentinel-next-2heads", "sentinel-self", "gpt2-gate-next", "gpt2-mha-copy-off-untied", "joint-next+chunked-loss")}
+    "sentinel-next-2heads", "sentinel-self", "gpt2-gate-next", "gpt2-mha-copy-off-untied", "joint-next+chunked-loss",
+    "qwen3-gate-next")}
 CP4_VARIANTS = ("gate-next-2heads-rope", "joint-self-padded-untied", "sentinel-next-2heads", "gpt2-gate-next")
 LAYOUTS = {"cp2": (1, 2, False, tuple(CP_VARIANTS)), "cp4": (1, 4, False, CP4_VARIANTS),
-           "tp2-cp2-sp": (2, 2, True, ("gate-next-2heads-rope", "joint-next+chunked-loss", "sentinel-self", "gpt2-gate-next"))}
+           "tp2-cp2-sp": (2, 2, True, ("gate-next-2heads-rope", "joint-next+chunked-loss", "sentinel-self", "gpt2-gate-next",
+                                       "qwen3-gate-next"))}
 
 
 def _next_labels(ids):
@@ -36,12 +38,14 @@ def _max_error(a: dict, b: dict) -> float:
 
 
 def _cp_worker(tp, cp, sp, names):
-    """{(variant, documents): (nll error, gradient error, copy share error)} of the cp model against
-    the cp = 1 model on the same tp ranks."""
+    """{(variant, documents): (nll error, gradient error, copy share error, (the cp bytes the
+    profiler's counter files under the copy head, its keys' whole bytes gathered and scattered))}
+    of the cp model against the cp = 1 model on the same tp ranks."""
     import torch.distributed as dist
 
     from cplm_dist.distributed import init_distributed
     from cplm_dist.model import build_model
+    from cplm_dist.profiling.measure import CommTimer
 
     dims = init_distributed(tp, cp_size=cp)
     shard = ContextShard(dims.cp_rank, cp, dims.cp_group)
@@ -60,15 +64,19 @@ def _cp_worker(tp, cp, sp, names):
             weights = torch.linspace(0.5, 1.5, ids.numel()).view_as(ids)
             out_ref = ref(ids, labels, positions)
             (out_ref.nll * weights).sum().backward()
-            out = model(shard.take(ids), shard.take(labels), None if positions is None else shard.take(positions))
-            (out.nll * shard.take(weights)).sum().backward()
+            copy_head, c = model.parts.head.copy_head, model.copy_cfg
+            with CommTimer(dims, torch.device("cpu"), regions={"copy": copy_head} if copy_head is not None else {}) as timer:
+                out = model(shard.take(ids), shard.take(labels), None if positions is None else shard.take(positions))
+                (out.nll * shard.take(weights)).sum().backward()
+            copy_keys = 2 * ids.numel() * c.num_heads * c.head_dim * 4 if c.enabled else 0  # (B, H_c, T, d_c) fp32 there and back
             grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
             for g in grads.values():
                 dist.all_reduce(g, group=dims.cp_group)
             ref_grads = {n: p.grad.detach() for n, p in ref.named_parameters()}
             results[(name, documents)] = ((out.nll - shard.take(out_ref.nll)).abs().max().item(),
                                           _max_error(grads, ref_grads),
-                                          (out.copy_share - shard.take(out_ref.copy_share)).abs().max().item())
+                                          (out.copy_share - shard.take(out_ref.copy_share)).abs().max().item(),
+                                          (timer.by_region[("copy", "cp")][1], copy_keys))
     return results
 
 
@@ -81,11 +89,12 @@ def cp_runs():
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_context_parallel_equals_one_rank_in_nll_and_gradients(cp_runs, layout):
     for rank, result in enumerate(cp_runs[layout]):
-        for (name, documents), (nll_err, grad_err, share_err) in result.items():
+        for (name, documents), (nll_err, grad_err, share_err, (copy_bytes, copy_keys)) in result.items():
             where = f"{layout} rank {rank} {name} documents={documents}"
             assert nll_err < 1e-5, f"{where}: nll off by {nll_err}"
             assert grad_err < 1e-5, f"{where}: gradients off by {grad_err}"
             assert share_err < 1e-5, f"{where}: copy share off by {share_err}"
+            assert copy_bytes == copy_keys, f"{where}: the timer's copy-head region has {copy_bytes} cp bytes, not {copy_keys}"
     assert len(cp_runs[layout][0]) == 2 * len(LAYOUTS[layout][3])
 
 
@@ -141,9 +150,15 @@ def _assert_follows(got_dir, want_dir, tolerance, steps=range(1, CP_STEPS + 1)):
 
 @pytest.mark.parametrize("run", ["cp2-dp2-z1", "cp2-dp2-z3"])
 def test_cp2_dp2_training_follows_one_rank(cp_training, run):
+    """Losses, LM-only losses, copy shares (each cp rank's part of a micro-batch's mean, summed over
+    cp, averaged over dp) and the validation loss follow one rank."""
     from cplm_dist.train.run_log import read_metrics
 
     _assert_follows(cp_training / run, cp_training / "one", 1e-4)
+    got, want = (read_metrics(cp_training / d / "logs" / "metrics.jsonl") for d in (run, "one"))
+    for step in (1, CP_STEPS):
+        for key in ("lm_loss", "copy_share"):
+            assert got[step][key] == pytest.approx(want[step][key], rel=1e-4, abs=1e-5), (step, key)
     valid = [read_metrics(cp_training / d / "logs" / "metrics.jsonl", "valid")[CP_STEPS]["loss"] for d in (run, "one")]
     assert abs(valid[0] - valid[1]) < 1e-4, valid
     manifest = json.loads((cp_training / run / "checkpoints" / "step-00000010" / "complete.json").read_text())

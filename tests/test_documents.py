@@ -1,6 +1,6 @@
 """Document masking (data.document_mask): a packed row of documents gives each document the
 per-token nll and the gradients it gets alone, at tp = 1 and 2, with and without sequence
-parallelism, for every mix and paste mode, copy off, both backbones, the chunked copy path and the
+parallelism, for every mix and paste mode, copy off, every backbone, the chunked copy path and the
 chunked loss; the flex paths (attention and the copy LSE) and decoding (packed prompts prefilled in
 chunks, then continued) agree; pipeline stages carry the positions (pp = 2 trains as pp = 1 does);
 bad positions and data without end-of-document ids get one line."""
@@ -14,11 +14,12 @@ from cplm_dist.config import load_config
 from tests.spawn import run_ranks
 from tests.test_model import VARIANTS
 
-# the variants of the whole-model test (every mix and paste mode, copy off, gpt2, the chunked copy
+# the variants of the whole-model test (every mix and paste mode, copy off, gpt2, qwen3, the chunked copy
 # path at chunk 5 or 7 of 24, padded and untied vocabularies, the chunked loss)
 DOC_VARIANTS = {name: VARIANTS[name] for name in (
     "copy-off-padded-untied", "gate-next-2heads-rope", "gate-self", "joint-next", "joint-self-padded-untied",
-    "sentinel-next-2heads", "sentinel-self", "gpt2-gate-next", "gpt2-mha-copy-off-untied", "joint-next+chunked-loss")}
+    "sentinel-next-2heads", "sentinel-self", "gpt2-gate-next", "gpt2-mha-copy-off-untied", "joint-next+chunked-loss",
+    "qwen3-gate-next")}
 LENGTHS = (8, 6, 10)  # three documents in one row of 24 (each even: alone, each divides over tp = 2 under sp)
 
 
@@ -155,7 +156,7 @@ def test_a_packed_row_gives_each_document_what_it_gets_alone(document_runs, layo
 
 @pytest.mark.parametrize("layout", [(1, False), (2, False)], ids=["tp1", "tp2"])
 @pytest.mark.parametrize("variant", ["gate-next-2heads-rope", "joint-self-padded-untied", "sentinel-next-2heads",
-                                     "gpt2-gate-next"])
+                                     "gpt2-gate-next", "qwen3-gate-next"])
 def test_packed_prompts_decode_as_their_documents_do(document_runs, layout, variant):
     """The distributions of a packed prompt, its scores, a prefill in chunks, and decoding on
     after it (without positions: the last document continues) equal each document's alone."""
@@ -289,14 +290,18 @@ def _pp_doc_args(small_data, out, micro, *extra):
                 "data.document_mask=true", *extra)
 
 
-def test_pipeline_stages_carry_the_positions(small_data, tmp_path):
+@pytest.mark.parametrize("arch,tp", [("llama", 1), ("qwen3", 2)])
+def test_pipeline_stages_carry_the_positions(small_data, tmp_path, arch, tp):
     """pp = 2 (1F1B, four micro-batches a step, the positions sent from stage to stage with the
-    ids and labels) trains as one rank does under document masking, losses and validation."""
+    ids and labels) trains as one rank does under document masking, losses and validation; qwen3
+    with tp = 2 stages (its qk-norm gradients summed over tp inside a stage)."""
     from tests.test_train import losses, read_metrics, train
 
     one, pp2 = tmp_path / "one", tmp_path / "pp2"
-    assert train(1, _pp_doc_args(small_data, one, 4, "train.zero_stage=0")) == [0]
-    assert train(2, _pp_doc_args(small_data, pp2, 1, "parallel.pp=2", "train.zero_stage=1")) == [0, 0]
+    model = [f"model.arch={arch}"] + (["model.head_dim=24"] if arch == "qwen3" else [])
+    assert train(1, _pp_doc_args(small_data, one, 4, "train.zero_stage=0", *model)) == [0]
+    assert train(2 * tp, _pp_doc_args(small_data, pp2, 1, "parallel.pp=2", f"parallel.tp={tp}", "train.zero_stage=1",
+                                      *model)) == [0] * 2 * tp
     got, want = losses(pp2), losses(one)
     assert sorted(got) == [1, 2, 3, 4]
     for step in got:

@@ -28,6 +28,9 @@ LAYOUTS = {
     "pp2": ["parallel.pp=2", "train.zero_stage=1", "train.global_batch_size=4", "train.micro_batch_size=1"],
     "tp2-sp-zero2": ["parallel.tp=2", "parallel.sequence_parallel=true", "train.zero_stage=2", "train.global_batch_size=4",
                      "train.micro_batch_size=2"],
+    # qwen3: heads of model.head_dim = 24 (q 192 wide beside hidden 128), its qk-norm gradients all-reduced over tp
+    "tp2-zero1-qwen3": ["model.arch=qwen3", "model.head_dim=24", "parallel.tp=2", "train.zero_stage=1",
+                        "train.global_batch_size=4", "train.micro_batch_size=2"],
 }
 
 
@@ -75,6 +78,13 @@ def test_parameters_and_collectives_equal_the_real_ranks(dry, real, name):
         assert {**role.trace.collectives, **role.trace.boundary} == pytest.approx(rank["collectives"], rel=1e-9)
     if name.startswith("tp2"):  # the tp group's traffic is there to compare
         assert any(k.startswith("tp/") for k in rank["collectives"])
+    if name == "tp2-zero1-qwen3":  # and the communication model's, the qk-norm's all-reduces included
+        cfg, layout = _config(name), dry[name].layout
+        model = step_bytes(cfg, tp=2, dp=1, zero=1, micro_batch=layout.micro_batch, accumulation=layout.accumulation,
+                           seq_len=layout.seq_len, precision=layout.precision, activation_checkpointing=False,
+                           sequence_parallel=False)
+        for role, _ in _pairs(dry, real, name):
+            assert role.trace.collectives == pytest.approx({k: v for k, v in model.items() if k.startswith("tp/")}, rel=1e-9)
 
 
 @pytest.mark.parametrize("name", LAYOUTS)

@@ -1,14 +1,15 @@
 """The whole model at tp = 1, 2 and 4 on gloo: one seed gives the same per-token nll and the same
-gathered gradients, for every mix and paste mode and with the copy head off, on both backbones
-(llama, gpt2); the evaluation
-distribution sums to one and reproduces the training nll; the analytic parameter count is exact."""
+gathered gradients, for every mix and paste mode and with the copy head off, on the three backbones
+(llama, gpt2, qwen3); the evaluation distribution sums to one and reproduces the training nll; the
+analytic parameter count is exact, and every layer is built from the shapes counting reads."""
 
 import pytest
 import torch
 
 from cplm_dist.config import load_config
 from cplm_dist.model.counting import parameter_count
-from cplm_dist.model.parallel.sharding import gather_full, spec_of
+from cplm_dist.model.layer_shapes import layer_shapes
+from cplm_dist.model.parallel.sharding import full_shape, gather_full, spec_of
 from tests.spawn import run_ranks
 
 VARIANTS = {
@@ -28,6 +29,9 @@ VARIANTS = {
     # the GPT-2 backbone: LayerNorm with bias, GELU MLP, learned positions, biases (grouped and plain heads)
     "gpt2-gate-next": ["model.arch=gpt2", "copy.mix=gate", "copy.paste=next", "copy.chunk_size=5"],
     "gpt2-mha-copy-off-untied": ["model.arch=gpt2", "model.num_kv_heads=8", "copy.enabled=false", "model.tie_embeddings=false"],
+    # the Qwen3 backbone: queries and keys RMS-normalised per head before RoPE (weights shared by the heads,
+    # replicated over tp), heads of model.head_dim = 24 (q 192 wide beside hidden 128)
+    "qwen3-gate-next": ["model.arch=qwen3", "model.head_dim=24", "copy.mix=gate", "copy.paste=next", "copy.chunk_size=5"],
 }
 # loss.impl=chunked (blocks of 7 of the 48 rows) beside the dense variant it must equal
 CHUNKED_LOSS = {f"{name}+chunked-loss": name for name in ("copy-off-padded-untied", "joint-next", "sentinel-next-2heads")}
@@ -36,7 +40,8 @@ VARIANTS.update({chunked: VARIANTS[dense] + ["loss.impl=chunked", "loss.chunk_ro
 # dense (gate-self) and chunked copy paths, copy off, both LM-side losses
 SEQUENCE_PARALLEL = {f"{name}+sp": name for name in (
     "copy-off-padded-untied", "gate-next-2heads-rope", "gate-self", "joint-self-padded-untied", "sentinel-next-2heads",
-    "copy-off-padded-untied+chunked-loss", "joint-next+chunked-loss", "gpt2-gate-next", "gpt2-mha-copy-off-untied")}
+    "copy-off-padded-untied+chunked-loss", "joint-next+chunked-loss", "gpt2-gate-next", "gpt2-mha-copy-off-untied",
+    "qwen3-gate-next")}
 TPS = (1, 2, 4)
 
 
@@ -70,7 +75,9 @@ def _model_worker(tp):
             rows = spec.full_rows or None
             grads[pname] = gather_full(p.grad, spec, dims.tp_group)[:rows]
             params[pname] = gather_full(p.data, spec, dims.tp_group)[:rows]
-        results[name] = {"nll": out.nll.detach(), "copy_share": out.copy_share, "grads": grads, "params": params}
+        results[name] = {"nll": out.nll.detach(), "copy_share": out.copy_share, "grads": grads, "params": params,
+                         "layer": [(n, full_shape(p.shape, spec_of(p), tp), spec_of(p).dim, spec_of(p).stride)
+                                   for n, p in model.layers[0].named_parameters()]}
         if name in SEQUENCE_PARALLEL:
             continue  # a sequence-parallel model trains only
         logprobs = model.next_token_logprobs(ids)
@@ -150,6 +157,16 @@ def test_analytic_parameter_count_equals_the_module(runs, variant):
     cfg = load_config("tiny", VARIANTS[variant])
     assert runs[1][0][variant]["numel"] == parameter_count(cfg, padded=True)["total"]
     assert sum(p.numel() for p in runs[1][0][variant]["params"].values()) == parameter_count(cfg)["total"]
+
+
+@pytest.mark.parametrize("tp", TPS)
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_a_layer_is_built_from_its_shapes(runs, tp, variant):
+    """Every parameter of a built layer, in order, is an entry of layer_shapes (what counting and the
+    memory estimator read): its name, full shape and tp split; a new slot is counted as it is built."""
+    cfg = load_config("tiny", VARIANTS[variant])
+    want = [(s.name, s.shape, s.split, s.stride) for s in layer_shapes(cfg.model)]
+    assert runs[tp][0][variant]["layer"] == want
 
 
 def test_copy_head_learns_nothing_yet_but_shares_mass(runs):

@@ -16,7 +16,7 @@ import pytest
 from cplm_dist.config import load_config
 from cplm_dist.model.counting import parameters_per_device, tensor_sizes_per_device
 from cplm_dist.model.parallel.stages import layer_parameters, partition
-from cplm_dist.profiling.communication import step_bytes
+from cplm_dist.profiling.communication import step_bytes, tp_bytes_per_micro_batch
 from cplm_dist.profiling.memory import (Stage, bubble, estimate, layer_activation_bytes_per_token, pipeline_stages,
                                         stage_estimates, state_bytes_per_parameter)
 from cplm_dist.profiling.planner import Cluster, layouts, pipeline_links, plan, predict, stage_flops_per_token
@@ -233,6 +233,20 @@ def test_tensor_sizes_add_up_to_the_parameters_a_device_holds():
         for tp in (1, 2, 8):
             if cfg.model.num_kv_heads % tp == 0:
                 assert sum(tensor_sizes_per_device(cfg, tp)) == parameters_per_device(cfg, tp), (name, tp)
+
+
+def test_qwen3_plans_and_its_qk_norm_gradients_are_all_reduced_over_tp():
+    """qwen3-0.6b plans (its heads of 128 in the FLOPs and the estimator); its qk-norm weights (2 x
+    head_dim a layer, replicated, each rank normalising its own heads) are all-reduced over tp with
+    or without sequence parallelism: the tp volume grows by exactly their bytes over llama's."""
+    fits, _ = plan(load_config("qwen3-0.6b", ["train.precision=bf16"]), Cluster(gpus=8), seq_len=4096, global_batch=64)
+    assert fits and all(p.tp * p.cp * p.pp * p.dp == 8 for p in fits)
+    for sp in (False, True):
+        llama, qwen3 = (tp_bytes_per_micro_batch(load_config("tiny", [f"model.arch={arch}", "model.head_dim=24"]), tp=2,
+                                                 tokens=128, act_bytes=2, activation_checkpointing=False, sequence_parallel=sp)
+                        for arch in ("llama", "qwen3"))
+        assert qwen3["all_reduce"] - llama["all_reduce"] == 2 * (2 * 24) * 2, sp  # L x 2 hd x b
+        assert {k: v for k, v in qwen3.items() if k != "all_reduce"} == {k: v for k, v in llama.items() if k != "all_reduce"}
 
 
 def test_plans_fit_obey_the_batch_and_rank_fastest_first():

@@ -126,6 +126,10 @@ def test_estimate_bounds_the_measured_step_memory_on_cpu(tmp_path):
     assert 0 <= r["estimate_error"] < 0.25, r
 
 
+# per backbone, what its tiny config changes: qwen3's heads of model.head_dim = 24, q 192 wide beside hidden 128
+ARCH = {"llama": [], "gpt2": [], "qwen3": ["model.head_dim=24"]}
+
+
 def _saved_bytes_worker(precision, arch):
     from cplm_dist.distributed import init_distributed
     from cplm_dist.model import build_model
@@ -134,7 +138,7 @@ def _saved_bytes_worker(precision, arch):
     dims = init_distributed(2 if precision.startswith("fp32-tp2") else 1)
     sp = precision.endswith("-sp")
     cfg = load_config("tiny", ["model.num_layers=1", f"parallel.tp={dims.tp_size}", "model.ffn_hidden_size=384",
-                               f"parallel.sequence_parallel={str(sp).lower()}", f"model.arch={arch}"])
+                               f"parallel.sequence_parallel={str(sp).lower()}", f"model.arch={arch}", *ARCH[arch]])
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     model = build_model(cfg).to(dtype)
     B, T = 3, 40
@@ -150,27 +154,33 @@ def _saved_bytes_worker(precision, arch):
             storages[ptr] = t.untyped_storage().nbytes()
         return t
 
+    masks = model.core_attention.masks(None, 0, T, x.device)  # causal
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model.layers[0](x, cos, sin)
+        model.layers[0](x, cos, sin, masks)
     return sum(storages.values()) / (B * T), dims.tp_size
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("arch", sorted(ARCH))
 @pytest.mark.parametrize("precision,act_bytes,world", [("fp32", 4, 1), ("bf16", 2, 1), ("fp32-tp2", 4, 2),
                                                        ("fp32-tp2-sp", 4, 2)])
 def test_layer_activation_formula_equals_what_autograd_keeps(precision, act_bytes, world, arch):
-    """Also under sequence parallelism, where the norms keep T/tp positions; both backbones."""
+    """Also under sequence parallelism, where the norms keep T/tp positions; every backbone (qwen3's
+    qk-norm, grouped heads)."""
     measured, tp = run_ranks(_saved_bytes_worker, world, args=(precision, arch))[0]
     sp = str(precision.endswith("-sp")).lower()
-    cfg = load_config("tiny", ["model.ffn_hidden_size=384", f"parallel.sequence_parallel={sp}", f"model.arch={arch}"])
-    # in bf16 each of the two norms also keeps an fp32 copy of its weight (and gpt2's of its bias)
+    cfg = load_config("tiny", ["model.ffn_hidden_size=384", f"parallel.sequence_parallel={sp}", f"model.arch={arch}", *ARCH[arch]])
+    # in bf16 each of the two norms also keeps an fp32 copy of its weight (and gpt2's of its bias), and
+    # the qk-norm (qwen3) of its two head_dim weights
     per_layer_constant = (2 if arch == "gpt2" else 1) * 2 * 4 * cfg.model.hidden_size if act_bytes == 2 else 0
+    per_layer_constant += 2 * 4 * cfg.model.head_dim if act_bytes == 2 and arch == "qwen3" else 0
     assert measured * 120 == layer_activation_bytes_per_token(cfg, tp, act_bytes) * 120 + per_layer_constant
 
 
 # (arch, precision, tp, sequence parallel, extra overrides) of one layer's saved bytes at cp = 2, in one 4-rank job
 CP_LAYER_CASES = [("llama", "fp32", 1, False, []), ("llama", "bf16", 1, False, []), ("gpt2", "fp32", 1, False, []),
-                  ("gpt2", "fp32", 1, False, ["model.num_kv_heads=8"]), ("llama", "fp32", 2, True, [])]
+                  ("gpt2", "fp32", 1, False, ["model.num_kv_heads=8"]), ("llama", "fp32", 2, True, []),
+                  ("qwen3", "fp32", 1, False, ARCH["qwen3"]), ("qwen3", "bf16", 1, False, ARCH["qwen3"]),
+                  ("qwen3", "fp32", 2, True, ARCH["qwen3"] + ["model.num_kv_heads=8"])]
 CP_SEQ, CP_BATCH = 48, 3
 
 
@@ -223,7 +233,8 @@ def _cp_saved_bytes_worker():
                             requires_grad=True)
             cos, sin = layer_rope(cfg.model, local, 0, position_ids=inputs.positions)
             exclude = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *(t for t in (cos, sin) if t is not None)]}
-            out[i] = _storage_bytes(lambda: model.layers[0](x, cos, sin, None, inputs.attention), exclude)
+            masks = model.core_attention.masks(inputs.docs, 0, local, x.device)  # this rank's two chunks
+            out[i] = _storage_bytes(lambda: model.layers[0](x, cos, sin, masks), exclude)
         if tp == 1:  # a whole forward, loss included: what the estimator's activations, logits and copy head keep
             cfg = _cp_config("llama", 1, False, ["model.vocab_size=4096", "train.precision=fp32"], layers=2)
             model = build_model(cfg)
@@ -251,6 +262,7 @@ def test_context_parallel_activations_equal_what_autograd_keeps():
         c = CP_SEQ // 4  # the chunk: T / (2 cp)
         masks = b * (2 * 2 + 1) * c * c  # rows x keys of the two chunks, (cp rank r + 1) c and (2 cp - r) c keys
         norm_copies = (2 if arch == "gpt2" else 1) * 2 * 4 * cfg.model.hidden_size if b == 2 else 0
+        norm_copies += 2 * 4 * cfg.model.head_dim if b == 2 and arch == "qwen3" else 0  # the qk-norm's two weights
         predicted = layer_activation_bytes_per_token(cfg, tp, b, cp=2) * tokens + CP_ORDER_BYTES * CP_SEQ
         assert measured[i] == predicted + masks + norm_copies, (CP_LAYER_CASES[i], measured[i], predicted)
     cfg = _cp_config("llama", 1, False, ["model.vocab_size=4096", "train.precision=fp32", "data.seq_length=512"], layers=2)

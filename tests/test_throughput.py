@@ -19,6 +19,16 @@ def test_flops_per_token_tiny_by_hand():
     assert flops_per_token(off, 64) == 3 * (2 * (2 * per_layer + 512 * 128) + 4 * 2 * 64 * 128)
 
 
+def test_flops_per_token_of_qwen3_read_its_head_dim():
+    """qwen3-0.6b: 16 heads x 128 = 2048 wide q beside hidden 1024, in the matrices and in QK^T, AV;
+    the qk-norm weights multiply nothing."""
+    cfg = load_config("qwen3-0.6b")  # L=28, D=1024, 16 heads x 128, 8 kv heads, ffn 3072, V=151936, copy 2 x 128 gate
+    per_layer = 1024 * (16 + 2 * 8) * 128 + 16 * 128 * 1024 + 3 * 1024 * 3072  # qkv + out + SwiGLU = 15,728,640
+    n = 28 * per_layer + 151936 * 1024 + (2 * 1024 * 2 * 128 + 1024)  # + LM head + copy q, k, gate
+    assert matmul_parameters(cfg) == n == 596_509_696
+    assert flops_per_token(cfg, 4096) == 3 * (2 * n + 4 * 28 * 4096 * 16 * 128 + 2 * 4096 * 2 * 128)
+
+
 def test_six_n_dominates_at_scale_and_matches_the_parameter_count():
     cfg = load_config("cplm-1.7b")
     n = matmul_parameters(cfg)

@@ -1,6 +1,9 @@
-"""Grouped-query self-attention from megatron-core tensor-parallel linears and torch SDPA.
-RoPE on q and k where the backbone's positions are rotary; biases on QKV and the output projection
-where its record has biases (cplm_dist.model.backbones).
+"""Grouped-query self-attention from megatron-core tensor-parallel linears and a core-attention
+kernel chosen when the model is built (SDPA, FlexAttention, context-parallel:
+cplm_dist.model.core_attention). RoPE on q and k where the backbone's positions are rotary; q and
+k RMS-normalised per head before it where the backbone has qk-norm (Qwen3); biases on QKV and the
+output projection where its record has biases (cplm_dist.model.backbones). The widths are heads x
+model.head_dim, which need not be hidden_size (cplm_dist.model.layer_shapes).
 
 QKV is one ColumnParallelLinear whose rows are laid out per kv group, Megatron's way:
 [q_1 .. q_(nh/nkv), k, v] for each kv group, so an even split over tp hands every rank whole
@@ -13,46 +16,74 @@ along the sequence and the output projection reduce-scatters along it (megatron-
 sequence-parallel linears), so attention itself sees every position of its local heads.
 """
 
+from __future__ import annotations
+
+from dataclasses import dataclass
+
 import torch
-import torch.nn.functional as F
 
 from cplm_dist.config import ModelConfig
 from cplm_dist.megatron_compat import ModelParallelConfig, tensor_parallel
-from cplm_dist.model.backbones import backbone
-from cplm_dist.model.documents import flex_attend
 from cplm_dist.model.initialization import deferred_init
-from cplm_dist.model.parallel.context import ContextAttention
+from cplm_dist.model.layer_shapes import attention_shapes, by_name
+from cplm_dist.model.norm import make_qk_norms
 from cplm_dist.model.parallel.sequence import sum_grad_over
 from cplm_dist.model.parallel.sharding import mark_split
 from cplm_dist.model.rotary import apply_rope
 
 
+@dataclass
+class KVCache:
+    """One layer's keys and values of the positions decoded so far, (B, nkv, P, hd) each (None
+    before the first): extended in place, for decoding one step at a time."""
+
+    k: torch.Tensor | None = None
+    v: torch.Tensor | None = None
+
+    def extend(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values of every position so far, these (B, nkv, T, hd) appended."""
+        if self.k is not None:
+            k, v = torch.cat([self.k, k], dim=2), torch.cat([self.v, v], dim=2)  # (B, nkv, P + T, hd)
+        self.k, self.v = k, v
+        return k, v
+
+    def select(self, rows: torch.Tensor) -> "KVCache":
+        """The cache whose row i is this one's row rows[i]."""
+        return KVCache(*(None if t is None else t.index_select(0, rows) for t in (self.k, self.v)))
+
+
 class Attention(torch.nn.Module):
-    def __init__(self, cfg: ModelConfig, mp: ModelParallelConfig, tp_group, tp_size: int):
+    """Slots (megatron-core's self-attention spec): `qkv`, `q_norm` and `k_norm` (the backbone's
+    qk-norm, or identities), the rotary positions, `core` (the kernel: cplm_dist.model.core_attention,
+    chosen when the model is built) and `proj`. Shapes: cplm_dist.model.layer_shapes."""
+
+    def __init__(self, cfg: ModelConfig, mp: ModelParallelConfig, tp_group, tp_size: int, core, device=None):
         super().__init__()
         self.head_dim = cfg.head_dim
         self.heads = cfg.num_heads // tp_size  # local query heads
         self.kv_heads = cfg.num_kv_heads // tp_size  # local kv heads
         self.group = cfg.num_heads // cfg.num_kv_heads  # query heads per kv head
         self.sequence_parallel = mp.sequence_parallel and tp_size > 1
-        qkv_out = (cfg.num_heads + 2 * cfg.num_kv_heads) * self.head_dim
-        bias = backbone(cfg).bias
+        shapes = by_name(attention_shapes(cfg))
+        (qkv_out, hidden), (_, proj_in) = shapes["qkv.weight"].shape, shapes["proj.weight"].shape
         self.qkv = tensor_parallel.ColumnParallelLinear(
-            cfg.hidden_size, qkv_out, config=mp, init_method=deferred_init, bias=bias, gather_output=False,
+            hidden, qkv_out, config=mp, init_method=deferred_init, bias="qkv.bias" in shapes, gather_output=False,
             tp_group=tp_group,
         )
-        self.proj = OutputLinear(cfg.num_heads * self.head_dim, cfg.hidden_size, mp, tp_group, bias)
+        # shared by every head, so each rank's gradient is its heads' part: summed over tp
+        self.q_norm, self.k_norm = make_qk_norms(cfg, device=device, dtype=mp.params_dtype, grad_group=tp_group)
+        self.proj = OutputLinear(proj_in, hidden, mp, tp_group, "proj.bias" in shapes)
+        self.core = core
         mark_split(self.qkv.weight, dim=0)
-        if bias:
+        if self.qkv.bias is not None:
             mark_split(self.qkv.bias, dim=0)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: dict | None = None,
-                mask=None) -> torch.Tensor:
-        """x (B, T, D), or (T/tp, B, D) under sequence parallelism; cos/sin for all T positions;
-        `cache` ({"k", "v"} of earlier positions, or empty) is extended in place, for decoding one
-        step at a time; `mask` (document masking, cplm_dist.model.documents): None for causal
-        attention, else the block-causal mask of these queries against every key (the cache's
-        too): SDPA's boolean (B, 1, T, Tk) or FlexAttention's BlockMask."""
+    def forward(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, masks,
+                cache: KVCache | None = None) -> torch.Tensor:
+        """x (B, T, D), or (T/tp, B, D) under sequence parallelism; cos/sin for all T positions
+        (None: learned positions); `masks` what `self.core.masks` built for this forward (causal,
+        document masking's block-causal mask, a cp rank's chunks); `cache` (decoding) holds the
+        keys and values of earlier positions and is extended in place."""
         qkv, _ = self.qkv(x)  # (B, T, kv_heads * (group + 2) * hd); sequence parallel: (T, B, ..) gathered
         if self.sequence_parallel:
             qkv = qkv.transpose(0, 1)  # a view, (B, T, ..)
@@ -61,26 +92,12 @@ class Attention(torch.nn.Module):
         q = qkv[:, :, :, : self.group].reshape(B, T, self.heads, self.head_dim).transpose(1, 2)  # (B, nh, T, hd)
         k = qkv[:, :, :, self.group].transpose(1, 2)  # (B, nkv, T, hd)
         v = qkv[:, :, :, self.group + 1].transpose(1, 2)  # (B, nkv, T, hd)
+        q, k = self.q_norm(q), self.k_norm(k)  # per head over hd, before RoPE (Qwen3); identities otherwise
         if cos is not None:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if isinstance(mask, ContextAttention):
-            y = mask.attend(q, k, v, enable_gqa=self.group > 1)
-            return self._project(y, B, T)
-        causal = mask is None
         if cache is not None:
-            past = cache["k"].shape[2] if "k" in cache else 0
-            if past:
-                k, v = torch.cat([cache["k"], k], dim=2), torch.cat([cache["v"], v], dim=2)  # (B, nkv, past + T, hd)
-                if mask is None:  # query i sits at position past + i and sees keys 0 .. past + i
-                    mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(diagonal=past)
-                causal = False
-            cache["k"], cache["v"] = k, v
-        if mask is not None and not isinstance(mask, torch.Tensor):  # a BlockMask (CUDA)
-            y = flex_attend(q, k, v, mask, enable_gqa=self.group > 1)
-        else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
-                                               enable_gqa=self.group > 1)  # (B, nh, T, hd)
-        return self._project(y, B, T)
+            k, v = cache.extend(k, v)
+        return self._project(self.core(q, k, v, masks), B, T)  # the kernel: (B, nh, T, hd)
 
     def _project(self, y: torch.Tensor, B: int, T: int) -> torch.Tensor:
         """The heads' outputs y (B, nh, T, hd) through the output projection."""

@@ -1,5 +1,7 @@
 """One pre-norm transformer layer: x + attn(norm(x)), then x + mlp(norm(x)); the norm and MLP
-are the backbone's (its record's `norm` and `mlp`, cplm_dist.model.backbones).
+are the backbone's (its record's `norm` and `mlp`, cplm_dist.model.backbones), the attention's
+kernel the model's (`PartSpec.core_attention`: SDPA, FlexAttention or context-parallel), its
+parameters' shapes cplm_dist.model.layer_shapes.
 
 Under sequence parallelism x is this rank's (T/tp, B, D) positions: norms and residuals run on
 them, the attention and MLP linears gather and scatter the sequence (megatron-core).
@@ -15,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.utils.checkpoint
 
-from cplm_dist.model.attention import Attention
+from cplm_dist.model.attention import Attention, KVCache
 from cplm_dist.model.mlp import make_mlp
 from cplm_dist.model.norm import make_norm
 from cplm_dist.model.parts import PartSpec
@@ -27,25 +29,26 @@ class TransformerLayer(torch.nn.Module):
         m, mp = spec.model, spec.megatron
         # norms see this rank's positions only under sequence parallelism (their gradients summed over tp)
         self.attn_norm = make_norm(m, device=spec.device, dtype=mp.params_dtype, grad_group=spec.sp_group)
-        self.attention = Attention(m, mp, spec.tp_group, spec.tp_size)
+        self.attention = Attention(m, mp, spec.tp_group, spec.tp_size, spec.core_attention, device=spec.device)
         self.mlp_norm = make_norm(m, device=spec.device, dtype=mp.params_dtype, grad_group=spec.sp_group)
         self.mlp = make_mlp(m, mp, spec.tp_group, spec.tp_size)
         self.recompute = False  # activation checkpointing in training (parallelize)
         self.compiled = None  # torch.compile'd `block`, run in training and evaluation without a cache (parallelize)
 
-    def block(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
-              cache: dict | None = None, mask=None) -> torch.Tensor:
-        x = x + self.attention(self.attn_norm(x), cos, sin, cache, mask)
+    def block(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, masks,
+              cache: KVCache | None = None) -> torch.Tensor:
+        x = x + self.attention(self.attn_norm(x), cos, sin, masks, cache)
         return x + self.mlp(self.mlp_norm(x))
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
-                cache: dict | None = None, mask=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, masks,
+                cache: KVCache | None = None) -> torch.Tensor:
         """x (B, T, D) or sequence parallel (T/tp, B, D); cos/sin for all T positions (None:
-        learned positions); `cache` (decoding) extended in place; `mask` the block-causal mask
-        of document masking (None: causal; cplm_dist.model.documents)."""
+        learned positions); `masks` what the layers' core attention built for this forward
+        (`self.attention.core.masks`: causal, block-causal under document masking, a cp rank's
+        chunks); `cache` (decoding) extended in place."""
         if cache is not None:
-            return self.block(x, cos, sin, cache, mask)
+            return self.block(x, cos, sin, masks, cache)
         block = self.compiled if self.compiled is not None else self.block
         if self.recompute and self.training and torch.is_grad_enabled():
-            return torch.utils.checkpoint.checkpoint(block, x, cos, sin, None, mask, use_reentrant=False)
-        return block(x, cos, sin, None, mask)
+            return torch.utils.checkpoint.checkpoint(block, x, cos, sin, masks, use_reentrant=False)
+        return block(x, cos, sin, masks)

@@ -12,27 +12,17 @@ import math
 
 from cplm_dist.config import Config
 from cplm_dist.model.backbones import backbone
+from cplm_dist.model.layer_shapes import layer_shapes, norm_shapes
 from cplm_dist.model.loss import padded_vocab_size
 from cplm_dist.model.mixes import MIXES
 
 
 def layer_tensors(cfg: Config) -> list[tuple[int, bool, bool]]:
     """(elements over all tp ranks, split over tp, a weight matrix) of each parameter tensor of
-    one transformer layer, in module order, from the backbone's features: norm, QKV, attention out,
-    norm, MLP fc1 (a gated MLP's [gate; up]) and fc2; with biases, each linear's bias after its
-    weight (split with a column-parallel linear, replicated with a row-parallel one)."""
-    m, b = cfg.model, backbone(cfg.model)
-    D, hd, F = m.hidden_size, m.head_dim, m.ffn_hidden_size
-    norm = [(n, False, False) for n in b.norm_tensors(D)]
-
-    def column(rows: int) -> list[tuple[int, bool, bool]]:  # D -> rows, split by rows
-        return [(rows * D, True, True)] + ([(rows, True, False)] if b.bias else [])
-
-    def row(cols: int) -> list[tuple[int, bool, bool]]:  # cols -> D, split by cols
-        return [(cols * D, True, True)] + ([(D, False, False)] if b.bias else [])
-
-    qkv = (m.num_heads + 2 * m.num_kv_heads) * hd
-    return norm + column(qkv) + row(m.num_heads * hd) + norm + column(F * (2 if b.gated_mlp else 1)) + row(F)
+    one transformer layer, in module order: the layer's own shapes (cplm_dist.model.layer_shapes:
+    norm, QKV, the qk-norm slot, attention out, norm, MLP fc1 and fc2, biases where the backbone
+    has them), so whatever slot a layer gains is counted here as it is built."""
+    return [(s.numel, s.split is not None, s.matrix) for s in layer_shapes(cfg.model)]
 
 
 def _layer_matrices(cfg: Config) -> int:
@@ -42,7 +32,7 @@ def _layer_matrices(cfg: Config) -> int:
 
 def _norm_tensors(cfg: Config) -> list[int]:
     """The final norm's tensors (the backbone's norm: a weight, and LayerNorm's bias)."""
-    return backbone(cfg.model).norm_tensors(cfg.model.hidden_size)
+    return [s.numel for s in norm_shapes(cfg.model)]
 
 
 def _positions(cfg: Config) -> int:

@@ -41,8 +41,9 @@ import torch.distributed as dist
 import cplm_dist.model.loss as vocab_parallel
 from cplm_dist.config import Config, ModelConfig
 from cplm_dist.megatron_compat import parallel_state
+from cplm_dist.model.attention import KVCache
 from cplm_dist.model.block import TransformerLayer
-from cplm_dist.model.documents import attention_mask, check_positions, continued_positions, document_index
+from cplm_dist.model.documents import check_positions, continued_positions, document_index
 from cplm_dist.model.initialization import init_parameters
 from cplm_dist.model.parallel.context import ContextInputs, ContextShard, context_inputs
 from cplm_dist.model.parts import Embedding, Head, PartSpec
@@ -61,7 +62,7 @@ class DecodeState:
     and the ids fed so far; once position_ids were given (document masking), the positions and
     document indices of everything fed (cplm_dist.model.documents)."""
 
-    layers: list[dict]
+    layers: list[KVCache]
     ids: torch.Tensor | None = None
     copy_k: torch.Tensor | None = None
     positions: torch.Tensor | None = None
@@ -75,7 +76,7 @@ class DecodeState:
         """A state whose row i continues this state's row rows[i] (a shared prompt fanned out to
         several continuations, as the lm-eval adapter scores the options of one question)."""
         pick = lambda t: None if t is None else t.index_select(0, rows)  # noqa: E731
-        return DecodeState(layers=[{k: pick(v) for k, v in layer.items()} for layer in self.layers],
+        return DecodeState(layers=[layer.select(rows) for layer in self.layers],
                            ids=pick(self.ids), copy_k=pick(self.copy_k), positions=pick(self.positions),
                            docs=pick(self.docs))
 
@@ -90,11 +91,12 @@ class ModelParts(NamedTuple):
 
 class CPLM(torch.nn.Module):
     def __init__(self, embed: Embedding, layers: list[TransformerLayer], head: Head, model_cfg: ModelConfig,
-                 context: ContextShard | None = None):
+                 context: ContextShard | None = None, core_attention=None):
         """The parts in a row; `build_model` builds them (the matched baseline without a copy head:
-        copy.enabled=false). `context`: this rank's place in its cp group (parallel.cp > 1)."""
+        copy.enabled=false). `context`: this rank's place in its cp group (parallel.cp > 1);
+        `core_attention`: the kernel the layers were built with, whose masks a forward builds once."""
         super().__init__()
-        self.context = context
+        self.context, self.core_attention = context, core_attention
         self.model_cfg, self.copy_cfg, self.loss_cfg, self.tp_group = model_cfg, head.copy_cfg, head.loss_cfg, head.tp_group
         self.tp_rank, self.tp_size = vocab_parallel.tp_rank_size(head.tp_group)
         self.vocab_size = model_cfg.vocab_size
@@ -120,15 +122,15 @@ class CPLM(torch.nn.Module):
         of cplm_dist.model.documents); None: one document a row, or continuing the state's.
         Context parallel: input_ids are this rank's two chunks (cplm_dist.model.parallel.context)."""
         if self.context is not None:
-            return self._trunk(input_ids, 0, *self._context_inputs(input_ids, position_ids, state)[1:3], None)
+            return self._context_trunk(input_ids, position_ids, state)[0]
         T, offset = input_ids.shape[1], (state.length if state is not None else 0)
         if self.sequence_parallel and state is not None:
             raise RuntimeError("a sequence-parallel model trains only: load its checkpoint with "
                                "cplm_dist.checkpoint.load_model (built without it) to decode")
         self._check_length(T, offset + T)
         positions, docs = self._documents(input_ids, state, position_ids)
-        mask = None if docs is None else attention_mask(docs, offset, T)
-        return self._trunk(input_ids, offset, positions, mask, state)
+        masks = self.core_attention.masks(docs, offset, T, input_ids.device)  # once a forward, for every layer
+        return self._trunk(input_ids, offset, positions, masks, state)
 
     def _check_length(self, local: int, total: int) -> None:
         if self.sequence_parallel and local % self.tp_size:
@@ -136,26 +138,27 @@ class CPLM(torch.nn.Module):
         if total > self.model_cfg.max_seq_len:
             raise ValueError(f"sequence length {total} exceeds model.max_seq_len={self.model_cfg.max_seq_len}")
 
-    def _trunk(self, input_ids: torch.Tensor, offset: int, positions: torch.Tensor | None, mask,
+    def _trunk(self, input_ids: torch.Tensor, offset: int, positions: torch.Tensor | None, masks,
                state: DecodeState | None) -> torch.Tensor:
         """The embedding, the layers and the final norm over input_ids at positions offset.. (or
-        `positions`), every layer's attention under `mask`."""
+        `positions`), every layer's attention under `masks` (its core attention's, built once)."""
         cos, sin = layer_rope(self.model_cfg, input_ids.shape[1], offset, device=input_ids.device, position_ids=positions)
         x = self.parts.embed(input_ids, offset, positions)  # (B, T, D)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, state.layers[i] if state is not None else None, mask)
+            x = layer(x, cos, sin, masks, state.layers[i] if state is not None else None)
         return self.final_norm(x)
 
-    def _context_inputs(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None,
-                        state: DecodeState | None = None) -> ContextInputs:
-        """Context parallelism: this rank's global positions, every layer's ContextAttention and
-        what the copy head reads of the whole sequence."""
+    def _context_trunk(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None,
+                       state: DecodeState | None = None) -> tuple[torch.Tensor, ContextInputs]:
+        """Context parallelism: (the final-norm states of this rank's chunks, what the copy head
+        reads of the whole sequence), the layers' attention under the chunks' masks."""
         if state is not None:
             raise RuntimeError("a context-parallel model trains only: load its checkpoint with "
                                "cplm_dist.checkpoint.load_model (built without cp) to decode")
         inputs = context_inputs(self.context, input_ids, position_ids)
         self._check_length(input_ids.shape[1], inputs.ids.shape[1])
-        return inputs
+        masks = self.core_attention.masks(inputs.docs, 0, input_ids.shape[1], input_ids.device)
+        return self._trunk(input_ids, 0, inputs.positions, masks, None), inputs
 
     def _documents(self, input_ids: torch.Tensor, state: DecodeState | None, position_ids: torch.Tensor | None):
         """(positions (B, T) of input_ids, document indices (B, offset + T) of every position) under
@@ -197,8 +200,7 @@ class CPLM(torch.nn.Module):
         if labels is None:
             labels = torch.cat([input_ids[:, 1:], torch.full_like(input_ids[:, :1], vocab_parallel.IGNORE_INDEX)], 1)
         if self.context is not None:
-            inputs = self._context_inputs(input_ids, position_ids)
-            h = self._trunk(input_ids, 0, inputs.positions, inputs.attention, None)
+            h, inputs = self._context_trunk(input_ids, position_ids)
             return self.parts.head.token_loss(h, input_ids, labels, self.tied, context=inputs)
         h = self.hidden_states(input_ids, None, position_ids)
         return self.parts.head.token_loss(h, input_ids, labels, self.tied, position_ids)
@@ -216,7 +218,7 @@ class CPLM(torch.nn.Module):
         return self.decode(input_ids, self.new_decode_state(), position_ids=position_ids)[0]
 
     def new_decode_state(self) -> DecodeState:
-        return DecodeState(layers=[{} for _ in self.layers])
+        return DecodeState(layers=[KVCache() for _ in self.layers])
 
     @torch.no_grad()
     def decode(self, input_ids: torch.Tensor, state: DecodeState, with_copy_part: bool = False, last_only: bool = False,
@@ -318,8 +320,9 @@ def build_model(cfg: Config, *, tp_group: dist.ProcessGroup | None = None, devic
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    spec = PartSpec.of(cfg, tp_group, device, dtype, sequence_parallel)
-    model = place(CPLM(Embedding(spec), [TransformerLayer(spec) for _ in range(m.num_layers)], Head(spec), m, context), device)
+    spec = PartSpec.of(cfg, tp_group, device, dtype, sequence_parallel, context)
+    layers = [TransformerLayer(spec) for _ in range(m.num_layers)]
+    model = place(CPLM(Embedding(spec), layers, Head(spec), m, context, spec.core_attention), device)
     init_parameters(model, m, cfg.copy, cfg.seed, model.tp_rank, model.tp_size)
     t = cfg.train
     return parallelize(model, device=device,

@@ -19,7 +19,8 @@ last document (positions counting on from its last), one given with them may sta
 (a 0) or continue (positions that do not start at 0: a later chunk, a context-parallel shard).
 
 On CPU the block-causal attention is SDPA with an explicit boolean mask (B, 1, Tq, Tk); on CUDA
-FlexAttention with a document mask_mod (its BlockMask skips the blocks between documents).
+FlexAttention with a document mask_mod (its BlockMask skips the blocks between documents): the
+kernel is chosen when the model is built (cplm_dist.model.core_attention), these are its masks.
 """
 
 from __future__ import annotations
@@ -70,29 +71,6 @@ def block_causal_mask(docs: torch.Tensor, offset: int, rows: int) -> torch.Tenso
     indices are docs (B, Tk): True where the key is at or before the query in its document (the
     copy head's candidate mask with no shift)."""
     return candidate_mask(rows, docs.shape[1], offset, 0, docs.device, docs).unsqueeze(1)
-
-
-def attention_mask(docs: torch.Tensor, offset: int, rows: int):
-    """The block-causal mask attention takes: FlexAttention's BlockMask on CUDA, else SDPA's
-    boolean (B, 1, rows, Tk)."""
-    if docs.device.type == "cuda":
-        return flex_document_mask(docs, offset, rows)
-    return block_causal_mask(docs, offset, rows)
-
-
-class MaskOfLastRow:
-    """The block-causal mask of the last position_ids seen, built once and handed to each later
-    caller with the same tensor: a pipeline stage's layers each receive the micro-batch's positions
-    and would otherwise build (on CUDA: create_block_mask over T x T) the same mask once a layer."""
-
-    def __init__(self):
-        self.positions, self.version, self.mask = None, None, None
-
-    def __call__(self, position_ids: torch.Tensor):
-        if position_ids is not self.positions or position_ids._version != self.version:  # another row, or changed in place
-            self.positions, self.version = position_ids, position_ids._version
-            self.mask = attention_mask(document_index(position_ids), 0, position_ids.shape[1])
-        return self.mask
 
 
 def flex_document_mask(docs: torch.Tensor, offset: int, rows: int):

@@ -12,18 +12,29 @@ from cplm_dist.megatron_compat import ModelParallelConfig, tensor_parallel
 from cplm_dist.model.attention import OutputLinear
 from cplm_dist.model.backbones import backbone
 from cplm_dist.model.initialization import deferred_init
+from cplm_dist.model.layer_shapes import by_name, mlp_shapes
 from cplm_dist.model.parallel.sharding import mark_split
+
+
+def mlp_linears(cfg: ModelConfig, mp: ModelParallelConfig, tp_group):
+    """(fc1, fc2) as cplm_dist.model.layer_shapes.mlp_shapes has them: fc1 column-parallel (a gated
+    MLP's [gate; up] of stride 2), fc2 ending the tp region; biases where the backbone has them."""
+    shapes = by_name(mlp_shapes(cfg))
+    w1 = shapes["fc1.weight"]
+    (rows, hidden), (_, ffn) = w1.shape, shapes["fc2.weight"].shape
+    fc1 = tensor_parallel.ColumnParallelLinear(
+        hidden, rows, config=mp, init_method=deferred_init, bias="fc1.bias" in shapes, gather_output=False,
+        stride=w1.stride, tp_group=tp_group,
+    )
+    for param in fc1.parameters():
+        mark_split(param, dim=0, stride=w1.stride)
+    return fc1, OutputLinear(ffn, hidden, mp, tp_group, bias="fc2.bias" in shapes)
 
 
 class SwiGLUMLP(torch.nn.Module):
     def __init__(self, cfg: ModelConfig, mp: ModelParallelConfig, tp_group, tp_size: int):
         super().__init__()
-        self.fc1 = tensor_parallel.ColumnParallelLinear(
-            cfg.hidden_size, 2 * cfg.ffn_hidden_size, config=mp, init_method=deferred_init, bias=False,
-            gather_output=False, stride=2, tp_group=tp_group,
-        )
-        self.fc2 = OutputLinear(cfg.ffn_hidden_size, cfg.hidden_size, mp, tp_group, bias=False)
-        mark_split(self.fc1.weight, dim=0, stride=2)
+        self.fc1, self.fc2 = mlp_linears(cfg, mp, tp_group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h, _ = self.fc1(x)  # (B, T, 2 * ffn / tp): [gate | up] of this rank
@@ -36,13 +47,7 @@ class GeluMLP(torch.nn.Module):
 
     def __init__(self, cfg: ModelConfig, mp: ModelParallelConfig, tp_group, tp_size: int):
         super().__init__()
-        self.fc1 = tensor_parallel.ColumnParallelLinear(
-            cfg.hidden_size, cfg.ffn_hidden_size, config=mp, init_method=deferred_init, bias=True,
-            gather_output=False, tp_group=tp_group,
-        )
-        self.fc2 = OutputLinear(cfg.ffn_hidden_size, cfg.hidden_size, mp, tp_group, bias=True)
-        mark_split(self.fc1.weight, dim=0)
-        mark_split(self.fc1.bias, dim=0)
+        self.fc1, self.fc2 = mlp_linears(cfg, mp, tp_group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h, _ = self.fc1(x)  # (B, T, ffn / tp)

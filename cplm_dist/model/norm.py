@@ -1,13 +1,17 @@
 """RMSNorm and LayerNorm with bias (a backbone's `norm`), replicated on every tp rank, computed in
-float32 whatever the activation dtype.
+float32 whatever the activation dtype; and the qk-norm slot (a backbone's `qk_norm`: RMSNorm over
+head_dim of each query and key head, Qwen3's), identities where the backbone has none.
 
 Under sequence parallelism each tp rank normalises its own positions only: `grad_group` (the tp
-group) sums the weight's gradient (cplm_dist.model.parallel.sequence.sum_grad_over).
+group) sums the weight's gradient (cplm_dist.model.parallel.sequence.sum_grad_over). The qk-norm
+weights are shared by every head and a rank holds its own heads, so theirs is summed over tp always.
+Shapes: cplm_dist.model.layer_shapes.
 """
 
 import torch
 
 from cplm_dist.model.backbones import backbone
+from cplm_dist.model.layer_shapes import norm_shapes, qk_norm_shapes
 from cplm_dist.model.parallel.sequence import sum_grad_over
 
 
@@ -41,6 +45,15 @@ NORMS = {"rmsnorm": RMSNorm, "layernorm": LayerNorm}
 
 
 def make_norm(cfg, *, device=None, dtype=None, grad_group=None) -> torch.nn.Module:
-    """The backbone's norm (its record's `norm`) for a ModelConfig."""
-    cls = NORMS[backbone(cfg).norm]
-    return cls(cfg.hidden_size, cfg.norm_eps, device=device, dtype=dtype, grad_group=grad_group)
+    """The backbone's norm (its record's `norm`) over hidden_size, for a ModelConfig."""
+    (dim,) = norm_shapes(cfg)[0].shape
+    return NORMS[backbone(cfg).norm](dim, cfg.norm_eps, device=device, dtype=dtype, grad_group=grad_group)
+
+
+def make_qk_norms(cfg, *, device=None, dtype=None, grad_group=None) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """The qk-norm slot: (q_norm, k_norm), RMSNorms over head_dim whose gradients `grad_group` (the
+    tp group) sums; two identities (no parameters) where the backbone has no qk-norm."""
+    shapes = qk_norm_shapes(cfg)
+    if not shapes:
+        return torch.nn.Identity(), torch.nn.Identity()
+    return tuple(RMSNorm(s.shape[0], cfg.norm_eps, device=device, dtype=dtype, grad_group=grad_group) for s in shapes)

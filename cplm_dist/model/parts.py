@@ -25,9 +25,11 @@ from cplm_dist.config import Config, CopyConfig, LossConfig, ModelConfig
 from cplm_dist.megatron_compat import ModelParallelConfig, tensor_parallel
 from cplm_dist.model.backbones import backbone
 from cplm_dist.model.copy_head import CopyHead
+from cplm_dist.model.core_attention import local_attention
 from cplm_dist.model.documents import document_index
 from cplm_dist.model.initialization import deferred_init
 from cplm_dist.model.norm import make_norm
+from cplm_dist.model.parallel.context import ContextParallelAttention, ContextShard
 from cplm_dist.model.parallel.sequence import gather_sequence
 from cplm_dist.model.parallel.sharding import mark_split
 from cplm_dist.model.rotary import LearnedPositions
@@ -66,12 +68,22 @@ class PartSpec:
     sequence_parallel: bool
     device: torch.device
     dtype: torch.dtype = torch.float32
+    context: ContextShard | None = None  # this rank's place in its cp group (parallel.cp > 1)
 
     @classmethod
     def of(cls, cfg: Config, tp_group, device: torch.device, dtype: torch.dtype = torch.float32,
-           sequence_parallel: bool | None = None) -> "PartSpec":
+           sequence_parallel: bool | None = None, context: ContextShard | None = None) -> "PartSpec":
         sp = cfg.parallel.sequence_parallel if sequence_parallel is None else sequence_parallel
-        return cls(cfg.model, cfg.copy, cfg.loss, tp_group, sp, device, dtype)
+        return cls(cfg.model, cfg.copy, cfg.loss, tp_group, sp, device, dtype, context)
+
+    @functools.cached_property
+    def core_attention(self):
+        """The attention kernel every layer is built with, chosen here once (megatron-core's
+        core_attention slot, cplm_dist.model.core_attention): context-parallel at cp > 1, else
+        FlexAttention's on CUDA (document masking's block masks), SDPA's elsewhere."""
+        if self.context is not None:
+            return ContextParallelAttention(self.context, flex=self.device.type == "cuda")
+        return local_attention(self.device)
 
     @property
     def tp_size(self) -> int:

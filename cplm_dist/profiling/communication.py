@@ -13,13 +13,14 @@ tensor parallel, without sequence parallelism (megatron-core's linears; tp > 1):
                          non-reentrant checkpoint stops once backward's saved tensors are back,
                          before the MLP's output collective, which nothing saved depends on])
                 + 3 x 4 n    the loss's max, target logit and sum-exp over the vocabulary shards
+                + L x 2 hd b the qk-norm weights' gradients (qwen3: a rank normalises its own heads)
 with sequence parallelism (docs/parallelism.md):
     all_gather  n D b x (2L forward + 4L backward [QKV, fc1 inputs again; attention-out and MLP-out
                          gradients] + 2 [LM-head input, forward and again in backward] + 1 [embedding
                          gradient] + 2L recomputed) + the copy head's keys 4 n H_c d_c and terms 4 n k
     reduce_scatter n D b x (2L forward + 2L backward + 1 [embedding] + 1 [LM-head input gradient]
                          + L recomputed) + the copy head's key gradient 4 n H_c d_c
-    all_reduce  the replicated weights' gradients (norms, copy head: their elements x b) + 3 x 4 n
+    all_reduce  the replicated weights' gradients (norms, qk-norm, copy head: their elements x b) + 3 x 4 n
 data parallel over the P parameter elements a rank holds (after tp), gradients and gathered
 parameters in the parameters' dtype, as DeepSpeed 0.19.8 does it (measured on gloo):
     ZeRO-0      all_reduce P once a step (at the accumulation boundary)
@@ -71,6 +72,7 @@ from collections import defaultdict
 
 from cplm_dist.config import Config
 from cplm_dist.model.counting import _copy_head, replicated_parameters
+from cplm_dist.model.layer_shapes import ALWAYS, UNDER_SEQUENCE_PARALLEL, layer_shapes
 from cplm_dist.model.loss import padded_vocab_size
 from cplm_dist.model.mixes import MIXES
 from cplm_dist.model.parallel.stages import pipeline_stages, stage_tensor_sizes
@@ -97,11 +99,14 @@ def tp_bytes_per_micro_batch(cfg: Config, *, tp: int, tokens: int, act_bytes: in
     emb, head = int(first), int(last)
     ckpt = 1 if activation_checkpointing else 0  # a recomputed layer repeats all but its MLP's output collective
     loss = 3 * 4 * tokens * head
+    shapes = layer_shapes(m)  # a layer's replicated weights whose gradients are summed over tp
+    heads = L * sum(s.numel for s in shapes if s.grad_sum == ALWAYS)  # the qk-norm's (over each rank's own heads)
     if not sequence_parallel:
-        return {"all_reduce": h * (2 * L + emb + 2 * L + head + ckpt * L) + loss}
+        return {"all_reduce": h * (2 * L + emb + 2 * L + head + ckpt * L) + loss + heads * act_bytes}
     keys = 4 * tokens * c.num_heads * c.head_dim * head if c.enabled else 0
     terms = 4 * tokens * _copy_terms(cfg) * head if c.enabled else 0
-    norms = 2 * L * m.hidden_size + head * (m.hidden_size + sum(_copy_head(cfg)))  # the replicated weights
+    layer = L * sum(s.numel for s in shapes if s.grad_sum == UNDER_SEQUENCE_PARALLEL)  # norms (each rank's positions)
+    norms = layer + heads + head * (m.hidden_size + sum(_copy_head(cfg)))  # the replicated weights
     if layers is None:
         assert norms == replicated_parameters(cfg)
     return {

@@ -25,6 +25,9 @@ exactly):
     norms     2 x (4 D + 4 + 4 D + b D)     RMSNorm: fp32 input and normalised copies, 1/rms, output
               2 x (4 D + 8 + b D)           LayerNorm: fp32 input, mean and 1/std, output
     attention b (nh + 2 nkv) hd             the fused QKV output (q, k, v are views of it)
+              + 4 (nh + nkv) (hd + 1)       qk-norm (qwen3): each head's fp32 normalised copy and 1/rms,
+                + 4 (nh + nkv) hd             and in bf16 the fp32 casts of q and k,
+                + 4 nh hd [nkv < nh]          in fp32 q's copy out of the QKV output (k is a view of it)
               + b (nh + nkv) hd             rotary positions: the rotated q, k
               + b nh hd [nkv < nh]          learned positions: q made contiguous when heads share kv
               + b nh hd + 4 nh              the SDPA output and its log-sum-exp
@@ -114,6 +117,7 @@ and tp 2 with sequence parallelism; a test holds the formula to it exactly):
               + 2 b nh hd + 4 nh             each chunk's SDPA output and log-sum-exp, and their
                                              concatenation (the output projection's input)
               + 16 T per layer and sequence  the gathers' two (T,) int64 reorderings
+              + qk-norm's line above         and in fp32 the fused QKV output, which k is a view of
 
 so the gathered K/V of every layer are held for backward (SDPA needs them), not only transiently;
 under checkpointing one layer's, during its recomputation. On CPU, SDPA also keeps a float copy of
@@ -136,6 +140,7 @@ from dataclasses import asdict, dataclass
 from cplm_dist.config import Config
 from cplm_dist.model.backbones import backbone
 from cplm_dist.model.copy_lse import FLEX_VALUE_DIM
+from cplm_dist.model.layer_shapes import by_name, layer_shapes
 from cplm_dist.model.loss import padded_vocab_size
 from cplm_dist.model.parallel.stages import Stage, pipeline_stages, stage_parameters
 
@@ -225,24 +230,43 @@ NORM_SAVED = {"rmsnorm": lambda D, b: 4 * D + 4 + 4 * D + b * D, "layernorm": la
 MLP_SAVED = {"swiglu": 4, "gelu": 2}
 
 
+def qk_norm_bytes_per_token(nh: int, nkv: int, hd: int, b: int, qkv_counted: bool) -> float:
+    """What the qk-norm slot (RMSNorm over head_dim of each of the rank's nh query and nkv key heads,
+    in fp32) saves per token: each head's normalised copy and 1/rms, and its fp32 input: in bf16
+    the casts of q and k; in fp32 q's copy out of the fused QKV output when heads share kv (a view
+    of it otherwise) and k, a view of that output, keeping it (`qkv_counted`: already counted)."""
+    saved = 4 * (nh + nkv) * (hd + 1)
+    if b != 4:
+        return saved + 4 * (nh + nkv) * hd
+    return saved + (4 * nh * hd if nkv < nh else 0) + (0 if qkv_counted else b * (nh + 2 * nkv) * hd)
+
+
 def layer_activation_bytes_per_token(cfg: Config, tp: int, act_bytes: int, cp: int = 1) -> float:
     """What one transformer layer saves for backward per token of this rank, from its backbone's
-    features (the module docstring's counts); under context parallelism (cp > 1) with the
-    gathered keys and values (not counted: the gathers' int64 reorderings, `CP_ORDER_BYTES`)."""
+    features and its linears' widths (cplm_dist.model.layer_shapes; the module docstring's counts);
+    under context parallelism (cp > 1) with the gathered keys and values (not counted: the
+    gathers' int64 reorderings, `CP_ORDER_BYTES`)."""
     m, b, bb = cfg.model, act_bytes, backbone(cfg.model)
-    D, F, hd = m.hidden_size, m.ffn_hidden_size // tp, m.head_dim
+    shapes = by_name(layer_shapes(m))
+    D, hd = m.hidden_size, m.head_dim
+    F = shapes["mlp.fc2.weight"].local_shape(tp)[1]  # this rank's MLP width
+    qkv = shapes["attention.qkv.weight"].local_shape(tp)[0]  # this rank's fused QKV width, (nh + 2 nkv) hd
     nh, nkv = m.num_heads // tp, m.num_kv_heads // tp
     norms = 2 * NORM_SAVED[bb.norm](D, b) / sequence_shards(cfg, tp)
+    mlp = b * MLP_SAVED[bb.mlp] * F
     if cp > 1:  # q, the gathered K and V, each chunk's output and log-sum-exp and their concatenation
-        q = b * (nh + 2 * nkv) * hd if bb.positions != "rope" and nkv == nh else b * nh * hd
-        return norms + q + 2 * b * cp * nkv * hd + 2 * b * nh * hd + 4 * nh + b * MLP_SAVED[bb.mlp] * F
-    attention = b * (nh + 2 * nkv) * hd  # the fused QKV output
+        q = b * qkv if bb.positions != "rope" and nkv == nh else b * nh * hd
+        qk_norm = qk_norm_bytes_per_token(nh, nkv, hd, b, qkv_counted=q == b * qkv) if bb.qk_norm else 0
+        return norms + q + qk_norm + 2 * b * cp * nkv * hd + 2 * b * nh * hd + 4 * nh + mlp
+    attention = b * qkv  # the fused QKV output
+    if bb.qk_norm:
+        attention += qk_norm_bytes_per_token(nh, nkv, hd, b, qkv_counted=True)
     if bb.positions == "rope":
         attention += b * (nh + nkv) * hd  # rotated q and k
     elif nkv < nh:
         attention += b * nh * hd  # q made contiguous for SDPA when heads share kv
     attention += b * nh * hd + 4 * nh  # the SDPA output and its log-sum-exp
-    return norms + attention + b * MLP_SAVED[bb.mlp] * F
+    return norms + attention + mlp
 
 
 CP_ORDER_BYTES = 16  # per layer and position of the whole sequence: the K and V gathers' (T,) int64 reorderings

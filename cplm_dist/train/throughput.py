@@ -7,11 +7,12 @@ activations + backward of weights). Forward FLOPs per token:
   + 4 * L * T * d_attn                         QK^T and AV over all T keys (not halved for causality)
   + 2 * T * H_c * d_c                          the copy head's scores (no AV: it only needs A_t, M_t)
 
-N_matmul counts every parameter that multiplies an activation: QKV, attention output, MLP, the
-LM head (V x D, tied or not) and the copy head's q, k and gate; not the embedding lookup or the
-norms. The attention term is PaLM's (Chowdhery et al. 2022, appendix B) and Megatron's: the full
-T x T product, although causal kernels skip about half of it; MFU by this convention is
-comparable with their published figures. So per token: 6 * N_matmul + 12 * L * T * d_attn + 6 * T * H_c * d_c.
+d_attn = num_heads x model.head_dim, the width of q (hidden_size unless model.head_dim says
+otherwise: Qwen3's 16 x 128 beside hidden 1024). N_matmul counts every parameter that multiplies
+an activation: QKV, attention output, MLP, the LM head (V x D, tied or not) and the copy head's q,
+k and gate; not the embedding lookup or the norms. The attention term is PaLM's (Chowdhery et al.
+2022, appendix B) and Megatron's: the full T x T product, although causal kernels skip about half
+of it; MFU by this convention is comparable with their published figures. So per token: 6 * N_matmul + 12 * L * T * d_attn + 6 * T * H_c * d_c.
 
 MFU = achieved FLOP/s per device / the device's dense peak for the training precision, from
 `PEAK_FLOPS` (vendor datasheets, dense, no sparsity). No MFU on CPU: there is no honest peak.

@@ -10,9 +10,9 @@ the loss) runs on them alone.
 What needs the whole prefix gathers it over cp, Llama 3's way (exact, simple, composes with
 document masking, small with grouped-query attention):
   - attention: each layer all-gathers its K and V (B x n_kv x T x d each); each local chunk's
-    queries attend the keys before and at their positions (`ContextAttention`: a causal mask with
-    the chunk's offset, or the block-causal one of document masking); backward reduce-scatters
-    the keys' and values' gradients to their owners;
+    queries attend the keys before and at their positions (`ContextParallelAttention`, the core
+    attention a cp model is built with: a causal mask with the chunk's offset, or the block-causal
+    one of document masking); backward reduce-scatters the keys' and values' gradients to their owners;
   - the copy head: its keys (B x H_c x T x d_c) all-gathered the same way, the source ids (the
     token each candidate pastes) from the gathered input ids, and A_t, M_t of each local chunk's
     rows over the whole prefix by the same dense / chunked / flex paths (their `offset`);
@@ -36,7 +36,8 @@ import torch
 import torch.distributed as dist
 
 from cplm_dist.model.copy_lse import candidate_block_mask
-from cplm_dist.model.documents import attention_mask, check_positions, document_index, flex_attend
+from cplm_dist.model.documents import (block_causal_mask, check_positions, document_index, flex_attend,
+                                       flex_document_mask)
 from cplm_dist.model.parallel.sequence import gather_sequence
 
 
@@ -117,30 +118,29 @@ def context_of(dims) -> ContextShard | None:
     return ContextShard(dims.cp_rank, dims.cp_size, dims.cp_group) if dims.cp_size > 1 else None
 
 
-def chunk_mask(docs: torch.Tensor | None, offset: int, rows: int, device: torch.device):
+def chunk_mask(docs: torch.Tensor | None, offset: int, rows: int, device: torch.device, flex: bool):
     """The mask of `rows` queries at positions offset.. against keys 0..offset + rows - 1:
     causal with the offset (document masking: block-causal over `docs` (B, >= offset + rows)),
-    FlexAttention's BlockMask on CUDA, SDPA's boolean elsewhere."""
+    FlexAttention's BlockMask with `flex`, SDPA's boolean otherwise."""
     keys = offset + rows
     if docs is not None:
-        return attention_mask(docs[:, :keys], offset, rows)
-    if device.type == "cuda":
+        docs = docs[:, :keys]
+        return flex_document_mask(docs, offset, rows) if flex else block_causal_mask(docs, offset, rows)
+    if flex:
         return candidate_block_mask(rows, keys, offset, device)[0]
     return torch.ones(rows, keys, dtype=torch.bool, device=device).tril(diagonal=offset)
 
 
-class ContextAttention:
-    """What a layer's attention does under context parallelism: handed to every layer in place
-    of a mask (cplm_dist.model.attention), built once a forward. Keys and values are all-gathered
-    over cp, then each run of this rank's queries (its two chunks) attends the prefix up to it."""
+class ChunkMasks:
+    """The masks of one context-parallel forward, built once and handed to every layer: each run
+    of this rank's queries (its two chunks: (first row, end row, position of the first)) against
+    the prefix up to it."""
 
-    def __init__(self, shard: ContextShard, local_length: int, docs: torch.Tensor | None, device: torch.device):
-        self.shard = shard
-        self.runs = shard.runs(0, local_length, local_length)
-        self.masks = [chunk_mask(docs, pos, b - a, device) for a, b, pos in self.runs]
+    def __init__(self, runs: list[tuple[int, int, int]], masks: list):
+        self.runs, self.masks = runs, masks
         self._float: dict = {}
 
-    def _additive(self, i: int, dtype: torch.dtype) -> torch.Tensor:
+    def additive(self, i: int, dtype: torch.dtype) -> torch.Tensor:
         """Run i's boolean mask as the additive one SDPA converts it to, made once a forward and
         dtype and shared by every layer (each layer's SDPA would otherwise keep a converted copy
         for its backward: c x (offset + c) floats a layer)."""
@@ -150,20 +150,35 @@ class ContextAttention:
             self._float[key] = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
         return self._float[key]
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enable_gqa: bool) -> torch.Tensor:
+
+class ContextParallelAttention:
+    """The core attention under context parallelism (cplm_dist.model.core_attention), the same in
+    every layer: keys and values all-gathered over cp, then each run of this rank's queries (its
+    two chunks) attends the prefix up to it, through FlexAttention (`flex`: CUDA) or SDPA."""
+
+    def __init__(self, shard: ContextShard, flex: bool):
+        self.shard, self.flex = shard, flex
+
+    def masks(self, docs: torch.Tensor | None, offset: int, rows: int, device: torch.device) -> ChunkMasks:
+        """`rows` = this rank's T/cp positions (offset 0: no KV cache under cp); docs (B, T) the
+        document index of the whole sequence under document masking, else None."""
+        runs = self.shard.runs(0, rows, rows)
+        return ChunkMasks(runs, [chunk_mask(docs, pos, b - a, device, self.flex) for a, b, pos in runs])
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masks: ChunkMasks) -> torch.Tensor:
         """q (B, nh, T/cp, d) of this rank's positions, k and v (B, nkv, T/cp, d) -> (B, nh, T/cp, d)."""
         import torch.nn.functional as F
 
+        gqa = q.shape[1] != k.shape[1]
         k, v = self.shard.gather(k, dim=2), self.shard.gather(v, dim=2)
         outs = []
-        for i, ((a, b, pos), mask) in enumerate(zip(self.runs, self.masks)):
+        for i, (a, b, pos) in enumerate(masks.runs):
             keys = pos + b - a
             qi, ki, vi = q[:, :, a:b], k[:, :, :keys], v[:, :, :keys]
-            if isinstance(mask, torch.Tensor):
-                outs.append(F.scaled_dot_product_attention(qi, ki, vi, attn_mask=self._additive(i, q.dtype),
-                                                          enable_gqa=enable_gqa))
-            else:  # a BlockMask (CUDA)
-                outs.append(flex_attend(qi, ki, vi, mask, enable_gqa=enable_gqa))
+            if self.flex:
+                outs.append(flex_attend(qi, ki, vi, masks.masks[i], enable_gqa=gqa))
+            else:
+                outs.append(F.scaled_dot_product_attention(qi, ki, vi, attn_mask=masks.additive(i, q.dtype), enable_gqa=gqa))
         return torch.cat(outs, dim=2)
 
 
@@ -172,7 +187,6 @@ class ContextInputs(NamedTuple):
 
     ids: torch.Tensor  # (B, T) every position's id, in sequence order (the copy head's source ids)
     positions: torch.Tensor  # (B, T/cp) this rank's tokens' positions (document masking: restarting at 0)
-    attention: ContextAttention  # what every layer's attention does
     docs: torch.Tensor | None  # (B, T) document index of every position under document masking, else None
     shard: ContextShard
 
@@ -190,4 +204,4 @@ def context_inputs(shard: ContextShard, input_ids: torch.Tensor, position_ids: t
         whole = shard.gather_ids(position_ids)
         check_positions(whole, ids, full_row=True)
         docs, positions = document_index(whole), position_ids
-    return ContextInputs(ids, positions, ContextAttention(shard, input_ids.shape[1], docs, input_ids.device), docs, shard)
+    return ContextInputs(ids, positions, docs, shard)

@@ -39,7 +39,7 @@ from cplm_dist.config import Config
 from cplm_dist.distributed import ParallelDims
 from cplm_dist.megatron_compat import import_deepspeed
 from cplm_dist.model.block import TransformerLayer
-from cplm_dist.model.documents import MaskOfLastRow
+from cplm_dist.model.core_attention import MasksOfLastRow
 from cplm_dist.model.initialization import init_parameters
 from cplm_dist.model.loss import IGNORE_INDEX
 from cplm_dist.model.parallel.stages import pipeline_layers, stage_bounds
@@ -64,7 +64,7 @@ def hand_weight_to_head(stage: EmbeddingStage, inputs):
     return (*inputs, stage.embedding.weight)
 
 
-STAGE_MASKS = MaskOfLastRow()
+STAGE_MASKS = MasksOfLastRow()
 
 
 class LayerStage(TransformerLayer):
@@ -80,8 +80,9 @@ class LayerStage(TransformerLayer):
         x, ids, labels, *positions = inputs
         position_ids = positions[0] if positions else None
         cos, sin = layer_rope(self.model_cfg, ids.shape[1], device=x.device, position_ids=position_ids)
-        mask = None if position_ids is None else self.document_mask(position_ids)
-        return super().forward(x, cos, sin, None, mask), ids, labels, *positions
+        core = self.attention.core
+        masks = core.masks(None, 0, ids.shape[1], x.device) if position_ids is None else self.document_mask(core, position_ids)
+        return super().forward(x, cos, sin, masks), ids, labels, *positions
 
 
 class HeadStage(Head):

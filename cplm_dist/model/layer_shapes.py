@@ -1,0 +1,113 @@
+"""A transformer layer's parameters as data, megatron-core's layer spec for shapes: each slot's
+tensors (name, full shape, how it is laid out over tp) as a function of the model config and its
+backbone's record (cplm_dist.model.backbones). The modules build themselves from these (attention,
+its qk-norm slot, the MLP, the norms); counting (cplm_dist.model.counting) and the memory estimator
+(cplm_dist.profiling.memory) read the same entries, so a new slot is counted where it is defined.
+
+    layer_shapes(m)      the layer, in module order:  attn_norm.*, attention.*, mlp_norm.*, mlp.*
+    attention_shapes(m)  qkv, [q_norm, k_norm], proj           (biases where the backbone has them)
+    mlp_shapes(m)        fc1 ([gate; up] for a gated MLP), fc2
+    norm_shapes(m, dim)  weight [, bias]
+
+A test ties every entry to the built module's parameters (name, full shape, split) at tp 1 and 2
+(tests/test_model.py). No megatron-core here: the arithmetic modules import without it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from cplm_dist.config import ModelConfig
+from cplm_dist.model.backbones import backbone
+
+# when a replicated tensor's gradient is summed over the tp ranks
+UNDER_SEQUENCE_PARALLEL = "sequence_parallel"  # a rank applies it to its T/tp positions only then (norms, row biases)
+ALWAYS = "always"  # a rank applies it to its own heads only (the qk-norm weights, shared by every head)
+
+
+@dataclass(frozen=True)
+class ParameterShape:
+    """One parameter tensor of a layer: `shape` is the whole tensor (all tp ranks together); `split`
+    the dimension cut over tp (Megatron's strided way with `stride`), None where every tp rank holds
+    it whole; `matrix` where it multiplies the activation once a token (the FLOP count's N_matmul);
+    `grad_sum` (replicated tensors) when its gradient is summed over tp."""
+
+    name: str
+    shape: tuple[int, ...]
+    split: int | None = None
+    stride: int = 1
+    matrix: bool = False
+    grad_sum: str | None = None
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    def local_shape(self, tp: int) -> tuple[int, ...]:
+        """The shape one of `tp` ranks holds."""
+        if self.split is None:
+            return self.shape
+        return tuple(s // tp if i == self.split else s for i, s in enumerate(self.shape))
+
+
+def _under(prefix: str, shapes: list[ParameterShape]) -> list[ParameterShape]:
+    return [replace(s, name=f"{prefix}.{s.name}") for s in shapes]
+
+
+def by_name(shapes: list[ParameterShape]) -> dict[str, ParameterShape]:
+    return {s.name: s for s in shapes}
+
+
+def norm_shapes(m: ModelConfig, dim: int | None = None, grad_sum: str = UNDER_SEQUENCE_PARALLEL) -> list[ParameterShape]:
+    """The backbone's norm over `dim` features (default hidden_size): a weight, and LayerNorm's bias."""
+    dim = m.hidden_size if dim is None else dim
+    names = ("weight", "bias") if backbone(m).norm == "layernorm" else ("weight",)
+    return [ParameterShape(n, (dim,), grad_sum=grad_sum) for n in names]
+
+
+def column_shapes(rows: int, cols: int, bias: bool, stride: int = 1) -> list[ParameterShape]:
+    """A ColumnParallelLinear cols -> rows: weight (rows, cols) and bias split by rows over tp."""
+    return [ParameterShape("weight", (rows, cols), split=0, stride=stride, matrix=True)] + (
+        [ParameterShape("bias", (rows,), split=0, stride=stride)] if bias else [])
+
+
+def row_shapes(rows: int, cols: int, bias: bool) -> list[ParameterShape]:
+    """A RowParallelLinear cols -> rows (ending a tp region): weight split by columns, bias whole
+    (added after the reduction: under sequence parallelism it meets T/tp positions a rank)."""
+    return [ParameterShape("weight", (rows, cols), split=1, matrix=True)] + (
+        [ParameterShape("bias", (rows,), grad_sum=UNDER_SEQUENCE_PARALLEL)] if bias else [])
+
+
+def qk_norm_shapes(m: ModelConfig) -> list[ParameterShape]:
+    """The qk-norm slot: q_norm and k_norm, RMSNorm weights over head_dim shared by every head
+    (so replicated over tp, their gradients summed over tp); empty where the backbone has none."""
+    if not backbone(m).qk_norm:
+        return []
+    return [ParameterShape(f"{which}.weight", (m.head_dim,), grad_sum=ALWAYS) for which in ("q_norm", "k_norm")]
+
+
+def attention_shapes(m: ModelConfig) -> list[ParameterShape]:
+    """QKV (rows per kv group [q_1 .. q_g, k, v]: (nh + 2 nkv) head_dim), the qk-norm slot, and the
+    output projection (nh head_dim -> hidden). Their widths are heads x head_dim, which need not be
+    hidden_size (model.head_dim, Qwen3)."""
+    bias = backbone(m).bias
+    qkv = (m.num_heads + 2 * m.num_kv_heads) * m.head_dim
+    return (_under("qkv", column_shapes(qkv, m.hidden_size, bias)) + qk_norm_shapes(m)
+            + _under("proj", row_shapes(m.hidden_size, m.num_heads * m.head_dim, bias)))
+
+
+def mlp_shapes(m: ModelConfig) -> list[ParameterShape]:
+    """fc1 (hidden -> ffn, or a gated MLP's [gate; up], 2 ffn rows of stride 2) and fc2 (ffn -> hidden)."""
+    b = backbone(m)
+    gated = b.gated_mlp
+    fc1 = column_shapes(m.ffn_hidden_size * (2 if gated else 1), m.hidden_size, b.bias, stride=2 if gated else 1)
+    return _under("fc1", fc1) + _under("fc2", row_shapes(m.hidden_size, m.ffn_hidden_size, b.bias))
+
+
+def layer_shapes(m: ModelConfig) -> list[ParameterShape]:
+    """Every parameter of one transformer layer (cplm_dist.model.block), in module order."""
+    return (_under("attn_norm", norm_shapes(m)) + _under("attention", attention_shapes(m))
+            + _under("mlp_norm", norm_shapes(m)) + _under("mlp", mlp_shapes(m)))
