@@ -74,17 +74,25 @@ def test_installed_scaling_driver_submits_through_the_installed_scripts(installe
     assert Path(found.stdout.strip()) == site / "cplm_dist_tools" / "evaluate.py", found.stderr
 
 
+def imports(paths) -> list[tuple[str, str]]:
+    """('file:line', module) of every absolute import in `paths`, function-level ones included."""
+    found = []
+    for path in sorted(paths):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found += [(f"{path.name}:{node.lineno}", a.name) for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                found.append((f"{path.name}:{node.lineno}", node.module or ""))
+    return found
+
+
 def test_tests_import_the_tools_by_their_installed_name():
     """tools/ is the package cplm_dist_tools (what the console scripts import); a test importing
     `tools.x` as well would load a second copy of the module, with its own globals."""
-    wrong = []
-    for path in sorted((REPO / "tests").glob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.level == 0:
-                names = [node.module or ""]
-            else:
-                continue
-            wrong += [f"{path.name}:{node.lineno} {n}" for n in names if n == "tools" or n.startswith("tools.")]
-    assert wrong == []
+    assert [(at, m) for at, m in imports((REPO / "tests").glob("*.py")) if m == "tools" or m.startswith("tools.")] == []
+
+
+def test_tools_share_code_through_the_library_only():
+    """A tool parses arguments and calls the library: what two tools need lives in cplm_dist, not
+    in one tool that the other imports."""
+    assert [(at, m) for at, m in imports((REPO / "tools").glob("*.py")) if m.split(".")[0] in ("tools", "cplm_dist_tools")] == []
