@@ -1,9 +1,10 @@
 """Checkpoints beyond one layout and beyond this project: a checkpoint loads at any tp; a random
-transformers Llama imports at tp 1 and 2 with its own logits; an export is a stock
-LlamaForCausalLM (copy off) or our remote-code CPLMForCausalLM (copy on) with our log-probs and
-our greedy tokens, and a generation_config.json with the tokenizer's ids; `model.init_from`
-starts a training run from a HF directory; bad HF directories give one line. GPT-2's side:
-tests/test_hf_gpt2.py (it shares the helpers here)."""
+transformers Llama or Qwen3 imports at tp 1 and 2 with its own logits; an export is a stock
+LlamaForCausalLM / Qwen3ForCausalLM (copy off) or our remote-code CPLMForCausalLM /
+CPLMQwen3ForCausalLM (copy on) with our log-probs and our greedy tokens, and a
+generation_config.json with the tokenizer's ids; `model.init_from` starts a training run from a HF
+directory; bad HF directories give one line. GPT-2's side: tests/test_hf_gpt2.py (it shares the
+helpers here)."""
 
 import json
 import subprocess
@@ -20,6 +21,7 @@ from tests.test_train import argv, run_cli, train
 REPO = Path(__file__).resolve().parent.parent
 PADDED_UNTIED = ["model.vocab_size=300", "model.tie_embeddings=false"]  # 300 pads to 384 / 512: padding on import
 UNTIED = ["model.tie_embeddings=false"]  # training runs keep the test tokenizer's 512 ids
+QWEN3 = ["model.arch=qwen3", "model.head_dim=24"]  # q is 8 x 24 = 192 wide for a 128-wide model: head_dim its own
 
 
 TEST_TOKENIZER_IDS = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 3}  # the tests' SentencePiece (conftest)
@@ -38,16 +40,20 @@ def _assert_generation_config(directory: Path, hf, ids: dict) -> None:
     assert saved.use_cache is True and hf.generation_config.use_cache is True
 
 
-def _random_llama(directory: Path, overrides: list[str]) -> None:
-    from transformers import LlamaConfig, LlamaForCausalLM
+def _random_hf(directory: Path, overrides: list[str], **hf) -> None:
+    """A random transformers model of the stock class of the backbone `overrides` choose (Llama by
+    default), of the tiny shapes (`hf`: config keys to change), saved with save_pretrained."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from cplm_dist.model.backbones import backbone
 
     cfg = load_config("tiny", ["copy.enabled=false", *overrides])
+    adapter = backbone(cfg.model).hf
+    fields = {k: v for k, v in adapter.stock_config(cfg.model).items() if k != "torch_dtype"}
     torch.manual_seed(3)
-    model = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in backbone(cfg.model).hf.hf_config(cfg.model).items()
-                                            if k != "architectures"}))
-    with torch.no_grad():  # random norms too, so a swapped norm would show
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(adapter.model_type, **{**fields, **hf}))
+    assert type(model).__name__ == adapter.architecture
+    with torch.no_grad():  # random norms too (q/k norms included), so a swapped norm would show
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.uniform_(0.5, 1.5)
@@ -55,11 +61,13 @@ def _random_llama(directory: Path, overrides: list[str]) -> None:
 
 
 def _hf_model(directory: Path, remote: bool = False):
-    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+    """The directory loaded as a user would: its remote class (trust_remote_code), else the stock
+    class its config.json names, without remote code."""
+    from transformers import AutoModelForCausalLM
 
-    if remote:
-        return AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True, dtype=torch.float32).eval()
-    return LlamaForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=remote, dtype=torch.float32).eval()
+    assert [type(model).__name__] == json.loads((directory / "config.json").read_text())["architectures"]
+    return model
 
 
 def _hf_logprobs(directory: Path, ids: torch.Tensor, remote: bool = False) -> torch.Tensor:
@@ -92,13 +100,16 @@ def _import_worker(tp, cases):
     return out
 
 
-def test_a_random_transformers_llama_imports_with_its_own_logits(tmp_path):
-    """Tied and padded + untied, at tp 1 and 2, copy off; and (tp 1) copy on: the backbone imports,
-    the copy head keeps its fresh weights, the LM head's own loss is Llama's."""
-    variants = {"tied": [], "padded-untied": PADDED_UNTIED, "linear": ["model.rope_scaling={type: linear, factor: 2}"]}
+def test_a_random_transformers_llama_or_qwen3_imports_with_its_own_logits(tmp_path):
+    """Llama tied, padded + untied and linear RoPE, Qwen3 (its own head_dim, q/k norms) tied and
+    padded + untied with linear RoPE, at tp 1 and 2, copy off; and (tp 1) copy on: the backbone
+    imports, the copy head keeps its fresh weights, the LM head's own loss is Llama's."""
+    linear = ["model.rope_scaling={type: linear, factor: 2}"]
+    variants = {"tied": [], "padded-untied": PADDED_UNTIED, "linear": linear, "qwen3-tied": QWEN3,
+                "qwen3-padded-untied-linear": [*QWEN3, *PADDED_UNTIED, *linear, "model.rope_theta=1000000.0"]}
     want = {}
     for name, overrides in variants.items():
-        _random_llama(tmp_path / name, overrides)
+        _random_hf(tmp_path / name, overrides)
         want[name] = _hf_logprobs(tmp_path / name, _ids(load_config("tiny", overrides).model.vocab_size))
     cases = [(tmp_path / name, ["copy.enabled=false", *overrides]) for name, overrides in variants.items()]
     assert_imports(cases, want, copy_on=(tmp_path / "tied", []))
@@ -128,7 +139,7 @@ def from_llama(small_data, tmp_path_factory):
     """A fresh tp = 2 copy-on run with model.init_from and a negligible lr: its checkpoint holds the
     Llama's backbone and a fresh copy head."""
     root = tmp_path_factory.mktemp("hf")
-    _random_llama(root / "llama", UNTIED)
+    _random_hf(root / "llama", UNTIED)
     out = root / "tp2"
     assert train(2, argv(small_data, out, "train.train_steps=1", "train.save_interval=1", "parallel.tp=2",
                          "train.zero_stage=1", "optim.lr=1e-30", "optim.min_lr=0",
@@ -209,7 +220,7 @@ def test_a_checkpoint_loads_at_any_tp_and_exports(from_llama, loaded, tmp_path):
 def test_bad_hf_directories_give_one_line(small_data, tmp_path):
     from cplm_dist.interop.hf.directory import HFImportError, check_hf_dir
 
-    _random_llama(tmp_path / "llama", [])
+    _random_hf(tmp_path / "llama", [])
     (tmp_path / "empty").mkdir()
     m = load_config("tiny").model
     with pytest.raises(HFImportError, match=r"no config\.json there; point it at a directory written by save_pretrained$"):
@@ -218,7 +229,7 @@ def test_bad_hf_directories_give_one_line(small_data, tmp_path):
     with pytest.raises(HFImportError, match=r"RoPE default with theta 10000\.0, .* set model\.rope_theta=10000\.0"):
         check_hf_dir(tmp_path / "llama", m)
     # scaled RoPE: a linear Llama needs the same model.rope_scaling; a plain one takes any (a context extension)
-    _random_llama(tmp_path / "linear", ["model.rope_scaling={type: linear, factor: 2}"])
+    _random_hf(tmp_path / "linear", ["model.rope_scaling={type: linear, factor: 2}"])
     plain = load_config("tiny").model
     with pytest.raises(HFImportError, match=r"RoPE linear with factor 2\.0, the config has model\.rope_scaling=None: "
                                             r"set model\.rope_scaling\.type=linear model\.rope_scaling\.factor=2\.0$"):
@@ -241,6 +252,55 @@ def test_bad_hf_directories_give_one_line(small_data, tmp_path):
     assert not fresh.exists()
 
 
+def _variant(root: Path, name: str, source: Path, **changes) -> Path:
+    """A copy of `source` whose config.json has these keys changed (None: left out)."""
+    config = json.loads((source / "config.json").read_text())
+    config.update(changes)
+    (root / name).mkdir()
+    (root / name / "model.safetensors").write_bytes((source / "model.safetensors").read_bytes())
+    (root / name / "config.json").write_text(json.dumps({k: v for k, v in config.items() if v is not None}))
+    return root / name
+
+
+def test_what_transformers_qwen3_and_llama_compute_differently_is_one_line(tmp_path):
+    """Sliding-window layers (transformers' own Qwen3Config deciding which, or layer_types), attention
+    biases, another head_dim or norm epsilon, the wrong model.arch: each the line naming the fix."""
+    from cplm_dist.interop.hf.directory import HFImportError, check_hf_dir
+
+    _random_hf(tmp_path / "qwen3", QWEN3)
+    _random_hf(tmp_path / "window", QWEN3, use_sliding_window=True, sliding_window=8, max_window_layers=1, layer_types=None)
+    _random_hf(tmp_path / "llama", [])
+    ok, llama = load_config("tiny", QWEN3).model, load_config("tiny").model
+    check_hf_dir(tmp_path / "qwen3", ok)
+    no_window = "the CPLM qwen3 attends to every earlier position on every layer: not importable (a Qwen3 with "
+    cases = [  # (directory, our model config, the line)
+        (tmp_path / "window", ok, f"/window: sliding-window attention on layers [1] (use_sliding_window=true, layer_types); "
+                                  f"{no_window}use_sliding_window=false is)"),
+        (_variant(tmp_path, "types", tmp_path / "qwen3", layer_types=["sliding_attention", "full_attention"]), ok,
+         f"/types: sliding-window attention on layers [0] (use_sliding_window=false, layer_types); {no_window}"
+         "use_sliding_window=false is)"),
+        (_variant(tmp_path, "bias", tmp_path / "qwen3", attention_bias=True), ok,
+         "/bias: attention_bias=true; the CPLM backbone has no biases"),
+        (_variant(tmp_path, "head-dim", tmp_path / "qwen3", head_dim=None), ok,  # left out: Qwen3Config's 128
+         "/head-dim: head_dim=128 but model.head_dim=24: set model.head_dim=128 (the shapes must match the checkpoint)"),
+        (_variant(tmp_path, "eps", tmp_path / "qwen3", rms_norm_eps=1e-6), ok,
+         "/eps: rms_norm_eps=1e-06 but model.norm_eps=1e-05: set model.norm_eps=1e-06"),
+        (_variant(tmp_path, "yarn", tmp_path / "qwen3", rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0,
+                                                                         "factor": 4.0}), ok,
+         "/yarn: RoPE yarn does not import (plain and linear do): start from a Qwen3 with rope_type default or linear"),
+        (tmp_path / "qwen3", llama, "/qwen3: its model_type is qwen3, which model.arch=llama does not read: set model.arch=qwen3"),
+        (tmp_path / "llama", ok, "/llama: its model_type is llama, which model.arch=qwen3 does not read: set model.arch=llama"),
+        (_variant(tmp_path, "llama-eps", tmp_path / "llama", rms_norm_eps=1e-6), llama,
+         "/llama-eps: rms_norm_eps=1e-06 but model.norm_eps=1e-05: set model.norm_eps=1e-06"),
+        (_variant(tmp_path, "llama-head-dim", tmp_path / "llama", head_dim=32), llama,
+         "/llama-head-dim: head_dim=32 but model.head_dim=16: set model.head_dim=32 (the shapes must match the checkpoint)"),
+    ]
+    for directory, m, line in cases:
+        with pytest.raises(HFImportError) as e:
+            check_hf_dir(directory, m)
+        assert str(e.value) == f"model.init_from={tmp_path}{line}", directory.name
+
+
 EXPORT_VARIANTS = {
     "off": ["copy.enabled=false"],
     "gate-next": [],
@@ -254,7 +314,13 @@ EXPORT_VARIANTS = {
     "off-ntk": ["copy.enabled=false", "model.rope_scaling={type: ntk, factor: 4}"],
     "gate-next-rope-linear": ["copy.rope=true", "model.rope_scaling={type: linear, factor: 2.5}"],
     "joint-self-rope-ntk": ["copy.mix=joint", "copy.paste=self", "copy.rope=true", "model.rope_scaling={type: ntk, factor: 3}"],
+    # Qwen3: its own head_dim, its q/k norms (random, as every norm here), copy off and on
+    "qwen3-off-untied": [*QWEN3, "copy.enabled=false", "model.tie_embeddings=false"],
+    "qwen3-sentinel-self-2heads-rope-ntk": [*QWEN3, "copy.mix=sentinel", "copy.paste=self", "copy.num_heads=2",
+                                            "copy.rope=true", "model.rope_scaling={type: ntk, factor: 3}"],
+    "qwen3-gate-next-linear": [*QWEN3, "model.rope_scaling={type: linear, factor: 2}"],
 }
+CLASSES = {"llama": ("LlamaForCausalLM", "CPLMForCausalLM"), "qwen3": ("Qwen3ForCausalLM", "CPLMQwen3ForCausalLM")}
 
 
 def _export_worker(directory):
@@ -269,6 +335,10 @@ def _export_worker(directory):
     for name, overrides in EXPORT_VARIANTS.items():
         cfg = load_config("tiny", [*overrides, "model.vocab_size=300", "model.rope_theta=5000"])
         model = build_model(cfg).eval()
+        with torch.no_grad():  # random norms, so a swapped one (q's for k's) would show
+            for n, p in model.named_parameters():
+                if "norm" in n:
+                    p.uniform_(0.5, 1.5)
         (Path(directory) / name).mkdir()
         write_hf_dir(full_state_dict([model.state_dict()], model), cfg.model, cfg.copy, Path(directory) / name, torch.float32)
         span = torch.randint(0, 300, (2, 7), generator=torch.Generator().manual_seed(6))
@@ -281,8 +351,9 @@ def test_every_mix_and_paste_exports_with_our_log_probs_and_greedy_tokens(tmp_pa
     ours = run_ranks(_export_worker, 1, args=(str(tmp_path),))[0]
     for name, r in ours.items():
         config = (tmp_path / name / "config.json").read_text()
-        copy_off = name.startswith("off")
-        assert ('"CPLMForCausalLM"' in config) == (not copy_off)
+        copy_off = "copy.enabled=false" in EXPORT_VARIANTS[name]
+        stock, remote = CLASSES[load_config("tiny", EXPORT_VARIANTS[name]).model.arch]
+        assert json.loads(config)["architectures"] == [stock if copy_off else remote], name
         rope = json.loads(config)
         if name.endswith("-linear"):  # transformers' linear type, both spellings; ntk: plain RoPE at the larger theta
             assert rope["rope_scaling"]["rope_type"] == rope["rope_parameters"]["rope_type"] == "linear"

@@ -1,6 +1,6 @@
 """generate() of the copy-on remote classes (cplm_dist/interop/hf/remote) with and without their KV cache:
 the cached forward feeds the backbone only the new tokens (positions counted) and gives the
-uncached log-probs for every mix x paste, on Llama and GPT-2; the cache's own operations (batch
+uncached log-probs for every mix x paste, on Llama and GPT-2 (and a mix each on Qwen3); the cache's own operations (batch
 repeat and select, crop) keep the copy head's part in step; an export loaded with
 trust_remote_code gives our decoder's greedy tokens and the same sampled tokens and beams either
 way; a chunked prefill and a continued cache too; a bf16 cache keeps the ids exact; padding,
@@ -30,21 +30,28 @@ VOCAB = 97
 def _tiny(kind: str, mix: str, paste: str, heads: int = 2, rope: dict | None = None, dtype=torch.float32, vocab=VOCAB):
     """A random copy-on model built from its config; the copy head's weights large enough to
     copy (its trained scale, not its 0.02 initialisation)."""
-    from cplm_dist.interop.hf.remote.configuration_cplm import CPLMConfig, CPLMGPT2Config
+    from cplm_dist.interop.hf.remote.configuration_cplm import CPLMConfig, CPLMGPT2Config, CPLMQwen3Config
     from cplm_dist.interop.hf.remote.modeling_cplm import CPLMForCausalLM
     from cplm_dist.interop.hf.remote.modeling_cplm_gpt2 import CPLMGPT2ForCausalLM
+    from cplm_dist.interop.hf.remote.modeling_cplm_qwen3 import CPLMQwen3ForCausalLM
 
     copy = {"copy_num_heads": heads, "copy_head_dim": 8, "copy_mix": mix, "copy_paste": paste, **(rope or ROPES[1])}
     torch.manual_seed(0)
     if kind == "llama":
         model = CPLMForCausalLM(CPLMConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                            num_attention_heads=4, num_key_value_heads=2, eos_token_id=None, **copy))
+    elif kind == "qwen3":  # head_dim its own (4 x 12 = 48 for a 32-wide model)
+        model = CPLMQwen3ForCausalLM(CPLMQwen3Config(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                                     num_attention_heads=4, num_key_value_heads=2, head_dim=12, **copy))
     else:
         model = CPLMGPT2ForCausalLM(CPLMGPT2Config(vocab_size=vocab, n_embd=32, n_layer=2, n_head=4, n_positions=64,
                                                    bos_token_id=None, eos_token_id=None, pad_token_id=None, **copy))
     with torch.no_grad():
         for p in model.copy_head.parameters():
             p.normal_(0, 0.3)
+        for name, p in model.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):  # Qwen3's, so the cache sees normalised keys
+                p.uniform_(0.5, 1.5)
     return model.to(dtype).eval()
 
 
@@ -72,10 +79,11 @@ def _generate(model, prompt, use_cache, max_new_tokens=6, **kwargs):
 
 CASES = [(kind, mix, paste, 1 + i % 2, ROPES[i % 4]) for kind in ("llama", "gpt2")
          for i, (mix, paste) in enumerate((m, p) for m in MIXES for p in PASTES)]
+CASES += [("qwen3", mix, PASTES[i % 2], 2 - i % 2, ROPES[(i + 1) % 4]) for i, mix in enumerate(MIXES)]
 
 
-@pytest.mark.parametrize("kind,mix,paste,heads,rope", CASES, ids=[f"{c[0]}-{c[1]}-{c[2]}-{c[3]}h-{i % 4}" for i, c in
-                                                                  enumerate(CASES)])
+@pytest.mark.parametrize("kind,mix,paste,heads,rope", CASES,
+                         ids=[f"{c[0]}-{c[1]}-{c[2]}-{c[3]}h-{ROPES.index(c[4])}" for c in CASES])
 def test_the_cached_forward_feeds_only_new_tokens_and_gives_the_uncached_log_probs(kind, mix, paste, heads, rope):
     model, ids = _tiny(kind, mix, paste, heads, rope), _prompt(length=12)
     with torch.no_grad():
@@ -135,7 +143,8 @@ EXPORTS = {"gate-next": [],
            "joint-self-2heads-rope-linear": ["copy.mix=joint", "copy.paste=self", "copy.num_heads=2", "copy.rope=true",
                                              "model.rope_scaling={type: linear, factor: 2}"],
            "sentinel-next-2heads-rope-ntk": ["copy.mix=sentinel", "copy.num_heads=2", "copy.rope=true",
-                                             "model.rope_scaling={type: ntk, factor: 3}"]}
+                                             "model.rope_scaling={type: ntk, factor: 3}"],
+           "qwen3-joint-next-rope": ["model.arch=qwen3", "model.head_dim=24", "copy.mix=joint", "copy.rope=true"]}
 
 
 def _export_worker(directory):
@@ -188,7 +197,8 @@ def test_an_export_generates_our_greedy_tokens_and_the_same_samples_and_beams_wi
     for name, r in ours.items():
         assert (tmp_path / name / "copy_mixture.py").is_file()
         hf = AutoModelForCausalLM.from_pretrained(tmp_path / name, trust_remote_code=True, dtype=torch.float32).eval()
-        assert type(hf).__name__ == "CPLMForCausalLM" and type(hf).__module__.startswith("transformers_modules")
+        want = "CPLMQwen3ForCausalLM" if name.startswith("qwen3") else "CPLMForCausalLM"
+        assert type(hf).__name__ == want and type(hf).__module__.startswith("transformers_modules"), name
         hf.generation_config.eos_token_id = None  # LlamaConfig's default 2: ours runs the full 6 tokens
         n = r["prompt"].shape[1]
         with _positions_fed(hf) as fed:

@@ -15,7 +15,7 @@ import torch
 from cplm_dist.config import load_config
 from tests.spawn import run_ranks
 from tests.test_hf import (PADDED_UNTIED, REPO, TEST_TOKENIZER_IDS, UNTIED, _assert_generation_config, _hf_model, _ids,
-                           _random_llama, assert_imports)
+                           _random_hf, _variant, assert_imports)
 from tests.test_train import argv, run_cli, train
 
 # --- GPT-2: a stock GPT2LMHeadModel both ways, our remote class for copy on ----------------------------
@@ -200,22 +200,12 @@ def test_a_gpt2_run_from_a_hf_gpt2_exports_the_same_gpt2(from_gpt2):
     _assert_generation_config(out, hf, TEST_TOKENIZER_IDS)
 
 
-def _gpt2_variant(root: Path, name: str, source: Path, **changes) -> Path:
-    """A copy of `source` whose config.json has these keys changed (None: left out)."""
-    config = json.loads((source / "config.json").read_text())
-    config.update(changes)
-    (root / name).mkdir()
-    (root / name / "model.safetensors").write_bytes((source / "model.safetensors").read_bytes())
-    (root / name / "config.json").write_text(json.dumps({k: v for k, v in config.items() if v is not None}))
-    return root / name
-
-
 def test_bad_gpt2_directories_give_one_line(small_data, tmp_path):
     from cplm_dist.checkpoint import init_source
     from cplm_dist.interop.hf.directory import HFImportError, check_hf_dir, read_hf
 
     _random_gpt2(tmp_path / "gpt2", MHA)
-    _random_llama(tmp_path / "llama", [])
+    _random_hf(tmp_path / "llama", [])
     ok = load_config("tiny", [*GPT2, *MHA]).model
     check_hf_dir(tmp_path / "gpt2", ok)
     llama = load_config("tiny").model
@@ -223,27 +213,27 @@ def test_bad_gpt2_directories_give_one_line(small_data, tmp_path):
     cases = [  # (directory, our model config, the line)
         (tmp_path / "gpt2", llama, "/gpt2: its model_type is gpt2, which model.arch=llama does not read: set model.arch=gpt2"),
         (tmp_path / "llama", ok, "/llama: its model_type is llama, which model.arch=gpt2 does not read: set model.arch=llama"),
-        (_gpt2_variant(tmp_path, "mistral", tmp_path / "gpt2", model_type="mistral"), ok,
+        (_variant(tmp_path, "mistral", tmp_path / "gpt2", model_type="mistral"), ok,
          "/mistral: model_type='mistral': only model_type llama, gpt2 or qwen3 checkpoints import"),
         (tmp_path / "gpt2", load_config("tiny", GPT2).model,
          "/gpt2: GPT-2 has a K/V head per query head (n_head=8), this run has model.num_kv_heads=4: set model.num_kv_heads=8"),
-        (_gpt2_variant(tmp_path, "gelu", tmp_path / "gpt2", activation_function="gelu"), ok,
+        (_variant(tmp_path, "gelu", tmp_path / "gpt2", activation_function="gelu"), ok,
          "/gelu: activation_function='gelu'; the CPLM gpt2 MLP is GELU's tanh approximation (gelu_new or gelu_pytorch_tanh): "
          "not importable"),
-        (_gpt2_variant(tmp_path, "positions", tmp_path / "gpt2", n_positions=None), ok,  # left out: GPT2Config's 1024
+        (_variant(tmp_path, "positions", tmp_path / "gpt2", n_positions=None), ok,  # left out: GPT2Config's 1024
          "/positions: n_positions=1024 but model.max_seq_len=512: set model.max_seq_len=1024 (a learned position table "
          "cannot stretch or shrink)"),
-        (_gpt2_variant(tmp_path, "inner", tmp_path / "gpt2", n_inner=None), ok,  # None: 4 D
+        (_variant(tmp_path, "inner", tmp_path / "gpt2", n_inner=None), ok,  # None: 4 D
          "/inner: n_inner=512 but model.ffn_hidden_size=256: set model.ffn_hidden_size=512 (the shapes must match the checkpoint)"),
-        (_gpt2_variant(tmp_path, "eps", tmp_path / "gpt2", layer_norm_epsilon=1e-6), ok,
+        (_variant(tmp_path, "eps", tmp_path / "gpt2", layer_norm_epsilon=1e-6), ok,
          "/eps: layer_norm_epsilon=1e-06 but model.norm_eps=1e-05: set model.norm_eps=1e-06"),
-        (_gpt2_variant(tmp_path, "by-layer", tmp_path / "gpt2", scale_attn_by_inverse_layer_idx=True), ok,
+        (_variant(tmp_path, "by-layer", tmp_path / "gpt2", scale_attn_by_inverse_layer_idx=True), ok,
          "/by-layer: scale_attn_by_inverse_layer_idx=true; the CPLM gpt2 attention is plain causal self-attention at "
          "1/sqrt(head_dim): not importable"),
-        (_gpt2_variant(tmp_path, "upcast", tmp_path / "gpt2", reorder_and_upcast_attn=True), ok,
+        (_variant(tmp_path, "upcast", tmp_path / "gpt2", reorder_and_upcast_attn=True), ok,
          "/upcast: reorder_and_upcast_attn=true; the CPLM gpt2 attention is plain causal self-attention at "
          "1/sqrt(head_dim): not importable"),
-        (_gpt2_variant(tmp_path, "untied", tmp_path / "gpt2", tie_word_embeddings=False), ok,
+        (_variant(tmp_path, "untied", tmp_path / "gpt2", tie_word_embeddings=False), ok,
          "/untied: tie_word_embeddings=false (its own LM head) but model.tie_embeddings=true: set model.tie_embeddings=false"),
     ]
     for directory, m, line in cases:

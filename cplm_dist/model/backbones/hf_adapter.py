@@ -51,6 +51,8 @@ class RemoteClass:
 
 @dataclass(frozen=True)
 class HFAdapter:
+    """One backbone's map onto transformers (the fields: the table above)."""
+
     family: str
     model_type: str
     architecture: str
