@@ -202,7 +202,9 @@ def test_a_gpt2_run_from_a_hf_gpt2_exports_the_same_gpt2(from_gpt2):
 
 def test_bad_gpt2_directories_give_one_line(small_data, tmp_path):
     from cplm_dist.checkpoint import init_source
+    from cplm_dist.errors import UsageError
     from cplm_dist.interop.hf.directory import HFImportError, check_hf_dir, read_hf
+    from cplm_dist.model.backbones import backbone
 
     _random_gpt2(tmp_path / "gpt2", MHA)
     _random_hf(tmp_path / "llama", [])
@@ -246,6 +248,10 @@ def test_bad_gpt2_directories_give_one_line(small_data, tmp_path):
         (tmp_path / "llama" / "model.safetensors").rename(tmp_path / "broken" / "model.safetensors")
         read_hf(tmp_path / "broken", ok)
     assert init_source(load_config("tiny", [*GPT2, *MHA, f"model.init_from={tmp_path / 'gpt2'}"])).kind == "hf"
+    wide = load_config("tiny", [*GPT2, "model.head_dim=24"]).model  # trains, but GPT-2's heads are n_embd / n_head
+    with pytest.raises(UsageError, match=r"^model\.head_dim=24: GPT2LMHeadModel's heads are n_embd / n_head = 16 wide, "
+                                         r"so this gpt2 model has no transformers export$"):
+        backbone(wide).hf.to_hf({}, wide)  # before any weight is read (tools/export_hf.py: one line, nothing written)
     fresh = tmp_path / "fresh"  # through cplm-train: one line, exit 2, nothing written
     proc = run_cli(argv(small_data, fresh, f"model.init_from={tmp_path / 'gpt2'}"))
     assert proc.returncode == 2, proc.stderr[-2000:]

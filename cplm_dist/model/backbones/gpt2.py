@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from cplm_dist.errors import HFImportError
+from cplm_dist.errors import HFImportError, UsageError
 from cplm_dist.model.backbones.hf_adapter import HFAdapter, RemoteClass, Weights, check_shapes, check_tied
 from cplm_dist.model.backbones.record import Backbone
 
@@ -93,6 +93,9 @@ def check_hf_config(hf: dict, m: ModelConfig, where: str) -> None:
 def to_hf(full: Weights, m: ModelConfig) -> Weights:
     """Our full weights -> GPT2LMHeadModel's state dict (K/V heads repeated for GQA), plus the
     copy head's (same names) if any."""
+    if m.head_dim * m.num_heads != m.hidden_size:
+        raise UsageError(f"model.head_dim={m.head_dim}: GPT2LMHeadModel's heads are n_embd / n_head = "
+                         f"{m.hidden_size // m.num_heads} wide, so this gpt2 model has no transformers export")
     g, hd = m.num_heads // m.num_kv_heads, m.head_dim
     out = {"transformer.wte.weight": full["embedding.weight"], "transformer.wpe.weight": full["position_embedding.weight"],
            "transformer.ln_f.weight": full["final_norm.weight"], "transformer.ln_f.bias": full["final_norm.bias"]}
