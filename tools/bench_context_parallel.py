@@ -1,8 +1,8 @@
 """Context parallelism measured: one training forward and backward of a long sequence at cp = 1, 2,
 4 (each cp a fresh job of cp ranks on this machine): peak memory per rank above the built model,
-tokens/s, and the bytes a rank receives over cp a step, traced (counted in the collectives
-cplm_dist.model.parallel.context makes) against modelled (the formula below), with the copy head's
-part apart. A benchmark: figures go to the console (and --json), never into a test.
+tokens/s, and the bytes a rank receives over cp a step, traced (the profiler's collective counter,
+cplm_dist.profiling.measure.CommTimer, on the cp group) against modelled (the formula below), with
+the copy head's part apart. A benchmark: figures go to the console (and --json), never into a test.
 
     python tools/bench_context_parallel.py                            # tiny, T = 4096 8192 16384, cp 1 2 4, CPU
     python tools/bench_context_parallel.py --seq-lens 16384 --cps 1 2 --copy-impl chunked
@@ -40,46 +40,15 @@ def modelled_bytes(cfg, batch: int, T: int, cp: int, act: int) -> dict:
     return {"attention": int(attention), "copy": int(copy)}
 
 
-class CountedGathers:
-    """Counts the bytes this rank receives in the cp collectives: each all-gather's output less
-    its own rows, and (a hook on that output) the gradient's reduce-scatter in backward; the copy
-    head's key gather and the ids are filed under "copy"."""
-
-    def __init__(self):
-        self.bytes = {"attention": 0, "copy": 0}
-        self.kind = "attention"
-
-    def install(self):
-        from cplm_dist.model.parallel import context as cpm
-
-        counts, plain_gather, plain_ids = self, cpm.ContextShard.gather, cpm.ContextShard.gather_ids
-
-        def gather(shard, x, dim, sum_grad=True):
-            full = plain_gather(shard, x, dim, sum_grad)
-            kind, moved = counts.kind, full.numel() * full.element_size() * (shard.size - 1) // shard.size
-            counts.bytes[kind] += moved
-            if full.requires_grad:
-                full.register_hook(lambda g: counts.bytes.__setitem__(kind, counts.bytes[kind] + moved))
-            return full
-
-        def gather_ids(shard, x):
-            full = plain_ids(shard, x)
-            counts.bytes["copy"] += full.numel() * full.element_size() * (shard.size - 1) // shard.size
-            return full
-
-        cpm.ContextShard.gather, cpm.ContextShard.gather_ids = gather, gather_ids
-        from cplm_dist.model.copy_head import CopyHead
-
-        plain_context = CopyHead._context_log_sum_exps
-
-        def copy_keys(head, *args):
-            counts.kind = "copy"
-            try:
-                return plain_context(head, *args)
-            finally:
-                counts.kind = "attention"
-
-        CopyHead._context_log_sum_exps = copy_keys
+def traced_bytes(timer, cp: int) -> dict:
+    """{"attention", "copy"}: the bytes one rank received over cp while `timer` (a CommTimer with
+    the copy head as its "copy" region) ran: (cp-1)/cp of each collective's whole buffer (an
+    all-gather's output, a reduce-scatter's input). The copy head's are its keys gathered and their
+    gradients scattered (its region) and the ids gathered before the layers (cp's list all-gathers,
+    ContextShard.gather_ids); the rest is attention's K and V."""
+    whole = sum(size for (kind, _), (_, size) in timer.by_name.items() if kind == "cp")
+    copy = timer.by_region[("copy", "cp")][1] + timer.by_name[("cp", "all_gather")][1]
+    return {"attention": (whole - copy) * (cp - 1) // cp, "copy": copy * (cp - 1) // cp}
 
 
 def rank_main(args) -> dict:
@@ -89,14 +58,12 @@ def rank_main(args) -> dict:
     from cplm_dist.distributed import init_distributed
     from cplm_dist.model import build_model
     from cplm_dist.model.parallel.context import ContextShard
-    from cplm_dist.profiling.measure import PeakMeter, current_memory_bytes, release_freed_memory_on_cpu
+    from cplm_dist.profiling.measure import CommTimer, PeakMeter, current_memory_bytes, release_freed_memory_on_cpu
 
     dims = init_distributed(1, cp_size=args.cp)
     T = args.seq_len
     cfg = load_config(args.config, [f"model.max_seq_len={T}", f"data.seq_length={T}", f"parallel.cp={args.cp}",
                                     f"copy.impl={args.copy_impl}", "seed=0"])
-    counts = CountedGathers()
-    counts.install()
     model = build_model(cfg, device=torch.device("cpu"), activation_checkpointing=False, compile_layers=False)
     g = torch.Generator().manual_seed(0)
     span = torch.randint(3, cfg.model.vocab_size, (args.batch, T // 2), generator=g)
@@ -106,11 +73,11 @@ def rank_main(args) -> dict:
     mine = (lambda t: shard.take(t)) if shard else (lambda t: t)  # noqa: E731
     model(mine(ids), mine(labels)).nll.sum().backward()  # warm-up: first-call costs out of the figures
     model.zero_grad(set_to_none=True)
-    counts.bytes = {"attention": 0, "copy": 0}
     release_freed_memory_on_cpu()
     base = current_memory_bytes(torch.device("cpu"))
     dist.barrier()
-    with PeakMeter(torch.device("cpu")) as meter:
+    timer = CommTimer(dims, torch.device("cpu"), regions={"copy": model.parts.head.copy_head} if cfg.copy.enabled else {})
+    with PeakMeter(torch.device("cpu")) as meter, timer:
         start = time.perf_counter()
         out = model(mine(ids), mine(labels))
         out.nll.sum().backward()
@@ -120,7 +87,7 @@ def rank_main(args) -> dict:
     if args.cp > 1:
         dist.all_reduce(nll, group=dims.cp_group)
     return {"cp": args.cp, "rank": dims.rank, "seq_len": T, "peak_gb": (meter.peak - base) / 1e9, "seconds": seconds,
-            "tokens_per_s": args.batch * T / seconds, "traced": counts.bytes, "modelled": modelled_bytes(cfg, args.batch, T, args.cp, act=4),
+            "tokens_per_s": args.batch * T / seconds, "traced": traced_bytes(timer, args.cp), "modelled": modelled_bytes(cfg, args.batch, T, args.cp, act=4),
             "nll_sum": float(nll)}
 
 

@@ -57,10 +57,15 @@ class CommTimer:
     group is "cp" and the dp x cp group, where gradients are reduced, "dp"): seconds, calls and
     bytes (the whole buffer, `collective_bytes`), also by collective in
     `by_name[(group, name)] = [calls, bytes]`. `engine`: a DeepSpeed pipeline engine, whose grid
-    has process groups of its own."""
+    has process groups of its own. `regions` ({name: module}): what each module's forward runs,
+    and its backward (from the gradient reaching its outputs to its inputs' gradient: the module's
+    full backward hooks), is also filed in `by_region[(name, group)] = [calls, bytes]`, e.g. the
+    copy head's share of the cp traffic (tools/bench_context_parallel.py)."""
 
-    def __init__(self, dims: ParallelDims, device: torch.device, engine=None):
+    def __init__(self, dims: ParallelDims, device: torch.device, engine=None, regions: dict | None = None):
         self.device = device
+        self.regions, self.region, self._hooks = dict(regions or {}), None, []
+        self.by_region = defaultdict(lambda: [0, 0])
         self.groups = {id(dims.tp_group): "tp", id(dims.dp_group): "dp", id(dims.pp_group): "pp"}
         self.groups.update({id(g): kind for g, kind in ((dims.cp_group, "cp"), (dims.dp_cp_group, "dp")) if g is not None})
         grid = getattr(engine, "grid", None)
@@ -108,6 +113,9 @@ class CommTimer:
             self.bytes[kind] += size
             self.by_name[(kind, name)][0] += 1
             self.by_name[(kind, name)][1] += size
+            if self.region is not None:
+                self.by_region[(self.region, kind)][0] += 1
+                self.by_region[(self.region, kind)][1] += size
             return work
 
         return timed
@@ -123,12 +131,24 @@ class CommTimer:
             fn = getattr(holder, attr)
             self._saved[(holder, attr)] = fn
             setattr(holder, attr, self._wrap(originals[id(fn)], fn))
+        for name, module in self.regions.items():
+            self._hooks += [module.register_forward_pre_hook(lambda *_, name=name: self._enter_region(name)),
+                            module.register_forward_hook(lambda *_: self._enter_region(None)),
+                            module.register_full_backward_pre_hook(lambda *_, name=name: self._enter_region(name)),
+                            module.register_full_backward_hook(lambda *_: self._enter_region(None))]
         return self
+
+    def _enter_region(self, name: str | None) -> None:
+        self.region = name  # returns None: the hooks change nothing they are given
 
     def __exit__(self, *exc):
         for (module, name), fn in self._saved.items():
             setattr(module, name, fn)
         self._saved.clear()
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+        self.region = None
 
 
 def synthetic_batches(cfg: Config, micro: int, seq_len: int, device, generator: torch.Generator, context=None):
