@@ -167,6 +167,23 @@ def test_cli_config_error_exits_2_with_one_line():
     ]
 
 
+def test_the_batch_layout_is_world_then_dp_then_accumulation():
+    """BatchLayout, which training, its preflight, the dry run and the planner all ask: dp = world /
+    (tp x cp x pp), accumulation = global / (micro x dp); the world checked first, each refusal one line."""
+    from cplm_dist.config import BatchLayout, ConfigError
+
+    layout = BatchLayout.for_world(32, tp=2, pp=2, cp=2, micro=2, global_batch=64)
+    assert (layout.world, layout.dp, layout.micro, layout.accumulation, layout.global_batch) == (32, 4, 2, 8, 64)
+    cfg = load_config("tiny", ["parallel.cp=2", "train.micro_batch_size=2", "train.global_batch_size=12"])
+    assert BatchLayout.of(cfg, 6) == BatchLayout(world=6, dp=3, micro=2, accumulation=2)
+    with pytest.raises(ConfigError, match=r"^parallel.tp=1 x parallel.cp=2 x parallel.pp=1 = 2 does not divide WORLD_SIZE=5 "):
+        BatchLayout.of(cfg, 5)
+    with pytest.raises(ConfigError) as e:
+        BatchLayout.of(cfg, 8)  # dp 4: micro 2 x 4 = 8 does not divide 12
+    assert str(e.value) == ("train.global_batch_size=12 is not micro_batch_size=2 x dp=4 (=8) x an integer accumulation: "
+                            "use one of [8, 16] or change micro_batch_size")
+
+
 @pytest.mark.parametrize("path", sorted((CONFIG_DIR / "runs").glob("*.yaml")), ids=lambda p: p.stem)
 def test_gpu_run_configs_add_up_at_their_node_count(path):
     """Each GPU starting point names its node count; its batch arithmetic must work there."""

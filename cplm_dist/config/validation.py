@@ -2,11 +2,14 @@
 the value and the fix (a `ConfigError`, exit code 2 at the entry points).
 
 `validate` runs at load (cplm_dist.config.loading.load_config); what depends on the launch (the
-world size, hence dp) is checked when the world is known: `batch_layout` here, the tp x pp grid
-in cplm_dist.distributed.
+world size, hence dp) is checked when the world is known: `BatchLayout` here, world -> dp ->
+accumulation in one place (the tp x cp x pp grid dividing the world, then the batch arithmetic),
+for training, its preflight, the dry run and the planner alike.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from cplm_dist.config.tree import Config, ModelConfig
 from cplm_dist.errors import ConfigError
@@ -231,15 +234,65 @@ def validate_train(cfg: Config) -> None:
                           "train.zero_stage=1 (it also shards the optimizer states)")
 
 
-def batch_layout(cfg: Config, dp_size: int) -> int:
+@dataclass(frozen=True)
+class BatchLayout:
+    """How a global batch spreads over a job of `world` ranks: dp = world / (tp x cp x pp) replicas
+    (cp ranks share a replica's sequences, pp stages its layers), each taking `accumulation`
+    micro-batches of `micro` sequences a step, so global = micro x accumulation x dp."""
+
+    world: int
+    dp: int
+    micro: int
+    accumulation: int
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro * self.accumulation * self.dp
+
+    @classmethod
+    def of(cls, cfg: Config, world: int) -> BatchLayout:
+        """cfg's layout on `world` ranks, or the ConfigError training raises (`for_world`)."""
+        p, t = cfg.parallel, cfg.train
+        return cls.for_world(world, tp=p.tp, pp=p.pp, cp=p.cp, micro=t.micro_batch_size, global_batch=t.global_batch_size)
+
+    @classmethod
+    def for_world(cls, world: int, *, tp: int, pp: int = 1, cp: int = 1, micro: int, global_batch: int) -> BatchLayout:
+        """The layout of a global batch of `micro`-sequence micro-batches on `world` ranks at tp x cp
+        x pp, or a ConfigError with the numbers: tp x cp x pp must divide the world
+        (`check_world`), then micro x dp the global batch (`accumulation_steps`)."""
+        check_world(tp, world, pp, cp)
+        dp = world // (tp * cp * pp)
+        return cls(world, dp, micro, accumulation_steps(global_batch, micro, dp))
+
+
+def check_world(tp_size: int, world_size: int, pp_size: int = 1, cp_size: int = 1) -> None:
+    """tp x cp x pp divides the world (dp = world / (tp x cp x pp) whole), or a ConfigError naming the valid products."""
+    if cp_size > 1 and world_size % (tp_size * cp_size * pp_size):
+        raise ConfigError(f"parallel.tp={tp_size} x parallel.cp={cp_size} x parallel.pp={pp_size} = "
+                          f"{tp_size * cp_size * pp_size} does not divide WORLD_SIZE={world_size} (dp = world / (tp x cp x pp) "
+                          f"must be whole; tp x cp x pp must be one of {divisors(world_size)})")
+    if world_size % (tp_size * pp_size):
+        valid = divisors(world_size)
+        if pp_size == 1:
+            raise ConfigError(f"parallel.tp={tp_size} does not divide WORLD_SIZE={world_size} "
+                              f"(dp = world / tp must be whole; valid tp here: {valid})")
+        raise ConfigError(f"parallel.tp={tp_size} x parallel.pp={pp_size} = {tp_size * pp_size} does not divide "
+                          f"WORLD_SIZE={world_size} (dp = world / (tp x pp) must be whole; tp x pp must be one of {valid})")
+
+
+def accumulation_steps(global_batch: int, micro: int, dp_size: int) -> int:
     """Gradient-accumulation steps from micro x accumulation x dp = global, or a ConfigError with the numbers."""
-    t = cfg.train
-    per_step = t.micro_batch_size * dp_size
-    if t.global_batch_size % per_step:
-        lower = (t.global_batch_size // per_step) * per_step
+    per_step = micro * dp_size
+    if global_batch % per_step:
+        lower = (global_batch // per_step) * per_step
         valid = [v for v in (lower, lower + per_step) if v > 0]
         raise ConfigError(
-            f"train.global_batch_size={t.global_batch_size} is not micro_batch_size={t.micro_batch_size} x "
+            f"train.global_batch_size={global_batch} is not micro_batch_size={micro} x "
             f"dp={dp_size} (={per_step}) x an integer accumulation: use one of {valid} or change micro_batch_size"
         )
-    return t.global_batch_size // per_step
+    return global_batch // per_step
+
+
+def batch_layout(cfg: Config, dp_size: int) -> int:
+    """cfg's gradient-accumulation steps at `dp_size` replicas (`accumulation_steps`)."""
+    return accumulation_steps(cfg.train.global_batch_size, cfg.train.micro_batch_size, dp_size)

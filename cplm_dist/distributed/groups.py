@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from cplm_dist.config import divisors
+from cplm_dist.config import check_world, divisors  # check_world: the world -> dp arithmetic, BatchLayout's
 from cplm_dist.distributed.hosts import JoinedHosts, join
 from cplm_dist.distributed.launch_env import LaunchEnv
 from cplm_dist.errors import ConfigError
@@ -97,20 +97,6 @@ def evaluation_tp(saved_tp: int | None = None, asked: int | None = None, world: 
     if tp < 1 or world % tp:
         raise ConfigError(f"tp={tp} does not divide the launch's {world} ranks: choose tp from {divisors(world)}")
     return tp
-
-
-def check_world(tp_size: int, world_size: int, pp_size: int = 1, cp_size: int = 1) -> None:
-    if cp_size > 1 and world_size % (tp_size * cp_size * pp_size):
-        raise ConfigError(f"parallel.tp={tp_size} x parallel.cp={cp_size} x parallel.pp={pp_size} = "
-                          f"{tp_size * cp_size * pp_size} does not divide WORLD_SIZE={world_size} (dp = world / (tp x cp x pp) "
-                          f"must be whole; tp x cp x pp must be one of {divisors(world_size)})")
-    if world_size % (tp_size * pp_size):
-        valid = divisors(world_size)
-        if pp_size == 1:
-            raise ConfigError(f"parallel.tp={tp_size} does not divide WORLD_SIZE={world_size} "
-                              f"(dp = world / tp must be whole; valid tp here: {valid})")
-        raise ConfigError(f"parallel.tp={tp_size} x parallel.pp={pp_size} = {tp_size * pp_size} does not divide "
-                          f"WORLD_SIZE={world_size} (dp = world / (tp x pp) must be whole; tp x pp must be one of {valid})")
 
 
 def init_distributed(tp_size: int = 1, *, pp_size: int = 1, cp_size: int = 1, backend: str | None = None,

@@ -63,8 +63,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from cplm_dist.config import Config, batch_layout
-from cplm_dist.distributed import ParallelDims, check_world
+from cplm_dist.config import BatchLayout, Config
+from cplm_dist.distributed import ParallelDims
 from cplm_dist.model.counting import parameter_count, replicated_parameters
 from cplm_dist.model.loss import padded_vocab_size
 from cplm_dist.model.parallel.stages import pipeline_stages
@@ -108,10 +108,9 @@ def layout_of(cfg: Config, gpus: int) -> Layout:
     cp x pp that does not divide the world, batch arithmetic that does not work; the heads and pp
     bounds are checked when the config loads)."""
     p, t = cfg.parallel, cfg.train
-    check_world(p.tp, gpus, p.pp, p.cp)
-    dp = gpus // (p.tp * p.cp * p.pp)
-    return Layout(world=gpus, tp=p.tp, pp=p.pp, dp=dp, zero_stage=t.zero_stage, micro_batch=t.micro_batch_size,
-                  accumulation=batch_layout(cfg, dp), seq_len=cfg.data.seq_length, precision=t.precision, cp=p.cp)
+    batch = BatchLayout.of(cfg, gpus)
+    return Layout(world=gpus, tp=p.tp, pp=p.pp, dp=batch.dp, zero_stage=t.zero_stage, micro_batch=batch.micro,
+                  accumulation=batch.accumulation, seq_len=cfg.data.seq_length, precision=t.precision, cp=p.cp)
 
 
 def alike_ranks(cfg: Config, tp: int, last_stage: bool) -> dict[int, list[int]]:

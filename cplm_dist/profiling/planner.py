@@ -62,7 +62,7 @@ from __future__ import annotations
 import copy
 from dataclasses import asdict, dataclass
 
-from cplm_dist.config import Config, ConfigError, check_tp_divides, divisors
+from cplm_dist.config import BatchLayout, Config, ConfigError, check_tp_divides, divisors
 from cplm_dist.model.counting import _copy_head, _layer_matrices
 from cplm_dist.profiling.communication import ring_factor, step_bytes
 from cplm_dist.profiling.memory import GIB, Stage, bubble, estimate, pipeline_stages
@@ -161,8 +161,8 @@ def predict(cfg: Config, cluster: Cluster, *, tp: int, zero: int, micro_batch: i
     """Memory and step time of one layout (the module docstring)."""
     if cp > 1 and pp > 1:
         raise ValueError(f"cp={cp} with pp={pp}: context parallelism trains at pp = 1 only")
-    dp = cluster.gpus // (tp * cp * pp)
-    accumulation = global_batch // (micro_batch * dp)
+    batch = BatchLayout.for_world(cluster.gpus, tp=tp, pp=pp, cp=cp, micro=micro_batch, global_batch=global_batch)
+    dp, accumulation = batch.dp, batch.accumulation
     precision = cfg.train.precision
     cfg = copy.deepcopy(cfg)
     cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.cp, cfg.parallel.sequence_parallel = tp, pp, cp, sequence_parallel
@@ -268,22 +268,22 @@ def layouts(cfg: Config, cluster: Cluster, *, seq_len: int, global_batch: int, m
             for pp in divisors(cluster.gpus // (tp * cp)):
                 if pp > L or (pp > 1 and cfg.model.init_from) or (pp > 1 and cp > 1):
                     continue  # config.validate_pipeline: a transformer layer a stage; init_from, cp: pp = 1 only
-                dp = cluster.gpus // (tp * cp * pp)
                 zeros = (0, 1, 2, 3) if pp == 1 else (1,) if t.precision == "bf16" else (0, 1)
                 sps = [sp for sp in ((False, True) if tp > 1 else (False,))
                        if not sp or seq_len % (tp * (2 * cp if cp > 1 else 1)) == 0]  # each chunk split over tp
-                micro = 1
-                while micro <= max_micro_batch:
-                    if global_batch % (micro * dp) == 0:
-                        for zero in zeros:
-                            if zero == 3 and cfg.loss.impl == "chunked":
-                                continue  # config.validate_train rejects it
-                            if zero == 0 and t.precision == "bf16" and tp > 1 and cfg.optim.clip_grad > 0:
-                                continue  # the same
-                            for ckpt in (False, True):
-                                for sp in sps:
-                                    yield tp, pp, zero, micro, ckpt, sp, cp
-                    micro *= 2
+                for micro in (2**i for i in range(max_micro_batch.bit_length())):  # 1, 2, 4 .. max_micro_batch
+                    try:
+                        BatchLayout.for_world(cluster.gpus, tp=tp, pp=pp, cp=cp, micro=micro, global_batch=global_batch)
+                    except ConfigError:
+                        continue  # no whole accumulation: training would refuse it
+                    for zero in zeros:
+                        if zero == 3 and cfg.loss.impl == "chunked":
+                            continue  # config.validate_train rejects it
+                        if zero == 0 and t.precision == "bf16" and tp > 1 and cfg.optim.clip_grad > 0:
+                            continue  # the same
+                        for ckpt in (False, True):
+                            for sp in sps:
+                                yield tp, pp, zero, micro, ckpt, sp, cp
 
 
 def plan(cfg: Config, cluster: Cluster, *, seq_len: int, global_batch: int, max_pp: int | None = None,

@@ -34,11 +34,11 @@ import torch
 import torch.distributed as dist
 
 from cplm_dist.checkpoint import Checkpointer, Manifest, RunLock, check_async_save, check_out_dir, find_resume
-from cplm_dist.config import Config, batch_layout
+from cplm_dist.config import BatchLayout, Config
 from cplm_dist.config.cli import config_parser, exit_on_usage_error, load_from_args
 from cplm_dist.data.gpt_data import build_datasets, check_data
 from cplm_dist.data.loader import ResumableLoader
-from cplm_dist.distributed import ParallelDims, check_world, default_device, destroy_distributed, init_distributed, synchronize
+from cplm_dist.distributed import ParallelDims, default_device, destroy_distributed, init_distributed, synchronize
 from cplm_dist.distributed.heartbeat import Heartbeat
 from cplm_dist.distributed.launch_env import LaunchEnv
 from cplm_dist.distributed.lost_rank import lost_rank_message
@@ -126,10 +126,8 @@ def run(argv, stop: StopRequest) -> int:
     # 2. everything the user can get wrong, checked before the first byte or connection ---------
     stop.enter("checking the launch, checkpoint and data")
     world = LaunchEnv.from_environ(mpi_rendezvous=False).world_size
-    p = cfg.parallel
-    check_world(p.tp, world, p.pp, p.cp)
-    dp = world // (p.tp * p.cp * p.pp)
-    accumulation = batch_layout(cfg, dp)
+    batch = BatchLayout.of(cfg, world)  # tp x cp x pp dividing the world, then micro x accumulation x dp
+    dp, accumulation = batch.dp, batch.accumulation
     resume = find_resume(cfg, args.resume, cfg.parallel.tp, dp, args.reshape, args.allow_data_change)
     if cfg.model.init_from and resume is None:  # one of our checkpoints or a HF Llama (cplm_dist.interop.init_from)
         init_source(cfg)

@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import sys
 
-from cplm_dist.config import batch_layout
+from cplm_dist.config import BatchLayout
 from cplm_dist.config.cli import exit_on_usage_error, load_from_args
-from cplm_dist.distributed import check_world
 from cplm_dist.errors import UsageError
 
 
@@ -28,9 +27,8 @@ def main(argv=None) -> int:
         raise UsageError(f"--world {args.world} must be a positive number of processes")
     cfg = load_from_args(args)
     p = cfg.parallel
-    check_world(p.tp, args.world, p.pp, p.cp)
-    dp = args.world // (p.tp * p.cp * p.pp)
-    accumulation = batch_layout(cfg, dp)
+    batch = BatchLayout.of(cfg, args.world)
+    dp, accumulation = batch.dp, batch.accumulation
     cp = f" x cp {p.cp}" if p.cp > 1 else ""
     print(f"layout: {args.world} processes = tp {p.tp}{cp} x pp {p.pp} x dp {dp}, ZeRO-{cfg.train.zero_stage}, "
           f"global batch {cfg.train.global_batch_size} = micro {cfg.train.micro_batch_size} x accumulation "
