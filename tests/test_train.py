@@ -4,6 +4,7 @@ non-finite steps are skipped and a run of them stops with the last good state; b
 one line and exit code 2 with nothing written."""
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -296,6 +297,7 @@ def _valid_loss_of_checkpoint(path, args):
     from cplm_dist.config.cli import config_parser, load_from_args
     from cplm_dist.data.gpt_data import build_datasets
     from cplm_dist.distributed import default_device, init_distributed
+    from cplm_dist.evaluation.perplexity import validation_perplexity
     from cplm_dist.train.validation import evaluate
 
     dims = init_distributed(1)
@@ -303,16 +305,21 @@ def _valid_loss_of_checkpoint(path, args):
     model, _, info = load_model(path)
     t = cfg.train
     data = build_datasets(cfg, (t.train_steps * t.global_batch_size, t.eval_batches * t.micro_batch_size, 0))
-    return info["layout"], evaluate(model, data.valid, cfg, dims, default_device())
+    evaluated = validation_perplexity(model, data, t.micro_batch_size)[0]  # tools/evaluate.py's, over the same split
+    return info["layout"], evaluate(model, data.valid, cfg, dims, default_device()), evaluated
 
 
 def test_a_pipeline_checkpoint_loads_as_a_whole_model(small_data, pp2_run):
-    """Evaluation reads the per-stage layer files into a plain CPLM: its validation loss is the
-    one the pipeline computed at the same step."""
+    """Evaluation reads the per-stage layer files into a plain CPLM: its validation loss, as
+    training's validation and as evaluate.py's perplexity compute it, is the one the pipeline
+    computed at the same step."""
     args = _pp_args(small_data, pp2_run, 1)
-    layout, loss = run_ranks(_valid_loss_of_checkpoint, 1, args=(pp2_run, args))[0]
+    layout, loss, evaluated = run_ranks(_valid_loss_of_checkpoint, 1, args=(pp2_run, args))[0]
     assert layout["pp"] == 2
-    assert loss == pytest.approx(read_metrics(pp2_run / "logs" / "metrics.jsonl", "valid")[PP_STEPS]["loss"], abs=1e-5)
+    piped = read_metrics(pp2_run / "logs" / "metrics.jsonl", "valid")[PP_STEPS]["loss"]
+    assert loss == pytest.approx(piped, abs=1e-5)
+    assert evaluated["loss"] == loss and evaluated["perplexity"] == pytest.approx(math.exp(loss), rel=1e-12)
+    assert 0 < evaluated["tokens"] <= 8 * 64  # the 8 sequences of 64 tokens
 
 
 # --- the profiler measures training's own step ------------------------------------------------------

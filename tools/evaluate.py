@@ -25,11 +25,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from pathlib import Path
-
-import torch
 
 from cplm_dist.config import apply_overrides, from_dict, to_dict
 from cplm_dist.config.cli import exit_on_usage_error
@@ -57,14 +54,12 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-@torch.no_grad()
 def validation(model, cfg, batches: int) -> tuple[dict | None, list[str]]:
-    """({loss, perplexity, tokens} or None, decoded validation documents for the needle's filler)."""
+    """({loss, perplexity, tokens} or None where there is no validation data, decoded validation
+    documents for the needle's filler)."""
     from cplm_dist.data.gpt_data import build_datasets
-    from cplm_dist.data.loader import ResumableLoader, model_inputs
     from cplm_dist.errors import DataError
-    from cplm_dist.evaluation.generation import device_of
-    from cplm_dist.model.loss import IGNORE_INDEX
+    from cplm_dist.evaluation.perplexity import validation_perplexity
 
     micro = cfg.train.micro_batch_size
     try:
@@ -72,13 +67,7 @@ def validation(model, cfg, batches: int) -> tuple[dict | None, list[str]]:
     except DataError as e:
         print(f"note: no validation perplexity ({e})")
         return None, []
-    total, count, filler, device = 0.0, 0, [], device_of(model)
-    for batch in ResumableLoader(data.valid, micro):
-        out = model(*model_inputs(batch, device))  # position_ids too where the run masks documents
-        total += float(out.nll.sum())
-        count += int((batch["labels"] != IGNORE_INDEX).sum())
-        filler += [data.tokenizer.decode(row.tolist()) for row in batch["input_ids"]]
-    return {"loss": total / count, "perplexity": math.exp(total / count), "tokens": count}, filler
+    return validation_perplexity(model, data, micro)
 
 
 def print_table(results: dict, valid: dict | None) -> None:

@@ -8,16 +8,18 @@ A step reads `accumulation` micro-batches. Each micro-batch's loss is its summed
 over its trained tokens (labels != -100); DeepSpeed averages the micro-batches and the dp ranks.
 Under context parallelism a rank's loss is its own tokens' share of the sequence's mean (the
 token count summed over cp), and DeepSpeed sums the gradients over cp (cplm_dist.train.engine).
-The figures returned (loss, the LM head's own loss, the copy share) are averaged the same way over
-the dp group, so every rank gets the same numbers. `phases` (a dict) adds forward, backward and
+The figures returned (loss, the LM head's own loss, the copy share) are the batch's, the same on
+every rank: cplm_dist.model.parallel.reduction adds the micro-batches and reduces them over dp x cp,
+as it does for validation and evaluation. `phases` (a dict) adds forward, backward and
 optimizer seconds to it, synchronising the device between them (the profiler's breakdown steps;
 a clean step passes none and is not synchronised inside).
 
 At parallel.pp > 1 DeepSpeed's pipeline engine runs the step's micro-batches through the 1F1B
 schedule itself (`train_batch`): the first and last stage read the micro-batches (ids and labels
-enter at the first, labels are counted at the last), the middle stages only count them, and
-the loss, LM-only loss and copy share come back averaged the same way on every stage. Its phases
-are one ("pipeline"): forward and backward interleave.
+enter at the first, labels are counted at the last), the middle stages only count them. The last
+stage's loss function adds each micro-batch to the same sums (cplm_dist.model.parallel.pipeline),
+which are reduced the same way and sent to every stage. Its phases are one ("pipeline"): forward
+and backward interleave.
 """
 
 from __future__ import annotations
@@ -29,14 +31,13 @@ from dataclasses import dataclass
 from typing import Iterator
 
 import torch
-import torch.distributed as dist
 
 from cplm_dist.config import Config
 from cplm_dist.data.loader import model_inputs
 from cplm_dist.distributed import ParallelDims, synchronize
 from cplm_dist.model.cplm import build_model
-from cplm_dist.model.loss import IGNORE_INDEX
 from cplm_dist.model.parallel.pipeline import build_pipeline_model
+from cplm_dist.model.parallel.reduction import BatchSums, ReduceGroups
 from cplm_dist.train.engine import build_engine
 from cplm_dist.train.optim import grad_norm
 
@@ -74,12 +75,15 @@ class TrainStep:
         self.accumulation = engine.gradient_accumulation_steps()
         self.zero_stage = cfg.train.zero_stage
         self.device = engine.device
+        self.groups = ReduceGroups.of(dims)
+        # the pipeline's last stage adds to its module's sums inside DeepSpeed's schedule
+        self.sums = engine.module.sums if dims.pp_size > 1 else BatchSums(self.device)
 
     def __call__(self, batches: Iterator[dict], *, inject_nonfinite: bool = False, phases: dict | None = None) -> StepResult:
         if self.dims.pp_size > 1:
             return self._pipeline_step(batches, inject_nonfinite, phases)
         engine, device = self.engine, self.device
-        sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss, LM-only loss, copy share
+        sums = self.sums.zero_()
         skipped_before = engine.skipped_steps
         norm = None
         lr = self.scheduler.get_last_lr()[0]  # this step's rate: engine.step() advances the schedule
@@ -92,10 +96,8 @@ class TrainStep:
             labels = inputs[1]
             with _phase(phases, "forward", device):
                 out = engine(*inputs)
-                tokens = self._tokens(labels)
-                loss = out.nll.sum() / tokens
-                if inject_nonfinite:
-                    loss = loss * float("nan")
+                nll = out.nll * float("nan") if inject_nonfinite else out.nll
+                loss = sums.add(nll, out.lm_nll, out.copy_share, labels, self.groups.sequence_tokens(labels))
             with _phase(phases, "backward", device):
                 engine.backward(loss)
             if engine.is_gradient_accumulation_boundary():
@@ -104,22 +106,12 @@ class TrainStep:
                     norm = grad_norm(engine.module, self.dims.tp_group)
             with _phase(phases, "optimizer", device):
                 engine.step()
-            sums += torch.stack([loss.detach().double(), (out.lm_nll.sum() / tokens).double(),
-                                 (out.copy_share.sum() / tokens).double()])
-        dist.all_reduce(sums, group=self.dims.grad_group)  # cp ranks hold parts of one mean: summed
-        loss_v, lm_v, share_v = (sums / (self.accumulation * self.dims.dp_size)).tolist()
+        figures = self.groups.reduce(sums)
         if norm is None:
             norm = engine.get_global_grad_norm()
         skipped = self.optimizer.skipped_last or engine.skipped_steps > skipped_before
-        return StepResult(loss_v, lm_v, share_v, float(norm) if norm is not None else float("nan"), lr, skipped, data_wait)
-
-    def _tokens(self, labels: torch.Tensor) -> torch.Tensor:
-        """The micro-batch's trained tokens, over the whole sequence: under context parallelism
-        summed over the cp ranks that share it (each rank's loss is its tokens' part of one mean)."""
-        tokens = (labels != IGNORE_INDEX).sum()
-        if self.dims.cp_size > 1:
-            dist.all_reduce(tokens, group=self.dims.cp_group)
-        return tokens
+        return StepResult(figures.loss, figures.lm_loss, figures.copy_share, float(norm) if norm is not None else float("nan"),
+                          lr, skipped, data_wait)
 
     def _pipeline_step(self, batches, inject_nonfinite: bool, phases: dict | None) -> StepResult:
         engine = self.engine
@@ -127,6 +119,7 @@ class TrainStep:
         skipped_before = engine.skipped_steps
         self.optimizer.skipped_last = False
         engine.module.inject_nonfinite = inject_nonfinite
+        self.sums.zero_()
         wait = [0.0]
 
         def micro_batches():
@@ -138,13 +131,13 @@ class TrainStep:
 
         reads = engine.is_first_stage() or engine.is_last_stage()  # DeepSpeed's rule: they load micro-batches
         with _phase(phases, "pipeline", self.device):
-            loss = engine.train_batch(data_iter=micro_batches() if reads else None)
+            engine.train_batch(data_iter=micro_batches() if reads else None)
         if not reads and hasattr(batches, "skip"):  # the position a checkpoint stores: what the other stages read
             batches.skip(self.accumulation)
-        extra = engine.agg_additional_losses
+        figures = self.groups.reduce(self.sums)  # the last stage's sums, over dp x cp, then to every stage
         norm = getattr(self.optimizer, "grad_norm", None) if self.zero_stage == 0 else engine.get_global_grad_norm()
         skipped = self.optimizer.skipped_last or engine.skipped_steps > skipped_before
-        return StepResult(float(loss), float(extra["lm_loss"]), float(extra["copy_share"]),
+        return StepResult(figures.loss, figures.lm_loss, figures.copy_share,
                           float(norm) if norm is not None else float("nan"), lr, skipped, wait[0])
 
 

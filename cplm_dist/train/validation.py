@@ -2,21 +2,26 @@
 the first train.eval_batches micro-batches of each dp rank's share of the validation split.
 
     loss = evaluate(engine, datasets.valid, cfg, dims, device)
+    figures = token_loss(model, batches, device, ReduceGroups.of(dims))   # any model and micro-batches
 
-At parallel.pp > 1 DeepSpeed's pipeline engine runs the micro-batches (`eval_batch`) and the last
-stage sums them (cplm_dist.model.parallel.pipeline); the figure reaches every stage.
+Both sum each micro-batch's nll and trained tokens and reduce them over dp x cp the way the train
+step reduces its figures (cplm_dist.model.parallel.reduction); evaluation's perplexity
+(cplm_dist.evaluation.perplexity) is `token_loss` on one rank's whole split. At parallel.pp > 1
+DeepSpeed's pipeline engine runs the micro-batches (`eval_batch`) and the last stage adds them
+(cplm_dist.model.parallel.pipeline); the figure reaches every stage.
 """
 
 from __future__ import annotations
 
+from typing import Iterable
+
 import torch
-import torch.distributed as dist
 
 from cplm_dist.config import Config
 from cplm_dist.data.loader import ResumableLoader, model_inputs
 from cplm_dist.distributed import ParallelDims
-from cplm_dist.model.loss import IGNORE_INDEX
 from cplm_dist.model.parallel.context import context_of
+from cplm_dist.model.parallel.reduction import BatchFigures, BatchSums, ReduceGroups
 
 
 @torch.no_grad()
@@ -26,24 +31,31 @@ def evaluate(engine, dataset, cfg: Config, dims: ParallelDims, device) -> float:
     if dims.pp_size > 1:
         return evaluate_pipeline(engine, loader, cfg, dims, device)
     engine.eval()
-    total = torch.zeros(2, dtype=torch.float64, device=device)
-    for _, batch in zip(range(cfg.train.eval_batches), loader):
-        out = engine(*model_inputs(batch, device))
-        total += torch.stack([out.nll.double().sum(), (batch["labels"] != IGNORE_INDEX).sum().to(device).double()])
-    dist.all_reduce(total, group=dims.grad_group)  # context parallel: each cp rank's tokens are its own
+    figures = token_loss(engine, (batch for _, batch in zip(range(cfg.train.eval_batches), loader)), device,
+                         ReduceGroups.of(dims))
     engine.train()
-    return float(total[0] / total[1])
+    return figures.token_loss
+
+
+@torch.no_grad()
+def token_loss(model, batches: Iterable[dict], device, groups: ReduceGroups) -> BatchFigures:
+    """The micro-batches' summed nll and trained tokens through `model` (a CPLM, or DeepSpeed's
+    engine around one), reduced over `groups` (ReduceGroups(): this rank's alone):
+    `.token_loss` is their mean per-token loss, `.tokens` the count."""
+    sums = BatchSums(device)
+    for batch in batches:
+        inputs = model_inputs(batch, device)  # position_ids too where the run masks documents
+        sums.add_tokens(model(*inputs).nll, inputs[1])
+    return groups.reduce(sums)
 
 
 @torch.no_grad()
 def evaluate_pipeline(engine, loader: ResumableLoader, cfg: Config, dims: ParallelDims, device) -> float:
-    """`evaluate` through the pipeline: the last stage sums nll and tokens over its micro-batches
-    (cplm_dist.model.parallel.pipeline), the sums are added over dp, and the ratio goes to every stage."""
+    """`evaluate` through the pipeline: the last stage adds nll and tokens over its micro-batches
+    (cplm_dist.model.parallel.pipeline), the sums are reduced over dp x cp, and the ratio goes to every stage."""
     batches = ((model_inputs(b), b["labels"]) for b in loader)
-    engine.module.eval_sums.zero_()
+    module = engine.module
+    module.sums.zero_()
     engine.eval_batch(batches if engine.is_first_stage() or engine.is_last_stage() else None,
                       num_micro_batches=cfg.train.eval_batches, bcast_loss=False)
-    sums = engine.module.eval_sums
-    dist.all_reduce(sums, group=dims.dp_group)
-    dist.broadcast(sums, src=dist.get_global_rank(dims.pp_group, dims.pp_size - 1), group=dims.pp_group)
-    return float(sums[0] / sums[1])
+    return module.groups.reduce(module.sums).token_loss

@@ -31,8 +31,6 @@ into a plain CPLM (cplm_dist.checkpoint.load_model).
 
 from __future__ import annotations
 
-from collections import OrderedDict
-
 import torch
 
 from cplm_dist.config import Config
@@ -42,6 +40,7 @@ from cplm_dist.model.block import TransformerLayer
 from cplm_dist.model.core_attention import MasksOfLastRow
 from cplm_dist.model.initialization import init_parameters
 from cplm_dist.model.loss import IGNORE_INDEX
+from cplm_dist.model.parallel.reduction import BatchSums, ReduceGroups
 from cplm_dist.model.parallel.stages import pipeline_layers, stage_bounds
 from cplm_dist.model.parts import Embedding, Head, PartSpec
 from cplm_dist.model.recompute_compile import parallelize
@@ -118,16 +117,16 @@ def layer_specs(cfg: Config, dims: ParallelDims, device, dtype) -> list:
 
 class PipelineStages:
     """This rank's pipeline stage, mixed into DeepSpeed's PipelineModule (`pipeline_module_class`);
-    `loss_fn` turns the head's per-token terms into the micro-batch loss (in evaluation also
-    adding its summed nll and token count to `eval_sums`)."""
+    `loss_fn` turns the head's per-token terms into the micro-batch loss and adds the micro-batch
+    to `sums` (cplm_dist.model.parallel.reduction), which the train step and validation zero,
+    run the schedule, and reduce over `groups`."""
 
     def __init__(self, cfg: Config, dims: ParallelDims, device, dtype):
         from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
         self.cfg, self.dims = cfg, dims
         self.inject_nonfinite = False
-        self.eval_sums = torch.zeros(2, dtype=torch.float64, device=device)
-        self._extra = OrderedDict(lm_loss=torch.zeros((), device=device), copy_share=torch.zeros((), device=device))
+        self.sums, self.groups = BatchSums(device), ReduceGroups.of(dims)
         topology = PipeModelDataParallelTopology(num_pp=dims.pp_size, num_mp=dims.tp_size, num_dp=dims.dp_size)
         super().__init__(layer_specs(cfg, dims, device, dtype), topology=topology, loss_fn=self.micro_batch_loss,
                          partition_method="parameters")
@@ -167,18 +166,16 @@ class PipelineStages:
             super()._synchronize_tied_weights()
 
     def micro_batch_loss(self, out: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The last stage's loss function: the micro-batch's loss (this rank's part of its mean over
+        the whole sequences), its figures added to `sums`; evaluating, its summed nll and tokens
+        (the validation loss is per token over all micro-batches)."""
         nll, lm_nll, share = out
-        tokens = (labels != IGNORE_INDEX).sum()
-        if not self.training:  # summed: the validation loss is per token over all micro-batches
-            self.eval_sums += torch.stack([nll.sum().double(), tokens.double()])
-        self._extra = OrderedDict(lm_loss=(lm_nll.sum() / tokens).detach(), copy_share=(share.sum() / tokens).detach())
-        loss = nll.sum() / tokens
-        return loss * float("nan") if self.inject_nonfinite else loss
-
-    def get_additional_losses(self):
-        """The LM head's own loss and the copy share of the micro-batch: DeepSpeed averages
-        them over micro-batches and dp like the loss and sends them to every stage."""
-        return self._extra
+        if not self.training:
+            self.sums.add_tokens(nll, labels)
+            return nll.sum() / (labels != IGNORE_INDEX).sum()  # eval_batch's own figure, not read
+        if self.inject_nonfinite:
+            nll = nll * float("nan")
+        return self.sums.add(nll, lm_nll, share, labels, self.groups.sequence_tokens(labels))
 
 
 def pipeline_module_class():

@@ -1,0 +1,120 @@
+"""The one reduction of a batch's figures over the ranks that share the batch: its loss, the LM
+head's own loss, the copy share and the token count. The train step (pp = 1 and the pipeline),
+the pipeline's last stage, validation and evaluation all add their micro-batches to `BatchSums`
+and reduce them with `ReduceGroups.reduce`; only the groups differ.
+
+    groups = ReduceGroups.of(dims)                  # dp x cp, cp and pp of this rank (ReduceGroups(): one rank alone)
+    sums = BatchSums(device)
+    tokens = groups.sequence_tokens(labels)         # the micro-batch's trained tokens, over its whole sequences
+    loss = sums.add(out.nll, out.lm_nll, out.copy_share, labels, tokens)   # this rank's part of its mean: backward runs on it
+    sums.add_tokens(out.nll, labels)                # evaluation: the summed nll and tokens only
+    figures = groups.reduce(sums)                   # the same BatchFigures on every rank
+
+A batch is `n` micro-batches on each of dp replicas. Under context parallelism the cp ranks of a
+replica hold parts of the same sequences (cplm_dist.model.parallel.context), so a micro-batch's
+token count is summed over cp and each cp rank's loss is its own tokens' share of the sequences'
+mean: the parts add up over cp, and DeepSpeed sums their gradients over cp (cplm_dist.train.engine).
+Over dp the micro-batches are different ones, and their means are averaged. Two figures follow:
+
+    loss, lm_loss, copy_share   sum over dp x cp of the micro-batches' parts / (n x dp): the mean of the
+                                micro-batches' per-token means, the loss the gradient follows
+    token_loss, tokens          summed nll / summed tokens over dp x cp: validation's per-token mean
+
+At pp > 1 the last stage holds the sums (its loss function adds them): it reduces them over its
+dp x cp group and broadcasts the figures to the other stages over pp. One all-reduce of six
+float64 numbers a batch, whatever the layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from cplm_dist.model.loss import IGNORE_INDEX
+
+PARTS, MICRO_BATCHES, NLL, TOKENS = slice(0, 3), 3, 4, 5  # BatchSums.values
+
+
+@dataclass(frozen=True)
+class BatchFigures:
+    loss: float  # mean over micro-batches and dp of each micro-batch's per-token loss (what is trained)
+    lm_loss: float  # the LM head alone on the same tokens
+    copy_share: float  # mean share of the next-token mass the copy side holds
+    token_loss: float  # summed nll over summed trained tokens (validation, evaluation)
+    tokens: int  # trained tokens over dp x cp
+
+
+class BatchSums:
+    """A rank's running sums of a batch's micro-batches, float64: the parts of the micro-batches'
+    means (loss, LM-only loss, copy share), the micro-batches, the summed nll and the trained tokens."""
+
+    def __init__(self, device=None):
+        self.values = torch.zeros(6, dtype=torch.float64, device=device)
+
+    def zero_(self) -> BatchSums:
+        self.values.zero_()
+        return self
+
+    def add(self, nll: torch.Tensor, lm_nll: torch.Tensor, share: torch.Tensor, labels: torch.Tensor,
+            tokens: torch.Tensor) -> torch.Tensor:
+        """Add a micro-batch of per-token terms (nll, LM-only nll, copy share; 0 where labels are
+        ignored) whose whole sequences hold `tokens` trained tokens (`ReduceGroups.sequence_tokens`);
+        return its loss, this rank's part of the micro-batch's mean (the tensor backward runs on)."""
+        loss = nll.sum() / tokens
+        parts = torch.stack([loss.detach().double(), (lm_nll.sum() / tokens).double(), (share.sum() / tokens).double()])
+        self.values[PARTS] += parts.detach()
+        self.values[MICRO_BATCHES] += 1
+        self.add_tokens(nll.detach(), labels)
+        return loss
+
+    def add_tokens(self, nll: torch.Tensor, labels: torch.Tensor) -> None:
+        """Add a micro-batch's summed nll and trained-token count (the token mean's terms alone)."""
+        self.values[NLL] += nll.double().sum()
+        self.values[TOKENS] += (labels != IGNORE_INDEX).sum().to(self.values.device).double()
+
+
+@dataclass(frozen=True)
+class ReduceGroups:
+    """The ranks a batch is spread over (None: none): `dp_cp` where the sums are added (dp x cp;
+    dp alone at cp = 1), `cp` the ranks that share a sequence, and at pp > 1 the `pp` group the
+    last stage (global rank `pp_source`) sends the figures over; `holds_sums`: this rank is on
+    the stage whose loss function adds them (the last)."""
+
+    dp_cp: dist.ProcessGroup | None = None
+    cp: dist.ProcessGroup | None = None
+    pp: dist.ProcessGroup | None = None
+    pp_source: int = 0
+    holds_sums: bool = True
+
+    @classmethod
+    def of(cls, dims) -> ReduceGroups:
+        """This rank's groups from its ParallelDims (cplm_dist.distributed)."""
+        if dims.pp_size == 1:
+            return cls(dims.grad_group, dims.cp_group)
+        return cls(dims.grad_group, dims.cp_group, dims.pp_group, dist.get_global_rank(dims.pp_group, dims.pp_size - 1),
+                   dims.is_last_stage)
+
+    @property
+    def cp_size(self) -> int:
+        return 1 if self.cp is None else dist.get_world_size(self.cp)
+
+    def sequence_tokens(self, labels: torch.Tensor) -> torch.Tensor:
+        """The micro-batch's trained tokens (labels != -100) over its whole sequences: this rank's,
+        summed over the cp ranks that hold the other parts of them."""
+        tokens = (labels != IGNORE_INDEX).sum()
+        if self.cp_size > 1:
+            dist.all_reduce(tokens, group=self.cp)
+        return tokens
+
+    def reduce(self, sums: BatchSums) -> BatchFigures:
+        """The batch's figures from every rank's sums (the module docstring), the same on every rank."""
+        values = sums.values.clone()
+        if self.holds_sums and self.dp_cp is not None:
+            dist.all_reduce(values, group=self.dp_cp)
+        if self.pp is not None:
+            dist.broadcast(values, src=self.pp_source, group=self.pp)
+        means = values[PARTS] / (values[MICRO_BATCHES] / self.cp_size)  # n x dp micro-batches, each counted cp times
+        loss, lm_loss, share = means.tolist()
+        return BatchFigures(loss, lm_loss, share, float(values[NLL] / values[TOKENS]), int(values[TOKENS]))
