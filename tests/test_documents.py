@@ -229,20 +229,34 @@ def test_every_copy_lse_path_keeps_to_the_documents(paste):
         assert dense_copy_lse(q, k, src, None, shift, 0, docs)[0][b, :, t].isneginf().all()
 
 
-def test_flex_document_attention_equals_the_block_causal_sdpa():
-    """CUDA's document attention (FlexAttention under the document BlockMask, grouped heads)
-    against CPU's SDPA with the boolean block-causal mask, here with FlexAttention's reference."""
-    import torch.nn.functional as F
+def _dense_attention(q, k, v, visible):
+    """The reference: softmax(q k^T / sqrt(d)) v over the keys `visible` (.., Tq, Tk) allows, heads sharing kv repeated."""
+    k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    scores = (q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5).masked_fill(~visible, float("-inf"))
+    return scores.softmax(-1) @ v
 
-    from cplm_dist.model.documents import block_causal_mask, flex_attend, flex_document_mask
 
-    B, T = 2, 260
+def test_the_core_attention_kernels_agree_with_a_dense_reference():
+    """The kernels a model is built with (cplm_dist.model.core_attention), each through its own
+    masks: SDPA's (CPU) and FlexAttention's (CUDA's document attention under its BlockMask, run by
+    FlexAttention's eager reference here), grouped heads, for causal attention, a KV cache's
+    continuation (queries at offset 200 of 260 keys) and packed documents, whole and continued."""
+    from cplm_dist.model.core_attention import FlexAttention, SDPAttention
+
+    B, T, offset = 2, 260, 200
     _, docs = _mixed_documents(B, T, seed=4)
     g = torch.Generator().manual_seed(3)
     q, k, v = torch.randn(B, 4, T, 16, generator=g), torch.randn(B, 2, T, 16, generator=g), torch.randn(B, 2, T, 16, generator=g)
-    want = F.scaled_dot_product_attention(q, k, v, attn_mask=block_causal_mask(docs, 0, T), enable_gqa=True)
-    got = flex_attend(q, k, v, flex_document_mask(docs, 0, T), enable_gqa=True, compiled=False)
-    assert torch.allclose(got, want, atol=1e-5)
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    same_doc = docs[:, None, :, None] == docs[:, None, None, :]  # (B, 1, T, T)
+    for kernel in (SDPAttention(), FlexAttention()):
+        for name, d, start, visible in (("causal", None, 0, causal), ("continued", None, offset, causal),
+                                        ("documents", docs, 0, causal & same_doc),
+                                        ("documents continued", docs, offset, causal & same_doc)):
+            masks = kernel.masks(d, start, T - start, q.device)
+            got = kernel(q[:, :, start:], k, v, masks)
+            want = _dense_attention(q[:, :, start:], k, v, visible[..., start:, :])
+            assert torch.allclose(got, want, atol=1e-5), (type(kernel).__name__, name, (got - want).abs().max())
 
 
 # --- the data and training ------------------------------------------------------------------------
@@ -290,18 +304,17 @@ def _pp_doc_args(small_data, out, micro, *extra):
                 "data.document_mask=true", *extra)
 
 
-@pytest.mark.parametrize("arch,tp", [("llama", 1), ("qwen3", 2)])
-def test_pipeline_stages_carry_the_positions(small_data, tmp_path, arch, tp):
+def test_pipeline_stages_carry_the_positions(small_data, tmp_path):
     """pp = 2 (1F1B, four micro-batches a step, the positions sent from stage to stage with the
-    ids and labels) trains as one rank does under document masking, losses and validation; qwen3
-    with tp = 2 stages (its qk-norm gradients summed over tp inside a stage)."""
+    ids and labels) with tp = 2 stages trains as one rank does under document masking, losses and
+    validation; the qwen3 backbone (its qk-norm gradients summed over tp inside a stage; llama's
+    pipelines are test_train's)."""
     from tests.test_train import losses, read_metrics, train
 
     one, pp2 = tmp_path / "one", tmp_path / "pp2"
-    model = [f"model.arch={arch}"] + (["model.head_dim=24"] if arch == "qwen3" else [])
+    model = ["model.arch=qwen3", "model.head_dim=24"]
     assert train(1, _pp_doc_args(small_data, one, 4, "train.zero_stage=0", *model)) == [0]
-    assert train(2 * tp, _pp_doc_args(small_data, pp2, 1, "parallel.pp=2", f"parallel.tp={tp}", "train.zero_stage=1",
-                                      *model)) == [0] * 2 * tp
+    assert train(4, _pp_doc_args(small_data, pp2, 1, "parallel.pp=2", "parallel.tp=2", "train.zero_stage=1", *model)) == [0] * 4
     got, want = losses(pp2), losses(one)
     assert sorted(got) == [1, 2, 3, 4]
     for step in got:

@@ -91,12 +91,13 @@ class ModelParts(NamedTuple):
 
 class CPLM(torch.nn.Module):
     def __init__(self, embed: Embedding, layers: list[TransformerLayer], head: Head, model_cfg: ModelConfig,
-                 context: ContextShard | None = None, core_attention=None):
+                 context: ContextShard | None = None):
         """The parts in a row; `build_model` builds them (the matched baseline without a copy head:
-        copy.enabled=false). `context`: this rank's place in its cp group (parallel.cp > 1);
-        `core_attention`: the kernel the layers were built with, whose masks a forward builds once."""
+        copy.enabled=false). `context`: this rank's place in its cp group (parallel.cp > 1)."""
         super().__init__()
-        self.context, self.core_attention = context, core_attention
+        self.context = context
+        # the kernel the layers were built with (PartSpec.core_attention), whose masks a forward builds once
+        self.core_attention = layers[0].attention.core
         self.model_cfg, self.copy_cfg, self.loss_cfg, self.tp_group = model_cfg, head.copy_cfg, head.loss_cfg, head.tp_group
         self.tp_rank, self.tp_size = vocab_parallel.tp_rank_size(head.tp_group)
         self.vocab_size = model_cfg.vocab_size
@@ -322,7 +323,7 @@ def build_model(cfg: Config, *, tp_group: dist.ProcessGroup | None = None, devic
         device = torch.device("cuda", torch.cuda.current_device())
     spec = PartSpec.of(cfg, tp_group, device, dtype, sequence_parallel, context)
     layers = [TransformerLayer(spec) for _ in range(m.num_layers)]
-    model = place(CPLM(Embedding(spec), layers, Head(spec), m, context, spec.core_attention), device)
+    model = place(CPLM(Embedding(spec), layers, Head(spec), m, context), device)
     init_parameters(model, m, cfg.copy, cfg.seed, model.tp_rank, model.tp_size)
     t = cfg.train
     return parallelize(model, device=device,
