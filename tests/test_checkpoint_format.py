@@ -119,8 +119,9 @@ def test_a_format_1_checkpoint_evaluates_and_resumes(small_data, format_1_runs, 
     old = format_1_runs[layout]
     nproc, extra = LAYOUTS[layout]
     step4 = old / "checkpoints" / f"step-{STEPS:08d}"
-    saved_layout, loss = run_ranks(_valid_loss_of_checkpoint, 1, args=(step4, _old_args(small_data, old, extra)))[0]
+    saved_layout, loss, evaluated = run_ranks(_valid_loss_of_checkpoint, 1, args=(step4, _old_args(small_data, old, extra)))[0]
     assert saved_layout["pp"] == (2 if layout == "pp2" else 1)
+    assert evaluated["loss"] == loss  # evaluate.py's perplexity reads an old checkpoint as training's validation does
     logged = json.loads([line for line in (old / "logs" / "metrics.jsonl").read_text().splitlines()
                          if '"valid"' in line][-1])["loss"]
     assert loss == pytest.approx(logged, abs=1e-5)

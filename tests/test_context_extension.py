@@ -147,6 +147,23 @@ def test_a_plain_resume_cannot_change_the_positions(trained):
     assert to_dict(load_config("tiny"))["model"]["rope_scaling"] is None
 
 
+def test_a_resume_names_the_field_changed_not_the_head_dim_filled_in_from_it(trained):
+    """model.head_dim is filled in from hidden_size / num_heads: a resume that changes the width is
+    named by the width (the first field of the line), and a head_dim set to another width by itself."""
+    from cplm_dist.checkpoint import CheckpointError, check_config_change, read_manifest
+    from cplm_dist.config import from_dict
+
+    manifest = read_manifest(trained / "checkpoints" / "step-00000006")
+    saved = manifest.config["model"]
+    for field, value in (("hidden_size", saved["hidden_size"] * 2), ("num_heads", saved["num_heads"] * 2),
+                         ("head_dim", saved["head_dim"] * 2)):
+        cfg = from_dict({**manifest.config, "model": {**{k: v for k, v in saved.items() if k != "head_dim"}, field: value}})
+        with pytest.raises(CheckpointError, match=rf"another config \(model\.{field} {saved[field]} -> {value}[,)]"):
+            check_config_change(manifest, cfg)
+    explicit = from_dict({**manifest.config, "model": {**saved, "head_dim": saved["hidden_size"] // saved["num_heads"]}})
+    check_config_change(manifest, explicit)  # the filled-in width written out is the same model
+
+
 def test_rope_scaling_is_validated_one_line():
     cases = [
         (["model.rope_scaling.type=yarn", "model.rope_scaling.factor=2"],

@@ -369,7 +369,8 @@ def check_reshape(manifest: Manifest, cfg: Config, tp: int) -> None:
 def check_config_change(manifest: Manifest, cfg: Config) -> None:
     """A resumed run may change only RESUMABLE_CHANGES; one line names any other difference."""
     saved, here = _flatten(manifest.config), _flatten(to_dict(cfg))
-    changed = [k for k in sorted(saved) if k not in RESUMABLE_CHANGES and saved[k] != here.get(k)]
+    given_saved, given_here = _as_given(saved), _as_given(here)
+    changed = [k for k in sorted(saved) if k not in RESUMABLE_CHANGES and given_saved[k] != given_here.get(k)]
     # a mapping set where the saved run had null (model.rope_scaling): its keys are new, their parent was None
     parents = [k.rpartition(".")[0] for k in sorted(set(here) - set(saved))]
     changed += [k for k in dict.fromkeys(parents) if k in saved and saved[k] is None and k not in RESUMABLE_CHANGES]
@@ -437,6 +438,18 @@ def _value(flat: dict, key: str):
     if key in flat:
         return flat[key]
     return {k[len(key) + 1:]: v for k, v in flat.items() if k.startswith(key + ".")} or None
+
+
+def _as_given(flat: dict) -> dict:
+    """`flat` with the fields the config fills in from others back to null where they hold the filled-in
+    value (model.head_dim = hidden_size / num_heads), so a resume that changes hidden_size is named by
+    hidden_size, not by a head_dim nobody set; a head_dim set to another width still counts as itself."""
+    out = dict(flat)
+    hidden, heads = flat.get("model.hidden_size"), flat.get("model.num_heads")
+    if isinstance(hidden, int) and isinstance(heads, int) and heads > 0 and hidden % heads == 0 \
+            and out.get("model.head_dim") == hidden // heads:
+        out["model.head_dim"] = None
+    return out
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict:
