@@ -220,3 +220,17 @@ def test_old_module_paths_import_the_modules_that_hold_them_now():
     out = subprocess.run([sys.executable, "-m", "cplm_dist.launch_env", "slurm-port"], env=env, cwd=REPO,
                          capture_output=True, text=True, timeout=60)
     assert (out.returncode, out.stdout.strip(), out.stderr) == (0, str(20000 + 7 * 8), "")
+
+
+def test_the_layout_doc_names_every_module_and_tool_as_the_code_says():
+    """docs/layout.md (the README's layout table points to it) is what tools/layout_doc.py makes of the
+    code now: every module of the library and every tool a line, none without a docstring."""
+    from cplm_dist_tools import layout_doc
+
+    doc = (REPO / "docs" / "layout.md").read_text()
+    assert doc == layout_doc.render(), "docs/layout.md is out of date: run python tools/layout_doc.py"
+    files = sorted(p for p in [*LIBRARY.rglob("*.py"), *(REPO / "tools").glob("*.py")] if "__pycache__" not in p.parts)
+    assert len(files) > 100
+    missing = [str(p.relative_to(REPO)) for p in files if f"| `{p.relative_to(REPO)}` |" not in doc]
+    assert missing == []
+    assert "(no docstring)" not in doc
