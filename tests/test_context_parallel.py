@@ -199,8 +199,6 @@ def test_bad_cp_layouts_get_one_line(small_data, cp_training, tmp_path):
     from tests.test_train import argv, run_cli
 
     refusals = {
-        ("parallel.cp=2", "parallel.pp=2"): "parallel.cp=2 with parallel.pp=2: DeepSpeed's pipeline grid has pipe, data and "
-                                            "model axes only, no context axis; use parallel.pp=1 with cp, or parallel.cp=1 with pp",
         ("parallel.cp=4", "data.seq_length=20"): "data.seq_length=20 is not divisible by 2 x cp = 8, which parallel.cp=4 needs "
                                                  "(each cp rank holds 2 of 2 x cp equal chunks): use data.seq_length=16 or 24, or another cp",
         ("parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true", "data.seq_length=20"):
@@ -214,6 +212,9 @@ def test_bad_cp_layouts_get_one_line(small_data, cp_training, tmp_path):
         assert str(e.value) == message
     with pytest.raises(ConfigError, match=r"parallel.tp=1 x parallel.cp=4 x parallel.pp=1 = 4 does not divide WORLD_SIZE=6"):
         check_world(1, 6, 1, 4)
+    with pytest.raises(ConfigError, match=r"parallel.tp=1 x parallel.cp=2 x parallel.pp=2 = 4 does not divide WORLD_SIZE=6"):
+        check_world(1, 6, 2, 2)  # cp x pp composes; a grid that does not divide the world is still one line
+    load_config("tiny", ["parallel.cp=2", "parallel.pp=2"])  # no longer refused
     cfg = load_config("tiny", ["train.zero_stage=1"])
     with pytest.raises(CheckpointError, match=r"saved with another layout \(cp 2 -> 1, dp 2 -> 2|cp 2 -> 1"):
         check_layout(read_manifest(cp_training / "cp2-dp2-z1" / "checkpoints" / "step-00000005"), cfg, 1, 2)

@@ -99,13 +99,11 @@ def validate_pipeline(cfg: Config) -> None:
 
 def validate_context_parallel(cfg: Config) -> None:
     """parallel.cp > 1: the sequence cuts into 2 x cp equal chunks (each rank's two, Megatron's
-    causal load balance), each of them whole under sequence parallelism too; no pipeline."""
+    causal load balance), each of them whole under sequence parallelism too (with pipeline stages
+    or without)."""
     cp, tp, T = cfg.parallel.cp, cfg.parallel.tp, cfg.data.seq_length
     if cp == 1:
         return
-    if cfg.parallel.pp > 1:
-        raise ConfigError(f"parallel.cp={cp} with parallel.pp={cfg.parallel.pp}: DeepSpeed's pipeline grid has pipe, data and "
-                          "model axes only, no context axis; use parallel.pp=1 with cp, or parallel.cp=1 with pp")
     unit = 2 * cp * (tp if cfg.parallel.sequence_parallel and tp > 1 else 1)
     if T % unit:
         what = f"2 x cp x tp = {unit} (sequence parallelism splits each chunk over tp)" if unit > 2 * cp else f"2 x cp = {unit}"

@@ -10,7 +10,8 @@ Groups come from `megatron.core.parallel_state`; the backend is gloo on CPU and 
 Ranks are laid out Megatron's way, which is also DeepSpeed's pipeline topology (axes pipe, data,
 model): the tp ranks of one group are consecutive, then cp, then dp, and the pipeline stage varies
 slowest, rank = ((pp_rank x dp + dp_rank) x cp + cp_rank) x tp + tp_rank (megatron's order
-tp-cp-ep-dp-pp; cp > 1 with pp > 1 is refused at load, cplm_dist.config.validation).
+tp-cp-ep-dp-pp; DeepSpeed's pipeline grid sees tp x cp as its model axis, the same order:
+cplm_dist.model.parallel.pipeline_grid).
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from cplm_dist.model.documents import block_causal_mask, document_index, flex_attend, flex_document_mask
+from cplm_dist.model.documents import block_causal_mask, flex_attend, flex_document_mask
 
 
 @dataclass(frozen=True)
@@ -75,18 +75,3 @@ class FlexAttention(SDPAttention):
 def local_attention(device: torch.device) -> SDPAttention:
     """The kernel for one rank's whole sequence on `device`: FlexAttention's on CUDA, SDPA's elsewhere."""
     return FlexAttention() if device.type == "cuda" else SDPAttention()
-
-
-class MasksOfLastRow:
-    """`kernel.masks` of the last position_ids seen, built once and handed to each later caller
-    with the same tensor: a pipeline stage's layers each receive the micro-batch's positions and
-    would otherwise build (on CUDA: create_block_mask over T x T) the same mask once a layer."""
-
-    def __init__(self):
-        self.kernel, self.positions, self.version, self.masks = None, None, None, None
-
-    def __call__(self, kernel, position_ids: torch.Tensor):
-        if kernel is not self.kernel or position_ids is not self.positions or position_ids._version != self.version:
-            self.kernel, self.positions, self.version = kernel, position_ids, position_ids._version  # another row or kernel
-            self.masks = kernel.masks(document_index(position_ids), 0, position_ids.shape[1], position_ids.device)
-        return self.masks

@@ -16,7 +16,8 @@ our parallel groups, and `deepspeed.initialize` with our optimizer and schedule.
 | parallel.pp > 1, sequence_parallel | pipeline.pipe_partitioned, grad_partitioned (off under sp: activations already sharded) |
 
 At parallel.pp > 1 the model is a `PipelineModule` (cplm_dist.model.parallel.pipeline) and DeepSpeed builds
-its pipeline engine, whose process grid (axes pipe, data, model) is the same rank layout as ours.
+its pipeline engine, whose process grid (axes pipe, data, model) is the same rank layout as ours
+(the model axis tp x cp wide under context parallelism: cplm_dist.model.parallel.pipeline_grid).
 At ZeRO-0 there DeepSpeed's fp32 clipping would count each later stage's tp-replicated parameters
 out and the tied embedding twice, so the optimizer clips itself (`clip_before_step`).
 
@@ -168,7 +169,32 @@ def build_engine(model: torch.nn.Module, cfg: Config, dims: ParallelDims, load_u
         model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config,
         mpu=None if pipeline else DeepSpeedMPU(dims), dist_init_required=False,  # a pipeline brings its own grid
     )
+    if pipeline and dims.cp_size > 1:
+        reduce_over_dp_cp(engine)
     return engine, optimizer, scheduler
+
+
+def reduce_over_dp_cp(engine) -> None:
+    """A pipeline engine under context parallelism reduces its gradients over dp x cp, summed over
+    cp and averaged over dp, at every ZeRO stage. DeepSpeed 0.19's ZeRO-1 optimizer does so through
+    the grid's sequence hooks (cplm_dist.model.parallel.pipeline_grid); the engine's own reduction
+    (ZeRO-0, and the bf16 optimizer's) takes the grid's dp group alone at a pipeline, so it runs its
+    other branch here (dp x cp, divided by dp), the one it takes without a pipeline."""
+    import deepspeed
+
+    reduce = type(engine)._reduce_non_expert_gradients
+    if not deepspeed.__version__.startswith("0.19.") or "pipeline_parallelism" not in reduce.__code__.co_names:
+        raise RuntimeError(f"parallel.cp > 1 with parallel.pp > 1 is adapted to DeepSpeed 0.19's pipeline gradient "
+                           f"reduction; this is DeepSpeed {deepspeed.__version__}: install deepspeed==0.19.8")
+
+    def over_dp_cp(grads, elements_per_buffer):
+        engine.pipeline_parallelism = False  # read by this function alone: its non-pipeline groups
+        try:
+            return reduce(engine, grads, elements_per_buffer)
+        finally:
+            engine.pipeline_parallelism = True
+
+    engine._reduce_non_expert_gradients = over_dp_cp
 
 
 def clip_before_step(optimizer, model: torch.nn.Module, dims: ParallelDims, max_norm: float) -> None:

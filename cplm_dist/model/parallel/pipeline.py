@@ -1,5 +1,7 @@
 """Pipeline parallelism (parallel.pp > 1): the CPLM as DeepSpeed `PipelineModule` stages, run by
-DeepSpeed's 1F1B pipeline engine, with megatron-core tensor parallelism inside every stage.
+DeepSpeed's 1F1B pipeline engine, with megatron-core tensor parallelism inside every stage and
+context parallelism across each stage's cp ranks (parallel.cp > 1: every layer's attention gathers
+its keys over cp, the head's copy head its keys and the ids, as at pp = 1).
 
     model = build_pipeline_model(cfg, dims)     # this rank's stage only; dims from init_distributed(tp, pp_size=pp)
 
@@ -37,10 +39,12 @@ from cplm_dist.config import Config
 from cplm_dist.distributed import ParallelDims
 from cplm_dist.megatron_compat import import_deepspeed
 from cplm_dist.model.block import TransformerLayer
-from cplm_dist.model.core_attention import MasksOfLastRow
 from cplm_dist.model.initialization import init_parameters
 from cplm_dist.model.loss import IGNORE_INDEX
+from cplm_dist.model.parallel.context import context_of
+from cplm_dist.model.parallel.pipeline_grid import context_grid_class
 from cplm_dist.model.parallel.reduction import BatchSums, ReduceGroups
+from cplm_dist.model.parallel.stage_inputs import StageInputs
 from cplm_dist.model.parallel.stages import pipeline_layers, stage_bounds
 from cplm_dist.model.parts import Embedding, Head, PartSpec
 from cplm_dist.model.recompute_compile import parallelize
@@ -53,9 +57,14 @@ class EmbeddingStage(Embedding):
 
     canonical_prefix = ""
 
+    def __init__(self, spec: PartSpec, inputs: StageInputs | None = None, positions: bool = True):
+        super().__init__(spec, positions)
+        self.inputs = inputs
+
     def forward(self, inputs):
         ids, labels, *positions = inputs  # positions: data.document_mask
-        return super().forward(ids, 0, positions[0] if positions else None), ids, labels, *positions
+        micro = self.inputs(ids, positions[0] if positions else None)
+        return super().forward(ids, 0, micro.positions), ids, labels, *positions
 
 
 def hand_weight_to_head(stage: EmbeddingStage, inputs):
@@ -63,25 +72,20 @@ def hand_weight_to_head(stage: EmbeddingStage, inputs):
     return (*inputs, stage.embedding.weight)
 
 
-STAGE_MASKS = MasksOfLastRow()
-
-
 class LayerStage(TransformerLayer):
     """Transformer layer `index`: (x, ids, labels) -> (x', ids, labels)."""
 
-    def __init__(self, spec: PartSpec, index: int):
+    def __init__(self, spec: PartSpec, index: int, inputs: StageInputs):
         super().__init__(spec)
         self.canonical_prefix = f"layers.{index}."
         self.model_cfg = spec.model
-        self.document_mask = STAGE_MASKS  # one mask a micro-batch for all of this process's layers
+        self.inputs = inputs  # one set of positions and masks a micro-batch for all of this process's layers
 
     def forward(self, inputs):
         x, ids, labels, *positions = inputs
-        position_ids = positions[0] if positions else None
-        cos, sin = layer_rope(self.model_cfg, ids.shape[1], device=x.device, position_ids=position_ids)
-        core = self.attention.core
-        masks = core.masks(None, 0, ids.shape[1], x.device) if position_ids is None else self.document_mask(core, position_ids)
-        return super().forward(x, cos, sin, masks), ids, labels, *positions
+        micro = self.inputs(ids, positions[0] if positions else None)
+        cos, sin = layer_rope(self.model_cfg, ids.shape[1], device=x.device, position_ids=micro.positions)
+        return super().forward(x, cos, sin, micro.masks(self.attention.core)), ids, labels, *positions
 
 
 class HeadStage(Head):
@@ -89,29 +93,38 @@ class HeadStage(Head):
 
     canonical_prefix = ""
 
+    def __init__(self, spec: PartSpec, inputs: StageInputs):
+        super().__init__(spec)
+        self.inputs = inputs
+
     def forward(self, inputs):
         x, ids, labels, *rest = inputs  # rest: [positions (document masking)] [the tied weight]
         tied = rest.pop() if rest and rest[-1].is_floating_point() else None
-        return torch.stack(list(super().forward(x, ids, labels, tied, rest[0] if rest else None)))
+        position_ids = rest[0] if rest else None
+        context = self.inputs(ids, position_ids).context  # context parallel: the whole sequence's ids, positions
+        return torch.stack(list(self.token_loss(self.final_norm(x), ids, labels, tied, position_ids, context)))
 
 
 def layer_specs(cfg: Config, dims: ParallelDims, device, dtype) -> list:
     """DeepSpeed's specs of `pipeline_layers` (DeepSpeed builds this stage's share only)."""
     from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
-    spec = PartSpec.of(cfg, dims.tp_group, device, dtype)
+    context = context_of(dims)
+    spec = PartSpec.of(cfg, dims.tp_group, device, dtype, context=context)
+    inputs = StageInputs(context)  # shared by the parts DeepSpeed builds on this rank
     tie = {"tied_weight_attr": ["embedding.weight"]}
     specs = []
     for layer in pipeline_layers(cfg):
         if layer.kind == "embedding":
-            specs.append(TiedLayerSpec("embedding", EmbeddingStage, spec, **tie) if cfg.model.tie_embeddings
-                         else LayerSpec(EmbeddingStage, spec))
+            specs.append(TiedLayerSpec("embedding", EmbeddingStage, spec, inputs, **tie) if cfg.model.tie_embeddings
+                         else LayerSpec(EmbeddingStage, spec, inputs))
         elif layer.kind == "layer":
-            specs.append(LayerSpec(LayerStage, spec, int(layer.prefix.split(".")[1])))
+            specs.append(LayerSpec(LayerStage, spec, int(layer.prefix.split(".")[1]), inputs))
         elif layer.kind == "tied":
-            specs.append(TiedLayerSpec("embedding", EmbeddingStage, spec, positions=False, forward_fn=hand_weight_to_head, **tie))
+            specs.append(TiedLayerSpec("embedding", EmbeddingStage, spec, inputs, positions=False,
+                                       forward_fn=hand_weight_to_head, **tie))
         else:
-            specs.append(LayerSpec(HeadStage, spec))
+            specs.append(LayerSpec(HeadStage, spec, inputs))
     return specs
 
 
@@ -127,9 +140,12 @@ class PipelineStages:
         self.cfg, self.dims = cfg, dims
         self.inject_nonfinite = False
         self.sums, self.groups = BatchSums(device), ReduceGroups.of(dims)
-        topology = PipeModelDataParallelTopology(num_pp=dims.pp_size, num_mp=dims.tp_size, num_dp=dims.dp_size)
+        # the model axis tp x cp wide: Megatron's rank order (cplm_dist.model.parallel.pipeline_grid)
+        topology = PipeModelDataParallelTopology(num_pp=dims.pp_size, num_mp=dims.tp_size * dims.cp_size, num_dp=dims.dp_size)
         super().__init__(layer_specs(cfg, dims, device, dtype), topology=topology, loss_fn=self.micro_batch_loss,
                          partition_method="parameters")
+        if dims.cp_size > 1:
+            self._grid = context_grid_class()(self._grid, dims)
         init_parameters(self.canonical_named_parameters(), cfg.model, cfg.copy, cfg.seed, dims.tp_rank, dims.tp_size)
 
     def canonical_named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
@@ -158,6 +174,18 @@ class PipelineStages:
         self.parts = stage_bounds(self.cfg, self.num_stages)
         stage = self._topo.get_coord(self.global_rank).pipe
         self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
+
+    def ckpt_layer_path(self, ckpt_dir, local_layer_idx):
+        """A layer's file, named by its tp rank alone (DeepSpeed's names at cp = 1: the cp ranks
+        hold the same weights, and a checkpoint reads the same at any cp)."""
+        if self.dims.cp_size == 1:
+            return super().ckpt_layer_path(ckpt_dir, local_layer_idx)
+        return f"{ckpt_dir}/layer_{local_layer_idx + self._local_start:02d}-model_{self.dims.tp_rank:02d}-model_states.pt"
+
+    def save_state_dict(self, save_dir, checkpoint_engine, exclude_frozen_params=False):
+        """DeepSpeed's layer files, written by cp rank 0 alone (its cp ranks would write the same files)."""
+        if self.dims.cp_rank == 0:
+            super().save_state_dict(save_dir, checkpoint_engine, exclude_frozen_params)
 
     def _synchronize_tied_weights(self):
         # DeepSpeed broadcasts the tied weight in place with autograd on, which leaves a
