@@ -140,7 +140,7 @@ def test_real_shape_dry_run_of_1_7b_at_tp2(tmp_path, capsys):
     (["--gpus", "4", "train.global_batch_size=6", "train.micro_batch_size=4"], "train.global_batch_size=6 is not"),
     (["parallel.pp=3"], "parallel.pp=3 exceeds model.num_layers=2"),
     (["--gpus", "6", "parallel.cp=4"], "parallel.tp=1 x parallel.cp=4 x parallel.pp=1 = 4 does not divide WORLD_SIZE=6"),
-    (["parallel.cp=2", "parallel.pp=2"], "parallel.cp=2 with parallel.pp=2"),
+    (["--gpus", "6", "parallel.cp=2", "parallel.pp=2"], "parallel.tp=1 x parallel.cp=2 x parallel.pp=2 = 4 does not divide WORLD_SIZE=6"),
     (["--json", "no/such/dir/dry.json"], "its parent directory no/such/dir does not exist"),
 ])
 def test_a_layout_that_cannot_exist_is_one_line_and_exit_2(capsys, args, message):
@@ -194,6 +194,35 @@ def test_context_parallel_dry_run_traces_every_cp_rank(tmp_path, capsys):
         assert 0.4 < role["traced"]["peak_bytes"] / flat[512].trace.peak_bytes < 0.55
         error = (role["estimate_bytes"] - role["peak_bytes"]) / role["peak_bytes"]
         assert abs(error - flat[256].error) < 0.05, (error, flat[256].error)  # tiny's own offset, not cp's
+
+
+def test_a_cp_x_pp_layout_dry_runs_every_role_as_the_communication_model_says():
+    """cp 2 x pp 2 x tp 2 (8 fake ranks, sequence parallel, document masking): a role for every tp
+    rank x stage x cp rank; each role's tp and cp collectives and its stage boundary exactly the
+    communication model's at its stage (K/V of its own layers, the copy keys on the last stage,
+    the ids and positions on every stage), the dp ones over dp x cp; beside them only the last
+    stage's token count summed over cp (8 bytes a micro-batch, bookkeeping the model leaves out)."""
+    overrides = [*CP_DRY, "parallel.cp=2", "parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true",
+                 "train.zero_stage=1", "data.seq_length=512", "model.max_seq_len=512", "model.num_layers=3",
+                 "data.document_mask=true"]
+    cfg = load_config("tiny", overrides)
+    result = dry_run(cfg, gpus=8, device=DEVICES["h200"])
+    assert (result.layout.tp, result.layout.cp, result.layout.pp, result.layout.dp) == (2, 2, 2, 1)
+    assert sorted((r.pp_stage, r.cp_rank, r.tp_rank) for r in result.roles) == [
+        (s, c, t) for s in range(2) for c in range(2) for t in range(2)]
+    for role in result.roles:
+        model = step_bytes(cfg, tp=2, dp=1, zero=1, micro_batch=4, accumulation=2, seq_len=512, precision="fp32",
+                           activation_checkpointing=False, sequence_parallel=True, pp=2, stage=role.pp_stage, cp=2)
+        traced = dict(role.trace.collectives)
+        bookkeeping = traced.pop("cp/all_reduce", 0.0)
+        assert bookkeeping == (8 * role.trace.micro_batches if role.pp_stage == 1 else 0.0)
+        assert traced == pytest.approx({k: v for k, v in model.items() if k.startswith(("tp/", "cp/"))}, rel=1e-9)
+        assert role.trace.boundary == pytest.approx({k: v for k, v in model.items() if k.startswith("pp/")}, rel=1e-9)
+        assert model["cp/all_gather_into_tensor"] > 0 and ("cp/reduce_scatter_tensor" in model)
+    # the heaviest rank (the first stage, 2 in-flight micro-batches): about half of pp alone's at the same sequence
+    pipe = dry_run(load_config("tiny", [*overrides, "parallel.cp=1"]), gpus=4, device=DEVICES["h200"]).heaviest
+    assert result.heaviest.pp_stage == 0 and 0.35 < result.heaviest.peak_bytes / pipe.peak_bytes < 0.55
+    assert abs(result.heaviest.error) < 0.05, result.heaviest.error
 
 
 @pytest.mark.parametrize("cp", [1, 2])

@@ -396,8 +396,11 @@ def test_bubble_and_the_pipelined_step():
         assert p.step_s == pytest.approx((p.compute_s + p.tp_comm_s + p.pp_comm_s) / (1 - p.bubble) + p.exposed_dp_s)
     assert few.mfu < many.mfu  # the bubble costs
     # consecutive stages are tp x dp ranks apart: in one node only when the whole job is
-    assert pipeline_links(Cluster(gpus=8), tp=2, pp=2, dp=2) == (360.0, 360.0, 360.0)
-    assert pipeline_links(Cluster(gpus=16), tp=2, pp=2, dp=4) == (360.0, 40.0, 40.0)
+    assert pipeline_links(Cluster(gpus=8), tp=2, pp=2, dp=2) == (360.0, 360.0, 360.0, 360.0)
+    assert pipeline_links(Cluster(gpus=16), tp=2, pp=2, dp=4) == (360.0, 40.0, 40.0, 360.0)
+    # with cp the stages are tp x cp x dp ranks apart; a cp group its tp x cp consecutive ranks
+    assert pipeline_links(Cluster(gpus=16), tp=2, pp=2, dp=2, cp=2) == (360.0, 40.0, 40.0, 360.0)
+    assert pipeline_links(Cluster(gpus=32), tp=4, pp=2, dp=1, cp=4) == (40.0, 40.0, 40.0, 40.0)
     assert pipeline_links(Cluster(gpus=16), tp=8, pp=2, dp=1)[1] == 40.0
     assert pipeline_links(Cluster(gpus=32), tp=2, pp=2, dp=8)[0] == 40.0  # a stage's dp group spans two nodes
 
@@ -416,7 +419,7 @@ def test_the_planner_proposes_pipeline_parallelism_where_nothing_fits_without_it
     fits, considered = plan(cfg, cluster, seq_len=2048, global_batch=64)
     assert fits and all(p.pp > 1 for p in fits)
     for p in fits:
-        assert p.memory_gib <= 0.9 * cluster.memory_gib and p.tp * p.pp * p.dp == 8
+        assert p.memory_gib <= 0.9 * cluster.memory_gib and p.tp * p.cp * p.pp * p.dp == 8
         assert p.micro_batch * p.accumulation * p.dp == 64 and p.zero == 1  # bf16 pipelines take ZeRO-1 only
         assert p.bubble == (p.pp - 1) / (p.accumulation + p.pp - 1) and 0 < p.mfu <= cluster.achievable
     fastest = min(p.step_s for p in fits)
@@ -474,16 +477,17 @@ def _long(name, seq, overrides=()):
 
 def test_layouts_enumerate_cp_as_training_accepts_it():
     """cp: powers of two dividing gpus / tp, the sequence divisible by 2 x cp (x tp under sequence
-    parallelism), never with pp > 1; tp x cp x pp x dp the GPUs, the batch counting dp alone."""
+    parallelism), with pipeline stages too; tp x cp x pp x dp the GPUs, the batch counting dp alone."""
     cfg = load_config("cplm-1.7b", ["train.precision=bf16"])
     seen = set()
     for tp, pp, zero, micro, ckpt, sp, cp in layouts(cfg, Cluster(gpus=16), seq_len=40, global_batch=64):
         dp = 16 // (tp * cp * pp)
         assert tp * cp * pp * dp == 16 and 64 % (micro * dp) == 0
-        assert cp & (cp - 1) == 0 and 40 % (2 * cp) == 0 and (cp == 1 or pp == 1)
+        assert cp & (cp - 1) == 0 and 40 % (2 * cp) == 0
         assert not sp or 40 % (tp * (2 * cp if cp > 1 else 1)) == 0
-        seen.add((tp, cp, sp))
-    assert {cp for _, cp, _ in seen} == {1, 2, 4} and (2, 2, True) in seen and (4, 2, True) not in seen  # 40 % 16
+        seen.add((tp, cp, sp, pp))
+    assert {cp for _, cp, _, _ in seen} == {1, 2, 4} and (2, 2, True, 1) in seen and not any(s[:3] == (4, 2, True) for s in seen)
+    assert (1, 2, False, 2) in seen and (2, 2, True, 4) in seen  # cp x pp (x tp)
 
 
 def test_estimator_under_cp_shards_the_sequence_and_partitions_zero_over_dp_x_cp():
@@ -495,8 +499,9 @@ def test_estimator_under_cp_shards_the_sequence_and_partitions_zero_over_dp_x_cp
     assert 0.5 < two.activations / one.activations < 0.6  # halved, plus every layer's gathered K and V
     cp2 = load_config(str(REPO / "configs/runs/cplm-1.7b-32k.yaml"))
     assert cp2.parallel.cp == 2 and estimate(cp2, tp=1, dp=4, micro_batch=1, seq_len=32768).total == two.total  # cp from the config
-    with pytest.raises(ValueError, match="pp = 1 only"):
-        estimate(cfg, tp=1, dp=2, micro_batch=1, seq_len=32768, cp=2, pp=2)
+    pipe, both = (estimate(cfg, tp=1, dp=d, micro_batch=1, seq_len=32768, cp=c, pp=2, accumulation=16) for d, c in ((4, 1), (2, 2)))
+    assert both.parameters == pipe.parameters and both.optimizer == pipe.optimizer  # ZeRO over dp 2 x cp 2 = dp 4
+    assert 0.5 < both.activations / pipe.activations < 0.6  # cp x pp: each stage's sequence halved too
 
 
 def test_the_planner_proposes_context_parallelism_where_nothing_fits_without_it():
@@ -507,10 +512,14 @@ def test_the_planner_proposes_context_parallelism_where_nothing_fits_without_it(
     flat, _ = plan(cfg, cluster, seq_len=32768, global_batch=16, max_cp=1)
     assert flat == []
     fits, _ = plan(cfg, cluster, seq_len=32768, global_batch=16)
-    assert fits and all(p.cp > 1 and p.pp == 1 and p.tp * p.cp * p.dp == 8 for p in fits)
+    assert fits and all(p.cp > 1 and p.tp * p.cp * p.pp * p.dp == 8 for p in fits)
+    assert any(p.pp == 1 for p in fits) and any(p.pp > 1 for p in fits)  # cp alone, and cp x pp
     for p in fits:
         assert p.memory_gib <= 0.9 * 24 and p.micro_batch * p.accumulation * p.dp == 16 and p.cp_comm_s > 0
-        assert p.step_s == pytest.approx(p.compute_s + p.tp_comm_s + p.cp_comm_s + p.exposed_dp_s)
+        if p.pp == 1:
+            assert p.step_s == pytest.approx(p.compute_s + p.tp_comm_s + p.cp_comm_s + p.exposed_dp_s)
+        else:  # the slowest stage's slots over the bubble, then the tied and dp x cp reductions
+            assert p.step_s > (p.compute_s + p.tp_comm_s + p.cp_comm_s) / (1 - p.bubble) + p.exposed_dp_s
 
 
 def test_long_context_plans_pick_cp(tmp_path, capsys):
@@ -533,3 +542,25 @@ def test_long_context_plans_pick_cp(tmp_path, capsys):
     best = fits[0]
     assert best.cp > 1 and best.tp * best.cp * best.dp == 64 and not best.activation_checkpointing
     assert all(p.activation_checkpointing for p in flat) and best.step_s < flat[0].step_s
+
+
+def test_the_70b_long_context_config_is_a_planned_layout_with_cp_x_pp_beside_it():
+    """configs/runs/cplm-70b-32k.yaml: the planner's layout for cplm-70b at 32k on 512 GPUs fits 80 GiB,
+    and the cp x pp runners-up its header names fit too, within 2% of it (the model cannot tell them
+    apart), each with the 1F1B bubble of its stages; cp x pp is cheaper in memory than cp alone at pp 2."""
+    cfg = load_config(str(REPO / "configs/runs/cplm-70b-32k.yaml"))
+    p, t = cfg.parallel, cfg.train
+    cluster = Cluster(gpus=512)
+    common = dict(seq_len=cfg.data.seq_length, global_batch=t.global_batch_size, sequence_parallel=True,
+                  activation_checkpointing=False)
+    shipped = predict(cfg, cluster, tp=p.tp, pp=p.pp, cp=p.cp, zero=t.zero_stage, micro_batch=t.micro_batch_size, **common)
+    assert shipped.memory_gib <= cluster.headroom * cluster.memory_gib and shipped.cp == 8 and shipped.dp == 8
+    header = (REPO / "configs/runs/cplm-70b-32k.yaml").read_text()
+    for tp, cp, pp, bubble_pct in ((8, 4, 2, "5.9%"), (4, 8, 4, "8.6%")):
+        assert f"tp={tp} x cp={cp} x" in header and f"pp={pp}" in header
+        q = predict(cfg, cluster, tp=tp, pp=pp, cp=cp, zero=1, micro_batch=1, **common)
+        assert q.memory_gib <= cluster.headroom * cluster.memory_gib
+        assert abs(q.step_s / shipped.step_s - 1) < 0.02 and f"{q.bubble:.1%}" == bubble_pct
+        assert q.bubble == pytest.approx(bubble(pp, q.accumulation))
+    two_stages = predict(cfg, cluster, tp=8, pp=2, cp=8, zero=1, micro_batch=1, **common)
+    assert two_stages.memory_gib < shipped.memory_gib

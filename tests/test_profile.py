@@ -78,14 +78,14 @@ def test_sweep_skips_points_the_config_refuses_and_refuses_a_grid_of_none():
         sweep_points("tiny", [], parse_sweep(["pp=2", "zero=2,3"]))
 
 
-def test_sweep_crosses_cp_and_skips_it_with_pp():
-    """--sweep cp=: parallel.cp points (launched on tp x cp x pp processes); cp with pp is refused."""
+def test_sweep_crosses_cp_with_pp():
+    """--sweep cp=: parallel.cp points (launched on tp x cp x pp processes); cp x pp composes now."""
     from cplm_dist.profiling.sweep import parse_sweep, sweep_points
 
     valid, skipped = sweep_points("tiny", [], parse_sweep(["cp=1,2", "pp=1,2"]))
-    assert [p for p, _, _ in valid] == [{"cp": "1", "pp": "1"}, {"cp": "1", "pp": "2"}, {"cp": "2", "pp": "1"}]
-    assert [p for p, _ in skipped] == [{"cp": "2", "pp": "2"}] and "parallel.cp=2 with parallel.pp=2" in skipped[0][1]
-    assert valid[2][2].parallel.cp == 2
+    assert [p for p, _, _ in valid] == [{"cp": "1", "pp": "1"}, {"cp": "1", "pp": "2"},
+                                        {"cp": "2", "pp": "1"}, {"cp": "2", "pp": "2"}] and skipped == []
+    assert (valid[3][2].parallel.cp, valid[3][2].parallel.pp) == (2, 2)
 
 
 def test_sweep_writes_csv_and_plots(tmp_path):

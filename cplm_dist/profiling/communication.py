@@ -44,7 +44,7 @@ loss's and the copy head's to the last), per micro-batch with a = n D b the acti
     tied/all_reduce    the tied embedding's gradient between first and last stage, once a step
                        (V/tp x D x b)
     dp                 as above over the stage's own parameters
-Context parallelism (cp = c > 1, pp = 1; cplm_dist.model.parallel.context): everything above is
+Context parallelism (cp = c > 1; cplm_dist.model.parallel.context): everything above is
 counted for this rank's n = micro-batch x seq / c tokens, and on the cp group, per micro-batch,
 with N = micro-batch x seq the positions of the whole sequences ("cp/<collective>"; by part,
 `cp_bytes_per_micro_batch`):
@@ -58,7 +58,10 @@ with N = micro-batch x seq the positions of the whole sequences ("cp/<collective
                                         ids) + 8 N under data.document_mask (the position ids); the
                                         model gathers the ids copy on or off
 so what the copy head adds to cp's communication is its keys' 8 N H_c d_c bytes (and, read by it
-alone, the ids' 8 N), beside attention's 4 N nkv hd b L (+ 2 N nkv hd b L recomputed).
+alone, the ids' 8 N), beside attention's 4 N nkv hd b L (+ 2 N nkv hd b L recomputed). With
+pipeline stages too (cp x pp) a stage's rank gathers the K and V of its own L_s layers, the copy
+head's keys on the last stage only, and the ids (and positions) once a forward on every stage
+(cplm_dist.model.parallel.stage_inputs: what its layers' masks and positions are made from).
 The dp collectives run over dp x cp ranks (DeepSpeed's sequence-data-parallel group: gradients
 summed over cp, ZeRO partitioned over dp x cp), with the same volumes, filed under "dp/".
 The step's token count summed over cp (8 bytes a micro-batch) is bookkeeping, not counted.
@@ -132,18 +135,20 @@ def pp_bytes_per_micro_batch(cfg: Config, *, tp: int, pp: int, stage: int, token
 
 
 def cp_bytes_per_micro_batch(cfg: Config, *, tp: int, cp: int, micro_batch: int, seq_len: int, act_bytes: int,
-                             activation_checkpointing: bool) -> dict[str, dict[str, float]]:
+                             activation_checkpointing: bool, layers: int | None = None,
+                             last: bool = True) -> dict[str, dict[str, float]]:
     """{part: {collective: bytes}} of one micro-batch's forward and backward on the cp group, by
-    part: "attention" (every layer's K and V), "copy_head" (its keys), "ids" (the input ids, and
-    the position ids under document masking); {} at cp = 1 (module docstring)."""
+    part: "attention" (every layer's K and V; of `layers`, default all), "copy_head" (its keys; on
+    the `last` stage), "ids" (the input ids, and the position ids under document masking: once a
+    forward on every stage); {} at cp = 1 (module docstring)."""
     if cp == 1:
         return {}
     m, c = cfg.model, cfg.copy
     positions = micro_batch * seq_len  # of the whole sequences: every gather's output
-    kv = 2 * positions * (m.num_kv_heads // tp) * m.head_dim * act_bytes * m.num_layers
+    kv = 2 * positions * (m.num_kv_heads // tp) * m.head_dim * act_bytes * (m.num_layers if layers is None else layers)
     parts = {"attention": {"all_gather_into_tensor": kv * (2 if activation_checkpointing else 1),
                            "reduce_scatter_tensor": kv}}
-    if c.enabled:
+    if c.enabled and last:
         keys = 4 * positions * c.num_heads * c.head_dim
         parts["copy_head"] = {"all_gather_into_tensor": keys, "reduce_scatter_tensor": keys}
     parts["ids"] = {"all_gather": 8 * positions * (2 if cfg.data.document_mask else 1)}
@@ -188,8 +193,6 @@ def step_bytes(cfg: Config, *, tp: int, dp: int, zero: int, micro_batch: int, ac
     with pipeline stages (pp > 1), a rank of `stage`; with context parallelism (cp > 1) a rank
     holding seq_len / cp positions of each sequence, "cp/" its cp group's and "dp/" the dp x cp
     group's (dp is the data-parallel size alone)."""
-    if cp > 1 and pp > 1:
-        raise ValueError(f"cp={cp} with pp={pp}: context parallelism trains at pp = 1 only")
     b = 2 if precision == "bf16" else 4
     sp = sequence_parallel and tp > 1
     tokens = micro_batch * seq_len // cp  # this rank's
@@ -208,7 +211,8 @@ def step_bytes(cfg: Config, *, tp: int, dp: int, zero: int, micro_batch: int, ac
         if m.tie_embeddings and (first or last):
             out["tied/all_reduce"] += padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp) // tp * m.hidden_size * b
     for sizes in cp_bytes_per_micro_batch(cfg, tp=tp, cp=cp, micro_batch=micro_batch, seq_len=seq_len, act_bytes=b,
-                                          activation_checkpointing=activation_checkpointing).values():
+                                          activation_checkpointing=activation_checkpointing, layers=layers,
+                                          last=last).values():
         for name, size in sizes.items():
             out[f"cp/{name}"] += size * accumulation
     for name, size in dp_bytes_per_step(cfg, tp=tp, dp=dp * cp, zero=zero, accumulation=accumulation, param_bytes=b,

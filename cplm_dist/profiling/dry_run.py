@@ -13,7 +13,7 @@ A rank's role is its tp rank, pipeline stage and cp rank (its dp replicas are al
 in how much of their vocabulary shard is Megatron's padding and, under sequence parallelism, in
 which positions their copy-head queries are (`alike_ranks`): one tp rank is traced per distinct
 kind and the others share its figures (`traced_as`). Under context parallelism (parallel.cp = c > 1,
-pp = 1) every cp rank is traced: each holds T/c positions of each sequence (its two chunks), runs
+with pipeline stages or without) every cp rank is traced: each holds T/c positions of each sequence (its two chunks), runs
 attention and the copy head over the prefix its chunks see (cp rank 0's second chunk sees all T,
 the largest blocks), and issues the cp group's gathers, which the collective counter files under
 "cp/" and the communication model (cplm_dist.profiling.communication) predicts. The dp x cp group
@@ -218,7 +218,7 @@ class DryRun:
 def _micro_batch(cfg: Config, layout: Layout, stage, device, context=None):
     """(the stage's inputs, labels) of one micro-batch: ids and labels (B, T), or this cp rank's
     two chunks (B, T/cp) under context parallelism (`context`, its ContextShard); at a later stage
-    also the received hidden states, (B, T, D) or sequence-first (T/tp, B, D) under sequence
+    also the received hidden states, (B, T/cp, D) or sequence-first (T/cp/tp, B, D) under sequence
     parallelism, to be differentiated."""
     B, T, D = layout.micro_batch, layout.seq_len, cfg.model.hidden_size
     local = T // layout.cp
@@ -230,7 +230,7 @@ def _micro_batch(cfg: Config, layout: Layout, stage, device, context=None):
     if stage is None or stage.first:
         return (ids, labels, *positions), labels, None
     sp = cfg.parallel.sequence_parallel and layout.tp > 1
-    shape = (T // layout.tp, B, D) if sp else (B, T, D)
+    shape = (local // layout.tp, B, D) if sp else (B, local, D)  # this rank's positions (its cp chunks)
     x = torch.randn(shape, dtype=torch.bfloat16 if layout.precision == "bf16" else torch.float32,
                     device=device, requires_grad=True)
     return (x, ids, labels, *positions), labels, x

@@ -100,7 +100,8 @@ stage's, each stage counted as above for its own part, with m = accumulation mic
     transient   one layer's activation gradients (+ its recomputation) on every stage; the
                 vocabulary gradient only on the stages holding a vocabulary tensor (first, last)
 
-Context parallelism (parallel.cp = c > 1, cplm_dist.model.parallel.context; pp = 1): each rank holds
+Context parallelism (parallel.cp = c > 1, cplm_dist.model.parallel.context; with pipeline stages
+too, each stage as above for its own layers): each rank holds
 T/c positions of each sequence (2 of 2c chunks), so everything counted per token above is counted
 for micro x T/c tokens: the layers' activations (or their checkpointed inputs), the final norm,
 the loss's logits, the rotary tables (one row a token: positions are given, (B, T/c, hd) each).
@@ -339,8 +340,6 @@ def stage_estimates(cfg: Config, *, tp: int, dp: int, micro_batch: int, seq_len:
     """`estimate` of every pipeline stage, in stage order (one at pp = 1)."""
     pp = cfg.parallel.pp if pp is None else pp
     cp = cfg.parallel.cp if cp is None else cp
-    if cp > 1 and pp > 1:
-        raise ValueError(f"cp={cp} with pp={pp}: context parallelism trains at pp = 1 only (cplm_dist.config.validation)")
     if seq_len % cp:
         raise ValueError(f"seq_len={seq_len} is not divisible by cp={cp}")
     if accumulation is None:

@@ -2,7 +2,7 @@
 
 For every tp (dividing the heads and the MLP, within a node) x cp (context parallelism: powers of
 two dividing gpus / tp, the sequence divisible by 2 x cp, and by 2 x cp x tp under sequence
-parallelism; pp = 1 only) x pp (dividing gpus / (tp x cp), at most num_layers) x
+parallelism; with pipeline stages too) x pp (dividing gpus / (tp x cp), at most num_layers) x
 dp = gpus / (tp x cp x pp) x ZeRO (0-3; 0-1 at pp > 1, 1 only in bf16: what
 config.validate_pipeline accepts) x micro-batch (with whole accumulation m = global / (micro x dp))
 x activation checkpointing x sequence parallelism (tp > 1):
@@ -29,13 +29,15 @@ x activation checkpointing x sequence parallelism (tp > 1):
              balance, as much of the causal triangle); the dp x cp group reduces the gradients
     step     compute + tp + cp + exposed dp;  MFU = model FLOPs per device / step / peak
 
-Pipeline parallelism (pp = p > 1, DeepSpeed's 1F1B engine; ranks (pp_rank x dp + dp_rank) x tp +
-tp_rank, so consecutive stages are tp x dp ranks apart and a multi-node job has a stage boundary
-on the network). Each stage (cplm_dist.profiling.memory.pipeline_stages: the model's own split)
+Pipeline parallelism (pp = p > 1, DeepSpeed's 1F1B engine; ranks ((pp_rank x dp + dp_rank) x cp +
+cp_rank) x tp + tp_rank, so consecutive stages are tp x cp x dp ranks apart and a multi-node job
+has a stage boundary on the network). Each stage (cplm_dist.profiling.memory.pipeline_stages: the model's own split)
 does, per micro-batch and per device:
 
     compute  its layers' FLOPs (and the LM head's and copy head's on the last stage) x micro x seq
-             / tp, at `achievable` x peak (train.compile compiles each stage's layers as at pp = 1)
+             / (tp x cp), at `achievable` x peak (train.compile compiles each stage's layers as at pp = 1)
+    cp       its own layers' K/V gathers, the copy head's keys on the last stage, the ids once a
+             micro-batch (cp > 1), at the link the cp group spans, exposed
     tp       its own layers' collectives (the embedding's on the first stage, the LM head's, the
              loss's and the copy head's on the last) and the gathers of the tp-partitioned p2p
              tensors, exposed
@@ -45,14 +47,14 @@ does, per micro-batch and per device:
              DeepSpeed's schedule, so exposed, at the slowest link between consecutive stages
 (volumes: cplm_dist.profiling.communication.step_bytes(pp=p, stage=s))
 
-The slowest stage sets the pace: a step is m + p - 1 slots of its (compute + tp + p2p), i.e.
-(compute + tp + p2p) x (m + p - 1) / m, the bubble (p - 1) / (m + p - 1) of the step idle. After
+The slowest stage sets the pace: a step is m + p - 1 slots of its (compute + tp + cp + p2p), i.e.
+(compute + tp + cp + p2p) x (m + p - 1) / m, the bubble (p - 1) / (m + p - 1) of the step idle. After
 the last backward (DeepSpeed's ReduceTiedGrads, ReduceGrads, then the optimizer), exposed: the
 tied embedding's gradient all-reduce between the first and last stage (V/tp x D x b, 2 ranks,
-under tie_embeddings) and the largest stage's dp volume (its own parameters; the pipeline
+under tie_embeddings) and the largest stage's dp x cp volume (its own parameters; the pipeline
 engine reduces after the schedule, nothing overlaps), so
 
-    step     (compute + tp + p2p) / (1 - bubble) + tied + dp
+    step     (compute + tp + cp + p2p) / (1 - bubble) + tied + dp
 
 The later stages' reductions could partly hide under the pipeline's drain; that is not counted.
 """
@@ -108,7 +110,7 @@ class Plan:
     step_s: float
     mfu: float
     tokens_per_s: float
-    cp: int = 1  # context parallelism: each sequence over cp ranks (pp = 1)
+    cp: int = 1  # context parallelism: each sequence over cp ranks
     cp_comm_s: float = 0.0  # the cp group's gathers and reduce-scatters a step, exposed
 
     def as_dict(self) -> dict:
@@ -141,26 +143,26 @@ def _within_nodes(groups, gpus_per_node: int) -> bool:
     return all(lo // gpus_per_node == hi // gpus_per_node for lo, hi in groups)
 
 
-def pipeline_links(cluster: Cluster, *, tp: int, pp: int, dp: int) -> tuple[float, float, float]:
-    """GB/s of (the dp groups, the slowest consecutive-stage pair, the first-to-last-stage pair)
-    on rank = (pp_rank x dp + dp_rank) x tp + tp_rank: intra-node when every such group lies on
-    one node, else the network."""
-    block, gpn = tp * dp, cluster.gpus_per_node
+def pipeline_links(cluster: Cluster, *, tp: int, pp: int, dp: int, cp: int = 1) -> tuple[float, float, float, float]:
+    """GB/s of (the dp x cp groups, the slowest consecutive-stage pair, the first-to-last-stage
+    pair, the cp groups) on rank = ((pp_rank x dp + dp_rank) x cp + cp_rank) x tp + tp_rank:
+    intra-node when every such group lies on one node, else the network."""
+    block, gpn = tp * cp * dp, cluster.gpus_per_node
 
     def bw(within: bool) -> float:
         return cluster.intra_gbps if within else cluster.inter_gbps
 
-    dp_groups = ((s * block + t, s * block + (dp - 1) * tp + t) for s in range(pp) for t in range(tp))
+    dp_groups = ((s * block + t, s * block + block - tp + t) for s in range(pp) for t in range(tp))
     p2p_pairs = ((r, r + block) for r in range((pp - 1) * block))
     tied_pairs = ((r, r + (pp - 1) * block) for r in range(block))
-    return bw(_within_nodes(dp_groups, gpn)), bw(_within_nodes(p2p_pairs, gpn)), bw(_within_nodes(tied_pairs, gpn))
+    cp_groups = ((b * tp * cp + t, b * tp * cp + (cp - 1) * tp + t) for b in range(pp * dp) for t in range(tp))
+    return (bw(_within_nodes(dp_groups, gpn)), bw(_within_nodes(p2p_pairs, gpn)), bw(_within_nodes(tied_pairs, gpn)),
+            bw(_within_nodes(cp_groups, gpn)))
 
 
 def predict(cfg: Config, cluster: Cluster, *, tp: int, zero: int, micro_batch: int, seq_len: int, global_batch: int,
             activation_checkpointing: bool, sequence_parallel: bool, pp: int = 1, cp: int = 1) -> Plan:
     """Memory and step time of one layout (the module docstring)."""
-    if cp > 1 and pp > 1:
-        raise ValueError(f"cp={cp} with pp={pp}: context parallelism trains at pp = 1 only")
     batch = BatchLayout.for_world(cluster.gpus, tp=tp, pp=pp, cp=cp, micro=micro_batch, global_batch=global_batch)
     dp, accumulation = batch.dp, batch.accumulation
     precision = cfg.train.precision
@@ -181,8 +183,8 @@ def predict(cfg: Config, cluster: Cluster, *, tp: int, zero: int, micro_batch: i
                    if key.startswith(group + "/") and (names is None or key.split("/")[1] in names))
 
     if pp > 1:
-        return _predict_pipeline(cfg, cluster, layout, pp=pp, memory=memory, model_flops=model_flops, tokens=tokens,
-                                 peak=peak, tp_bw=tp_bw, seconds=seconds)
+        return _predict_pipeline(cfg, cluster, layout, pp=pp, cp=cp, memory=memory, model_flops=model_flops,
+                                 tokens=tokens, peak=peak, tp_bw=tp_bw, seconds=seconds)
     recompute = 1 + layer_flop_share(cfg, seq_len) / 3 if activation_checkpointing else 1.0
     compute = model_flops * recompute / (peak * cluster.achievable)
     volumes = step_bytes(cfg, **layout, cp=cp)
@@ -212,36 +214,38 @@ def predict(cfg: Config, cluster: Cluster, *, tp: int, zero: int, micro_batch: i
                 cp=cp, cp_comm_s=cp_comm)
 
 
-def _predict_pipeline(cfg: Config, cluster: Cluster, layout: dict, *, pp: int, memory: float, model_flops: float,
-                      tokens: int, peak: float, tp_bw: float, seconds) -> Plan:
-    """predict at pp > 1: the slowest stage's slots, the bubble, then the tied and dp reductions."""
+def _predict_pipeline(cfg: Config, cluster: Cluster, layout: dict, *, pp: int, cp: int, memory: float,
+                      model_flops: float, tokens: int, peak: float, tp_bw: float, seconds) -> Plan:
+    """predict at pp > 1: the slowest stage's slots (its compute over tp x cp ranks, its tp, cp
+    and p2p collectives), the bubble, then the tied and dp x cp reductions."""
     tp, dp, m = layout["tp"], layout["dp"], layout["accumulation"]
-    dp_gbps, p2p_gbps, tied_gbps = pipeline_links(cluster, tp=tp, pp=pp, dp=dp)
+    dp_gbps, p2p_gbps, tied_gbps, cp_gbps = pipeline_links(cluster, tp=tp, pp=pp, dp=dp, cp=cp)
     speed = peak * cluster.achievable
     micro_tokens = layout["micro_batch"] * layout["seq_len"]
     slowest, dp_comm, tied = None, 0.0, 0.0
     kinds = {(s.layers, s.first, s.last): s for s in pipeline_stages(cfg, pp, tp)}  # stages alike cost alike
     for stage in kinds.values():
-        volumes = step_bytes(cfg, **layout, pp=pp, stage=stage.index)
+        volumes = step_bytes(cfg, **layout, pp=pp, stage=stage.index, cp=cp)
         flops, recomputed = stage_flops_per_token(cfg, stage, layout["seq_len"])
         if layout["activation_checkpointing"]:
             flops += recomputed
-        compute = flops * micro_tokens * m / tp / speed
+        compute = flops * micro_tokens * m / (tp * cp) / speed
         tp_comm = seconds(volumes, "tp", tp, tp_bw)
+        cp_comm = seconds(volumes, "cp", cp, cp_gbps * 1e9)
         p2p = (volumes.get("pp/send", 0.0) + volumes.get("pp/recv", 0.0)) / (p2p_gbps * 1e9)
-        busy = compute + tp_comm + p2p
+        busy = compute + tp_comm + cp_comm + p2p
         if slowest is None or busy > slowest[0]:
-            slowest = (busy, compute, tp_comm, p2p)
-        dp_comm = max(dp_comm, seconds(volumes, "dp", dp, dp_gbps * 1e9))
+            slowest = (busy, compute, tp_comm, p2p, cp_comm)
+        dp_comm = max(dp_comm, seconds(volumes, "dp", dp * cp, dp_gbps * 1e9))
         tied = max(tied, seconds(volumes, "tied", 2, tied_gbps * 1e9))
-    busy, compute, tp_comm, p2p = slowest
+    busy, compute, tp_comm, p2p, cp_comm = slowest
     idle = bubble(pp, m)
     step = busy / (1 - idle) + tied + dp_comm
     return Plan(tp=tp, pp=pp, dp=dp, zero=layout["zero"], micro_batch=layout["micro_batch"], accumulation=m,
                 activation_checkpointing=layout["activation_checkpointing"],
                 sequence_parallel=layout["sequence_parallel"], memory_gib=memory / GIB, compute_s=compute,
                 tp_comm_s=tp_comm, dp_comm_s=dp_comm, exposed_dp_s=dp_comm, pp_comm_s=p2p + tied, bubble=idle,
-                step_s=step, mfu=model_flops / step / peak, tokens_per_s=tokens / step)
+                step_s=step, mfu=model_flops / step / peak, tokens_per_s=tokens / step, cp=cp, cp_comm_s=cp_comm)
 
 
 def context_sizes(gpus: int, seq_len: int) -> list[int]:
@@ -253,7 +257,7 @@ def context_sizes(gpus: int, seq_len: int) -> list[int]:
 def layouts(cfg: Config, cluster: Cluster, *, seq_len: int, global_batch: int, max_micro_batch: int = 64,
             max_cp: int | None = None):
     """Every layout the stack can run for this global batch: (tp, pp, zero, micro, ckpt, sp, cp);
-    cp up to `max_cp` (default: any), at pp = 1 only (config.validate_context_parallel)."""
+    cp up to `max_cp` (default: any), with pipeline stages or without."""
     t, L = cfg.train, cfg.model.num_layers
     for tp in divisors(cluster.gpus):
         if tp > cluster.gpus_per_node:
@@ -266,8 +270,8 @@ def layouts(cfg: Config, cluster: Cluster, *, seq_len: int, global_batch: int, m
             if max_cp is not None and cp > max_cp:
                 continue
             for pp in divisors(cluster.gpus // (tp * cp)):
-                if pp > L or (pp > 1 and cfg.model.init_from) or (pp > 1 and cp > 1):
-                    continue  # config.validate_pipeline: a transformer layer a stage; init_from, cp: pp = 1 only
+                if pp > L or (pp > 1 and cfg.model.init_from):
+                    continue  # config.validate_pipeline: a transformer layer a stage; init_from: pp = 1 only
                 zeros = (0, 1, 2, 3) if pp == 1 else (1,) if t.precision == "bf16" else (0, 1)
                 sps = [sp for sp in ((False, True) if tp > 1 else (False,))
                        if not sp or seq_len % (tp * (2 * cp if cp > 1 else 1)) == 0]  # each chunk split over tp
