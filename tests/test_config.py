@@ -203,8 +203,9 @@ def test_gpu_run_configs_add_up_at_their_node_count(path):
     assert world % model_parallel == 0 and p.tp <= 8, "tp stays inside a node"
     assert batch_layout(cfg, world // model_parallel) >= 1
     assert cfg.train.precision == "bf16" and cfg.data.seq_length <= cfg.model.max_seq_len
-    if p.cp > 1:  # each sequence over cp ranks: 2 x cp chunks, and the cp group inside a node (K/V gathered on NVLink)
-        assert p.pp == 1 and cfg.data.seq_length % (2 * p.cp) == 0 and p.tp * p.cp <= per_node
+    if p.cp > 1:  # each sequence over cp ranks: 2 x cp chunks; the cp group inside a node up to 7B (K/V
+        # gathered on NVLink), across nodes at 70B where tp takes the node (cplm-70b-32k, the planner's choice)
+        assert cfg.data.seq_length % (2 * p.cp) == 0 and (p.tp * p.cp <= per_node or p.tp == per_node)
 
 
 def test_long_context_run_config_and_preflight_count_cp(capsys):
@@ -223,6 +224,12 @@ def test_long_context_run_config_and_preflight_count_cp(capsys):
     assert main(["--world", "12", "--config", str(run), "parallel.cp=8"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "parallel.tp=1 x parallel.cp=8 x parallel.pp=1 = 8 does not divide WORLD_SIZE=12" in err[0], err
+    big = CONFIG_DIR / "runs" / "cplm-70b-32k.yaml"  # cp across nodes at 70B, and its cp x pp runner-up
+    assert main(["--world", "512", "--config", str(big)]) == 0
+    assert "layout: 512 processes = tp 8 x cp 8 x pp 1 x dp 8, ZeRO-1" in capsys.readouterr().err
+    assert main(["--world", "512", "--config", str(big), "parallel.cp=4", "parallel.pp=2"]) == 0
+    assert "layout: 512 processes = tp 8 x cp 4 x pp 2 x dp 8, ZeRO-1, global batch 128 = micro 1 x accumulation 16 x dp 8" \
+        in capsys.readouterr().err
 
 
 def test_no_tool_shadows_a_standard_library_module():
