@@ -224,12 +224,13 @@ def test_long_context_run_config_and_preflight_count_cp(capsys):
     assert main(["--world", "12", "--config", str(run), "parallel.cp=8"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "parallel.tp=1 x parallel.cp=8 x parallel.pp=1 = 8 does not divide WORLD_SIZE=12" in err[0], err
-    big = CONFIG_DIR / "runs" / "cplm-70b-32k.yaml"  # cp across nodes at 70B, and its cp x pp runner-up
+    big = CONFIG_DIR / "runs" / "cplm-70b-32k.yaml"  # cp x pp at 70B (cp across nodes), under DualPipeV
     assert main(["--world", "512", "--config", str(big)]) == 0
-    assert "layout: 512 processes = tp 8 x cp 8 x pp 1 x dp 8, ZeRO-1" in capsys.readouterr().err
-    assert main(["--world", "512", "--config", str(big), "parallel.cp=4", "parallel.pp=2"]) == 0
     assert "layout: 512 processes = tp 8 x cp 4 x pp 2 x dp 8, ZeRO-1, global batch 128 = micro 1 x accumulation 16 x dp 8" \
         in capsys.readouterr().err
+    assert main(["--world", "4096", "--config", str(big)]) == 2  # 2 micro-batches a step: DualPipeV needs 2 x pp
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "parallel.pp_schedule=dualpipev at parallel.pp=2 needs >= 4 micro-batches a step" in err[0], err
 
 
 def test_no_tool_shadows_a_standard_library_module():

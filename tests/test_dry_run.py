@@ -242,3 +242,28 @@ def test_the_planner_confirms_its_choice(capsys):
     assert main(["--config", "tiny", "--gpus", "2", "--gpu-gb", "8", "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "dry run of the best layout" in out and "fits: the heaviest rank" in out
+
+
+def test_a_dualpipev_layout_dry_runs_each_rank_as_its_two_stages(capsys):
+    """parallel.pp_schedule=dualpipev at tp 2 x pp 2 (4 layers, 4 micro-batches): rank 0 runs the
+    embedding's and the head's stages, rank 1 the middle two (turning the micro-batches around);
+    each role's tp collectives and both links' boundary (whole tensors at tp > 1, as DualPipeV
+    sends them) are the communication model's, the estimator within 20% of the trace, and the
+    report names the schedule and its bubble."""
+    from cplm_dist_tools.dry_run import main
+
+    overrides = [*CP_DRY, "parallel.pp=2", "parallel.tp=2", "parallel.pp_schedule=dualpipev", "train.zero_stage=1",
+                 "data.seq_length=256", "model.max_seq_len=256", "model.num_layers=4", "train.global_batch_size=16"]
+    cfg = load_config("tiny", overrides)
+    result = dry_run(cfg, gpus=4, device=DEVICES["h200"])
+    assert (result.layout.pp, result.layout.accumulation) == (2, 4)
+    params = {r.pp_stage: r.trace.parameters for r in result.roles}
+    assert params[0] > params[1]  # rank 0: the embedding, the head and a layer each way
+    for role in result.roles:
+        model = step_bytes(cfg, tp=2, dp=1, zero=1, micro_batch=4, accumulation=4, seq_len=256, precision="fp32",
+                           activation_checkpointing=False, sequence_parallel=False, pp=2, stage=role.pp_stage)
+        assert role.trace.collectives == pytest.approx({k: v for k, v in model.items() if k.startswith("tp/")}, rel=1e-9)
+        assert role.trace.boundary == pytest.approx({k: v for k, v in model.items() if k.startswith("pp/")}, rel=1e-9)
+        assert "tied/all_reduce" not in role.modelled["collectives"] and abs(role.error) < 0.2, role.error
+    assert main(["--config", "tiny", "--gpus", "4", *overrides]) == 0
+    assert "x pp 2 x dp 1" in (out := capsys.readouterr().out) and "dualpipev bubble 11.1%" in out

@@ -27,7 +27,8 @@ from cplm_dist.profiling.planner import Cluster, Plan, plan
 COLUMNS = [("tp", "tp"), ("cp", "cp"), ("pp", "pp"), ("dp", "dp"), ("zero", "ZeRO"), ("micro_batch", "micro"), ("accumulation", "accum"),
            ("activation_checkpointing", "ckpt"), ("sequence_parallel", "sp"), ("memory_gib", "GiB"),
            ("compute_s", "compute s"), ("tp_comm_s", "tp s"), ("cp_comm_s", "cp s"), ("exposed_dp_s", "dp s (exposed)"),
-           ("pp_comm_s", "pp s"), ("bubble", "bubble"), ("step_s", "step s"), ("mfu", "MFU"), ("tokens_per_s", "tokens/s")]
+           ("pp_comm_s", "pp s"), ("bubble", "bubble"), ("pp_schedule", "schedule"), ("step_s", "step s"), ("mfu", "MFU"),
+           ("tokens_per_s", "tokens/s")]
 
 
 def _cell(value) -> str:
@@ -127,7 +128,7 @@ def main(argv=None) -> int:
     print(f"best: tp={best.tp} cp={best.cp} pp={best.pp} dp={best.dp} ZeRO-{best.zero} micro {best.micro_batch} x accumulation {best.accumulation}, "
           f"checkpointing {'on' if best.activation_checkpointing else 'off'}, sequence parallel "
           f"{'on' if best.sequence_parallel else 'off'}: predicted {best.step_s:.3g} s a step"
-          f"{f' (bubble {best.bubble:.1%})' if best.pp > 1 else ''}{f' (cp {best.cp_comm_s:.3g} s exposed)' if best.cp > 1 else ''}"
+          f"{f' ({best.pp_schedule}, bubble {best.bubble:.1%})' if best.pp > 1 else ''}{f' (cp {best.cp_comm_s:.3g} s exposed)' if best.cp > 1 else ''}"
           f", MFU {best.mfu:.1%}, {best.memory_gib:.1f} GiB a GPU")
     if args.dry_run:
         status = confirm(best, args, cluster, seq, batch)
@@ -135,7 +136,7 @@ def main(argv=None) -> int:
             return status
     if args.write:
         note = (f"{PLAN_NOTE} --gpus {args.gpus} (a prediction, docs/parallelism.md): predicted {best.step_s:.3g} s "
-                f"a step{f' (pp={best.pp}, bubble {best.bubble:.1%})' if best.pp > 1 else ''}"
+                f"a step{f' (pp={best.pp} {best.pp_schedule}, bubble {best.bubble:.1%})' if best.pp > 1 else ''}"
                 f"{f' (cp={best.cp})' if best.cp > 1 else ''}, MFU {best.mfu:.1%}, "
                 f"{best.memory_gib:.1f} GiB a GPU")
         write_run_config(Path(args.write), args.config, best, seq, batch, note)

@@ -139,17 +139,23 @@ class Layout:
     dp: int
     zero_stage: int
     cp: int = 1  # an optional field of format 2: a checkpoint saved without it is cp 1
+    pp_schedule: str = "1f1b"  # optional too: which stages a pipeline rank holds (DualPipeV: two)
 
     @classmethod
     def of(cls, cfg: Config, tp: int, dp: int) -> "Layout":
-        return cls(tp=tp, pp=cfg.parallel.pp, dp=dp, zero_stage=cfg.train.zero_stage, cp=cfg.parallel.cp)
+        p = cfg.parallel
+        return cls(tp=tp, pp=p.pp, dp=dp, zero_stage=cfg.train.zero_stage, cp=p.cp,
+                   pp_schedule=p.pp_schedule if p.pp > 1 else "1f1b")
 
     def as_json(self) -> dict:
-        """The manifest's layout: cp only where it is > 1 (what earlier readers know stays as it was)."""
-        return {k: v for k, v in asdict(self).items() if k != "cp" or v > 1}
+        """The manifest's layout: cp only where it is > 1, pp_schedule only where it is not 1F1B
+        (what earlier readers know stays as it was)."""
+        return {k: v for k, v in asdict(self).items() if (k != "cp" or v > 1) and (k != "pp_schedule" or v != "1f1b")}
 
     def __str__(self) -> str:
-        return f"tp={self.tp} pp={self.pp}" + (f" cp={self.cp}" if self.cp > 1 else "") + f" dp={self.dp} ZeRO-{self.zero_stage}"
+        schedule = f" {self.pp_schedule}" if self.pp_schedule != "1f1b" else ""
+        return (f"tp={self.tp} pp={self.pp}{schedule}" + (f" cp={self.cp}" if self.cp > 1 else "")
+                + f" dp={self.dp} ZeRO-{self.zero_stage}")
 
 
 @dataclass(frozen=True)
@@ -190,9 +196,10 @@ class Manifest:
     def layout_change(self, cfg: Config, tp: int, dp: int) -> dict:
         """{field: (saved, now)} of the layout fields that differ in a way the saved files cannot
         be read in place (ZeRO shards by dp x cp, so dp counts only under ZeRO > 0; cp always, as
-        the checkpoint records which ranks held which part of each sequence)."""
+        the checkpoint records which ranks held which part of each sequence; pp_schedule always,
+        as the optimizer's files record which stages each pipeline rank held)."""
         saved, here = self.layout, Layout.of(cfg, tp, dp)
-        must_match = ["tp", "pp", "cp", "zero_stage"] + (["dp"] if here.zero_stage > 0 or saved.zero_stage > 0 else [])
+        must_match = ["tp", "pp", "pp_schedule", "cp", "zero_stage"] + (["dp"] if here.zero_stage > 0 or saved.zero_stage > 0 else [])
         return {k: (getattr(saved, k), getattr(here, k)) for k in must_match if getattr(saved, k) != getattr(here, k)}
 
 
@@ -212,7 +219,8 @@ def _typed(data: dict, fmt: int, step_dir: Path, path: Path) -> Manifest:
     try:
         data = upgrade(data) if fmt == 1 else data
         lay = data["layout"]
-        layout = Layout(**{k: int(lay[k]) for k in ("tp", "pp", "dp", "zero_stage")}, cp=int(lay.get("cp", 1)))
+        layout = Layout(**{k: int(lay[k]) for k in ("tp", "pp", "dp", "zero_stage")}, cp=int(lay.get("cp", 1)),
+                        pp_schedule=str(lay.get("pp_schedule", "1f1b")))
         if not isinstance(data["config"], dict) or not isinstance(data["files"], dict):
             raise TypeError("config and files must be mappings")
         fingerprints = data.get("data_fingerprints")

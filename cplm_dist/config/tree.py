@@ -22,6 +22,7 @@ LossImpl = Literal["dense", "chunked"]
 TokenizerBackend = Literal["sentencepiece", "huggingface"]
 Schedule = Literal["cosine", "wsd", "constant"]
 Precision = Literal["fp32", "bf16"]
+PipeSchedule = Literal["1f1b", "dualpipev"]
 GradAccumDtype = Literal["fp32", "bf16"]
 Arch = Literal["llama", "gpt2", "qwen3"]  # the backbones: cplm_dist.model.backbones's records
 RopeScalingType = Literal["linear", "ntk"]
@@ -152,6 +153,10 @@ class ParallelConfig:
     # pipeline stages (DeepSpeed's 1F1B pipeline engine, docs/parallelism.md): the layers split by
     # parameters over pp stages; dp = world_size / (tp x pp); needs train.zero_stage <= 1
     pp: int = resumable(1)
+    # the pipeline's schedule at pp > 1 (docs/parallelism.md): DeepSpeed's 1F1B, or DualPipeV (two
+    # stages a rank, micro-batches out and back: a smaller bubble; needs 2 x pp micro-batches a step
+    # and 2 x pp transformer layers); a layout field: changing it on resume needs --reshape
+    pp_schedule: PipeSchedule = resumable("1f1b")
     # context parallelism (docs/parallelism.md): each sequence cut into 2 x cp chunks, cp rank r
     # holding chunks r and 2cp-1-r; attention and the copy head all-gather keys over cp;
     # dp = world_size / (tp x cp x pp); gradients summed over cp, averaged over dp

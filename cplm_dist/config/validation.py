@@ -85,6 +85,13 @@ def validate_pipeline(cfg: Config) -> None:
     if cfg.model.num_layers < pp:
         raise ConfigError(f"parallel.pp={pp} exceeds model.num_layers={cfg.model.num_layers}: every stage needs a "
                           f"transformer layer; use parallel.pp <= {cfg.model.num_layers}")
+    if cfg.parallel.pp_schedule == "dualpipev" and cfg.model.num_layers < 2 * pp:
+        raise ConfigError(f"parallel.pp_schedule=dualpipev at parallel.pp={pp} needs model.num_layers >= {2 * pp} (two "
+                          f"stages a rank, each with a transformer layer; it has {cfg.model.num_layers}): use parallel.pp <= "
+                          f"{max(cfg.model.num_layers // 2, 1)} or parallel.pp_schedule=1f1b")
+    if cfg.parallel.pp_schedule == "dualpipev" and t.eval_batches < 2 * pp:  # validation runs the schedule too
+        raise ConfigError(f"parallel.pp_schedule=dualpipev at parallel.pp={pp} evaluates >= {2 * pp} micro-batches a "
+                          f"validation pass, train.eval_batches={t.eval_batches}: use train.eval_batches >= {2 * pp}")
     if t.zero_stage > 1:
         raise ConfigError(f"train.zero_stage={t.zero_stage} with parallel.pp={pp}: DeepSpeed's pipeline engine accumulates "
                           "gradients across micro-batches itself, which ZeRO-2/3 would shard away; use train.zero_stage=1 "
@@ -251,7 +258,9 @@ class BatchLayout:
     def of(cls, cfg: Config, world: int) -> BatchLayout:
         """cfg's layout on `world` ranks, or the ConfigError training raises (`for_world`)."""
         p, t = cfg.parallel, cfg.train
-        return cls.for_world(world, tp=p.tp, pp=p.pp, cp=p.cp, micro=t.micro_batch_size, global_batch=t.global_batch_size)
+        layout = cls.for_world(world, tp=p.tp, pp=p.pp, cp=p.cp, micro=t.micro_batch_size, global_batch=t.global_batch_size)
+        check_schedule(cfg, layout)
+        return layout
 
     @classmethod
     def for_world(cls, world: int, *, tp: int, pp: int = 1, cp: int = 1, micro: int, global_batch: int) -> BatchLayout:
@@ -261,6 +270,18 @@ class BatchLayout:
         check_world(tp, world, pp, cp)
         dp = world // (tp * cp * pp)
         return cls(world, dp, micro, accumulation_steps(global_batch, micro, dp))
+
+
+def check_schedule(cfg: Config, layout: BatchLayout) -> None:
+    """DualPipeV runs at least 2 x pp micro-batches a step (each rank's two stages both busy in
+    its steady state), or a ConfigError with the global batches that give it that many."""
+    pp = cfg.parallel.pp
+    if pp > 1 and cfg.parallel.pp_schedule == "dualpipev" and layout.accumulation < 2 * pp:
+        per_step = layout.micro * layout.dp
+        raise ConfigError(f"parallel.pp_schedule=dualpipev at parallel.pp={pp} needs >= {2 * pp} micro-batches a step, "
+                          f"this layout has {layout.accumulation} (train.global_batch_size={layout.global_batch} = micro "
+                          f"{layout.micro} x dp {layout.dp} x {layout.accumulation}): use train.global_batch_size >= "
+                          f"{2 * pp * per_step} or parallel.pp_schedule=1f1b")
 
 
 def check_world(tp_size: int, world_size: int, pp_size: int = 1, cp_size: int = 1) -> None:

@@ -43,6 +43,10 @@ loss's and the copy head's to the last), per micro-batch with a = n D b the acti
                        received gradient (not the last stage)
     tied/all_reduce    the tied embedding's gradient between first and last stage, once a step
                        (V/tp x D x b)
+Under DualPipeV (parallel.pp_schedule) a rank holds stages r and 2p - 1 - r: its layers' terms are
+both stages' (rank 0 has the embedding's and the head's), it sends and receives on both links
+(`dualpipev_bytes_per_micro_batch`), whole tensors, and there is no tied all-reduce (rank 0 holds
+the one embedding).
     dp                 as above over the stage's own parameters
 Context parallelism (cp = c > 1; cplm_dist.model.parallel.context): everything above is
 counted for this rank's n = micro-batch x seq / c tokens, and on the cp group, per micro-batch,
@@ -134,6 +138,19 @@ def pp_bytes_per_micro_batch(cfg: Config, *, tp: int, pp: int, stage: int, token
     return out
 
 
+def dualpipev_bytes_per_micro_batch(cfg: Config, *, tp: int, pp: int, stage: int, tokens: int, act_bytes: int,
+                                    sequence_parallel: bool) -> dict[str, float]:
+    """pp_bytes_per_micro_batch of a DualPipeV rank (module docstring): the hidden states forward
+    (with the ids and labels) and their gradient backward on each of its links, both directions on
+    the middle ranks (2 x 1F1B's middle stage), one link on rank 0 (out and back) and on the last
+    (its two stages meet there), sent whole at tp > 1 (DeepSpeed's DualPipeV does not partition
+    them; the sequence shard under sequence parallelism)."""
+    part = tokens * cfg.model.hidden_size * act_bytes / (tp if sequence_parallel else 1)
+    links = 2 if 0 < stage < pp - 1 else 1
+    both_ways = links * (part + 16 * tokens + part)
+    return {"pp/send": both_ways, "pp/recv": both_ways}
+
+
 def cp_bytes_per_micro_batch(cfg: Config, *, tp: int, cp: int, micro_batch: int, seq_len: int, act_bytes: int,
                              activation_checkpointing: bool, layers: int | None = None,
                              last: bool = True) -> dict[str, dict[str, float]]:
@@ -197,18 +214,19 @@ def step_bytes(cfg: Config, *, tp: int, dp: int, zero: int, micro_batch: int, ac
     sp = sequence_parallel and tp > 1
     tokens = micro_batch * seq_len // cp  # this rank's
     out: dict[str, float] = defaultdict(float)
-    first, last = stage == 0, stage == pp - 1
-    layers = None if pp == 1 else pipeline_stages(cfg, pp, tp)[stage].layers
+    held = None if pp == 1 else pipeline_stages(cfg, pp, tp)[stage]  # DualPipeV: the rank's two stages
+    first, last = (True, True) if held is None else (held.first, held.last)
+    layers = None if held is None else held.layers
     per_micro = tp_bytes_per_micro_batch(cfg, tp=tp, tokens=tokens, act_bytes=b, activation_checkpointing=activation_checkpointing,
                                          sequence_parallel=sp, layers=layers, first=first, last=last)
     for name, size in per_micro.items():
         out[f"tp/{name}"] += size * accumulation
     if pp > 1:
-        for key, size in pp_bytes_per_micro_batch(cfg, tp=tp, pp=pp, stage=stage, tokens=tokens, act_bytes=b,
-                                                  sequence_parallel=sp).items():
+        between = dualpipev_bytes_per_micro_batch if held.chunks == 2 else pp_bytes_per_micro_batch
+        for key, size in between(cfg, tp=tp, pp=pp, stage=stage, tokens=tokens, act_bytes=b, sequence_parallel=sp).items():
             out[key] += size * accumulation
         m = cfg.model
-        if m.tie_embeddings and (first or last):
+        if m.tie_embeddings and (first or last) and held.chunks == 1:  # DualPipeV: rank 0 holds both ends
             out["tied/all_reduce"] += padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp) // tp * m.hidden_size * b
     for sizes in cp_bytes_per_micro_batch(cfg, tp=tp, cp=cp, micro_batch=micro_batch, seq_len=seq_len, act_bytes=b,
                                           activation_checkpointing=activation_checkpointing, layers=layers,

@@ -25,7 +25,10 @@ role runs:
     pp > 1   1F1B as DeepSpeed's engine runs it on stage s: k = min(pp - s, accumulation)
              forwards held, the first backward, one more forward (when the step has more), then
              the remaining backwards; each stage's input is a fake received activation, a non-last
-             stage's backward starts from a fake received gradient
+             stage's backward starts from a fake received gradient. Under DualPipeV a rank runs its
+             two stages a micro-batch (the last rank's second on the first's output), p of them
+             and one more through the first stage held at once, as memory.in_flight counts
+             (cplm_dist.profiling.dry_run_schedule)
 
 What is traced (FakeTensorMode): the parameters in the training dtype (DeepSpeed's bf16 copy), the
 activations, the backward's temporaries and the gradients autograd makes (ZeRO-2/3 reduce and
@@ -58,7 +61,6 @@ from __future__ import annotations
 import contextlib
 import io
 import time
-from collections import defaultdict
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -67,10 +69,11 @@ from cplm_dist.config import BatchLayout, Config
 from cplm_dist.distributed import ParallelDims
 from cplm_dist.model.counting import parameter_count, replicated_parameters
 from cplm_dist.model.loss import padded_vocab_size
-from cplm_dist.model.parallel.stages import pipeline_stages
+from cplm_dist.model.parallel.stages import loss_stage, pipeline_stages
 from cplm_dist.profiling import communication
 from cplm_dist.profiling.fake_world import fake_rank, rank_of
-from cplm_dist.profiling.memory import bubble, bucket_bytes, in_flight, stage_estimates, state_bytes_per_parameter
+from cplm_dist.profiling.dry_run_schedule import RoleSchedule
+from cplm_dist.profiling.memory import bubble, bucket_bytes, stage_estimates, state_bytes_per_parameter
 from cplm_dist.profiling.planner import Cluster, predict
 from cplm_dist.profiling.roofline import Device, Roofline
 
@@ -215,85 +218,6 @@ class DryRun:
                 "seconds": self.seconds, "roles": [r.as_json() for r in self.roles]}
 
 
-def _micro_batch(cfg: Config, layout: Layout, stage, device, context=None):
-    """(the stage's inputs, labels) of one micro-batch: ids and labels (B, T), or this cp rank's
-    two chunks (B, T/cp) under context parallelism (`context`, its ContextShard); at a later stage
-    also the received hidden states, (B, T/cp, D) or sequence-first (T/cp/tp, B, D) under sequence
-    parallelism, to be differentiated."""
-    B, T, D = layout.micro_batch, layout.seq_len, cfg.model.hidden_size
-    local = T // layout.cp
-    ids = torch.randint(0, cfg.model.vocab_size, (B, local), device=device)
-    labels = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], 1)
-    # data.document_mask: the positions travel with ids and labels (one document a row: the mask's shape is what costs)
-    whole = torch.arange(T, device=device).expand(B, T)
-    positions = ((whole if context is None else context.take(whole)),) if cfg.data.document_mask else ()
-    if stage is None or stage.first:
-        return (ids, labels, *positions), labels, None
-    sp = cfg.parallel.sequence_parallel and layout.tp > 1
-    shape = (local // layout.tp, B, D) if sp else (B, local, D)  # this rank's positions (its cp chunks)
-    x = torch.randn(shape, dtype=torch.bfloat16 if layout.precision == "bf16" else torch.float32,
-                    device=device, requires_grad=True)
-    return (x, ids, labels, *positions), labels, x
-
-
-def _sent_bytes(t: torch.Tensor, tp: int, sequence_parallel: bool) -> float:
-    """What the pipeline engine sends of a hidden-state tensor: at tp > 1 a 1/tp partition of it,
-    or under sequence parallelism the sequence shard it already is."""
-    return t.numel() * t.element_size() / (tp if tp > 1 and not sequence_parallel else 1)
-
-
-def _ids_bytes(ids: torch.Tensor) -> float:
-    return 2 * ids.numel() * ids.element_size()  # the ids and the labels
-
-
-class _Schedule:
-    """Runs one role's micro-batches (module docstring) and counts the pipeline boundary."""
-
-    def __init__(self, module, cfg: Config, layout: Layout, stage, device, context=None):
-        self.module, self.cfg, self.layout, self.stage, self.device = module, cfg, layout, stage, device
-        self.context = context
-        self.pending: list = []
-        self.boundary = defaultdict(float)
-        self.micro_batches = 0
-
-    def forward(self):
-        inputs, labels, x = _micro_batch(self.cfg, self.layout, self.stage, self.device, self.context)
-        out = self.module(*inputs) if self.stage is None else self.module(inputs)
-        sent = lambda t: _sent_bytes(t, self.layout.tp, self.cfg.parallel.sequence_parallel)  # noqa: E731
-        if self.stage is None:
-            self.pending.append((out.nll.sum() / (labels != -100).sum(), None))
-        elif self.stage.last:
-            self.pending.append((self.module.loss_fn(out, labels), None))
-        else:
-            self.pending.append((out[0], torch.randn_like(out[0])))  # the gradient the next stage sends back
-            self.boundary["pp/send"] += sent(out[0]) + _ids_bytes(inputs[-2])
-            self.boundary["pp/recv"] += sent(out[0])
-        if x is not None:
-            self.boundary["pp/recv"] += sent(x) + _ids_bytes(inputs[-2])
-            self.boundary["pp/send"] += sent(x)
-        self.micro_batches += 1
-
-    def backward(self):
-        value, grad = self.pending.pop(0)
-        torch.autograd.backward(value, grad)
-
-    def run(self):
-        acc = self.layout.accumulation
-        if self.stage is None or self.stage.stages == 1:
-            for _ in range(min(acc, 2)):
-                self.forward()
-                self.backward()
-            return
-        held = in_flight(self.stage, acc)
-        for _ in range(held):
-            self.forward()
-        self.backward()
-        if acc > held:
-            self.forward()
-        while self.pending:
-            self.backward()
-
-
 def _build(cfg: Config, dims: ParallelDims, layout: Layout, device):
     from cplm_dist.model.cplm import build_model
     from cplm_dist.model.parallel.pipeline import build_pipeline_model
@@ -323,10 +247,11 @@ def trace_rank(cfg: Config, dims: ParallelDims, layout: Layout, device: torch.de
     hooks = []
     if layout.zero_stage >= 2:  # DeepSpeed reduces each gradient as it is made and keeps only its partition
         hooks = [p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None)) for p in params if p.requires_grad]
-    schedule = _Schedule(module, cfg, layout, stage, device, context_of(dims))
+    schedule = RoleSchedule(module, cfg, layout, stage, device, context_of(dims))
     roof = Roofline(roofline_device or DEVICES["h200"], layout.precision)
     with StepTracker() as tracker, CommTimer(dims, device) as comm, roof:
         tracker.track_external(module)
+        schedule.counted = comm.by_name
         schedule.run()
     for h in hooks:
         h.remove()
@@ -383,7 +308,7 @@ def _role(cfg: Config, layout: Layout, trace: RoleTrace, tp_rank: int, traced_as
 def roofline_step(cfg: Config, layout: Layout, roles: list[Role], cluster: Cluster) -> float:
     """The slowest stage's traced micro-batch at the roofline plus its traced tp bytes at the
     intra-node bandwidth and its traced cp bytes at the link its cp group spans, over the step's
-    micro-batches and the 1F1B bubble, plus the modelled dp (over dp x cp) and tied bytes unhidden
+    micro-batches and the schedule's bubble (memory.bubble), plus the modelled dp (over dp x cp) and tied bytes unhidden
     (module docstring)."""
     def link(ranks: int) -> float:
         return cluster.intra_gbps if ranks <= cluster.gpus_per_node else cluster.inter_gbps
@@ -399,7 +324,7 @@ def roofline_step(cfg: Config, layout: Layout, roles: list[Role], cluster: Clust
         dp_s = sum(size * communication.ring_factor(key.split("/")[1], layout.grad_ranks)
                    / (link(layout.tp * layout.grad_ranks) * 1e9)
                    for key, size in r.modelled["collectives"].items() if key.startswith("dp/"))
-        worst = max(worst, slot / (1 - bubble(layout.pp, layout.accumulation)) + dp_s)
+        worst = max(worst, slot / (1 - bubble(layout.pp, layout.accumulation, cfg.parallel.pp_schedule)) + dp_s)
     return worst
 
 
@@ -415,7 +340,7 @@ def dry_run(cfg: Config, *, gpus: int, device: Device, cluster: Cluster | None =
                                 pp=layout.pp, accumulation=layout.accumulation, cp=layout.cp)
     roles = []
     for stage in range(layout.pp):
-        for traced, alike in alike_ranks(cfg, layout.tp, stage == layout.pp - 1).items():
+        for traced, alike in alike_ranks(cfg, layout.tp, stage == loss_stage(cfg)).items():
             for cp_rank in range(layout.cp):  # each cp rank's chunks see a prefix of their own
                 trace = trace_role(cfg, layout, tp_rank=traced, pp_stage=stage, device=device, cp_rank=cp_rank)
                 if progress:
@@ -426,7 +351,8 @@ def dry_run(cfg: Config, *, gpus: int, device: Device, cluster: Cluster | None =
     roles.sort(key=lambda r: (r.pp_stage, r.cp_rank, r.tp_rank))
     layout_kw = dict(tp=layout.tp, pp=layout.pp, cp=layout.cp, zero=layout.zero_stage, micro_batch=layout.micro_batch,
                      activation_checkpointing=t.activation_checkpointing,
-                     sequence_parallel=cfg.parallel.sequence_parallel and layout.tp > 1)
+                     sequence_parallel=cfg.parallel.sequence_parallel and layout.tp > 1,
+                     pp_schedule=cfg.parallel.pp_schedule)
     planned = predict(cfg, cluster, seq_len=layout.seq_len, global_batch=t.global_batch_size, **layout_kw)
     return DryRun(cfg, layout, device, roles, roofline_step(cfg, layout, roles, cluster), planned.step_s,
                   time.perf_counter() - start)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from cplm_dist.errors import UsageError
 from cplm_dist.profiling.dry_run import HEADROOM, DryRun
+from cplm_dist.profiling.memory import bubble
 from cplm_dist.profiling.roofline import DEVICES, GIB, Device
 
 
@@ -53,6 +54,7 @@ def _who(role, layout) -> str:
 def summary(result: DryRun) -> str:
     """The verdict, the step time against the planner's, the FLOPs and the layout, a line each."""
     L, heavy, device = result.layout, result.heaviest, result.device
+    schedule = result.cfg.parallel.pp_schedule
     usable = HEADROOM * device.memory_bytes
     verdict = (f"fits: the heaviest rank ({_who(heavy, L)} of stage {heavy.pp_stage}) needs {gib(heavy.peak_bytes)} GiB "
                f"of {gib(usable)} GiB usable ({HEADROOM:.0%} of the {device.name}'s {device.memory_gib:g} GiB)")
@@ -64,7 +66,8 @@ def summary(result: DryRun) -> str:
         f"FLOPs of a dp replica's step: {result.replica_flops[0] / 1e12:.4g} T traced, "
         f"{result.replica_flops[1] / 1e12:.4g} T by throughput.flops_per_token (what MFU counts)",
         f"layout: world {L.world} = tp {L.tp}{f' x cp {L.cp}' if L.cp > 1 else ''} x pp {L.pp} x dp {L.dp}, ZeRO-{L.zero_stage} {L.precision}, "
-        f"micro {L.micro_batch} x {L.seq_len} tokens x accumulation {L.accumulation}"])
+        f"micro {L.micro_batch} x {L.seq_len} tokens x accumulation {L.accumulation}"
+        + (f"; {schedule} bubble {bubble(L.pp, L.accumulation, schedule):.1%}" if L.pp > 1 else "")])
 
 
 def device_named(name: str, gpu_gb: float | None) -> Device:

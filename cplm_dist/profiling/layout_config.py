@@ -20,7 +20,8 @@ def layout_fields(best: Plan, seq_len: int, global_batch: int) -> dict[tuple[str
             ("parallel", "sequence_parallel"): best.sequence_parallel,
             ("data", "seq_length"): seq_len, ("train", "micro_batch_size"): best.micro_batch,
             ("train", "global_batch_size"): global_batch, ("train", "zero_stage"): best.zero,
-            ("train", "activation_checkpointing"): best.activation_checkpointing}
+            ("train", "activation_checkpointing"): best.activation_checkpointing,
+            **({("parallel", "pp_schedule"): best.pp_schedule} if best.pp > 1 else {})}
 
 
 def write_run_config(path: Path, source: str, best: Plan, seq_len: int, global_batch: int, note: str) -> None:

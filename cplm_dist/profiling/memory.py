@@ -131,7 +131,9 @@ partitions over dp x cp (the table above), and the accumulation counts dp alone.
 
 A 1F1B step lasts m + p - 1 micro-batch slots for m micro-batches of work: the bubble, the share
 of the step a stage waits, is (p - 1) / (m + p - 1) (cplm_dist.profiling.planner, `bubble`). At
-p = 1 every figure is the single-stage one above.
+p = 1 every figure is the single-stage one above. Under DualPipeV (parallel.pp_schedule) a rank
+holds two stages (its Stage adds them up: rank 0 the embedding and the head), p + 1/2 micro-batches
+in flight on every rank (`in_flight`), and its p2p buffers both ways; its bubble is `bubble`'s.
 """
 
 from __future__ import annotations
@@ -180,13 +182,26 @@ class MemoryEstimate:
                 "total": self.total}
 
 
-def in_flight(stage: Stage, accumulation: int) -> int:
-    """Micro-batches whose activations stage s holds at once under 1F1B: min(p - s, m)."""
+def in_flight(stage: Stage, accumulation: int) -> float:
+    """Micro-batches whose activations stage s holds at once: min(p - s, m) under 1F1B; under
+    DualPipeV p + 1/2 on every rank (counted in micro-batches through both of its stages: the
+    phase-0 forwards it runs ahead while the first ones come back, as DeepSpeed's schedule orders
+    them; checked against it in tests/test_pipeline_schedule.py)."""
+    if stage.chunks == 2:
+        return min(stage.stages + 0.5, accumulation)
     return min(stage.stages - stage.index, accumulation)
 
 
-def bubble(pp: int, accumulation: int) -> float:
-    """The share of a 1F1B step a stage idles: (p - 1) / (m + p - 1)."""
+def bubble(pp: int, accumulation: int, schedule: str = "1f1b") -> float:
+    """The share of a step a pipeline rank idles: (p - 1) / (m + p - 1) under 1F1B; under
+    DualPipeV (two half-stages a rank, the backward twice the forward F of a stage, weight
+    gradients inside the backward as DeepSpeed runs it) the idle time is 2 (p - 1) F - F / 2
+    against 3 m F of work: (2p - 2.5) / (3m + 2p - 2.5)."""
+    if pp == 1:
+        return 0.0
+    if schedule == "dualpipev":
+        idle = 2 * (pp - 1) - 0.5
+        return idle / (3 * accumulation + idle)
     return (pp - 1) / (accumulation + pp - 1)
 
 
@@ -369,7 +384,11 @@ def _stage_estimate(cfg: Config, stage: Stage, *, tp: int, dp: int, micro_batch:
         layers, held = stage.layers, in_flight(stage, accumulation)
         received = b * m.hidden_size / shards  # per token: gathered whole unless sequence-sharded
         sent = b * m.hidden_size / tp  # DeepSpeed keeps a tp partition of what it sent (or the sp shard)
-        buffers = held * tokens * (16 + received * (not stage.first and not ckpt) + sent * (not stage.last))
+        if stage.chunks == 2:  # DualPipeV: every rank receives and sends, and sends whole tensors
+            receives, sends, sent = True, True, b * m.hidden_size / shards
+        else:
+            receives, sends = not stage.first, not stage.last
+        buffers = held * tokens * (16 + received * (receives and not ckpt) + sent * sends)
     order = CP_ORDER_BYTES * seq_len if cp > 1 else 0.0  # per layer: the K and V gathers' (T,) int64 reorderings
     if ckpt:
         activations = held * tokens * (layers * b * m.hidden_size) / shards

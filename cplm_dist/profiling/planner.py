@@ -57,6 +57,11 @@ engine reduces after the schedule, nothing overlaps), so
     step     (compute + tp + cp + p2p) / (1 - bubble) + tied + dp
 
 The later stages' reductions could partly hide under the pipeline's drain; that is not counted.
+Every pipeline layout is predicted under both schedules it can run (`schedules`): 1F1B, and
+DualPipeV (parallel.pp_schedule=dualpipev: a rank runs stages r and 2p - 1 - r of 2p, its compute,
+tp, cp and dp terms both stages', p2p on both links, no tied all-reduce, the bubble
+(2p - 2.5) / (3m + 2p - 2.5) and p + 1/2 micro-batches in flight: cplm_dist.profiling.memory).
+Within TIE of each other the simpler layout ranks first, 1F1B before DualPipeV.
 """
 
 from __future__ import annotations
@@ -106,12 +111,13 @@ class Plan:
     dp_comm_s: float
     exposed_dp_s: float
     pp_comm_s: float  # the slowest stage's p2p a step + the tied embedding's gradient all-reduce (0 at pp = 1)
-    bubble: float  # the share of the step the pipeline idles: (pp - 1) / (m + pp - 1)
+    bubble: float  # the share of the step the pipeline idles: (pp - 1) / (m + pp - 1) under 1F1B
     step_s: float
     mfu: float
     tokens_per_s: float
     cp: int = 1  # context parallelism: each sequence over cp ranks
     cp_comm_s: float = 0.0  # the cp group's gathers and reduce-scatters a step, exposed
+    pp_schedule: str = "1f1b"  # parallel.pp_schedule at pp > 1 (DualPipeV: two stages a rank)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -161,13 +167,15 @@ def pipeline_links(cluster: Cluster, *, tp: int, pp: int, dp: int, cp: int = 1) 
 
 
 def predict(cfg: Config, cluster: Cluster, *, tp: int, zero: int, micro_batch: int, seq_len: int, global_batch: int,
-            activation_checkpointing: bool, sequence_parallel: bool, pp: int = 1, cp: int = 1) -> Plan:
+            activation_checkpointing: bool, sequence_parallel: bool, pp: int = 1, cp: int = 1,
+            pp_schedule: str = "1f1b") -> Plan:
     """Memory and step time of one layout (the module docstring)."""
     batch = BatchLayout.for_world(cluster.gpus, tp=tp, pp=pp, cp=cp, micro=micro_batch, global_batch=global_batch)
     dp, accumulation = batch.dp, batch.accumulation
     precision = cfg.train.precision
     cfg = copy.deepcopy(cfg)
     cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.cp, cfg.parallel.sequence_parallel = tp, pp, cp, sequence_parallel
+    cfg.parallel.pp_schedule = pp_schedule if pp > 1 else "1f1b"
     memory = estimate(cfg, tp=tp, dp=dp, micro_batch=micro_batch, seq_len=seq_len, zero=zero, precision=precision,
                       activation_checkpointing=activation_checkpointing, pp=pp, accumulation=accumulation, cp=cp).total
     tokens = global_batch * seq_len
@@ -239,13 +247,15 @@ def _predict_pipeline(cfg: Config, cluster: Cluster, layout: dict, *, pp: int, c
         dp_comm = max(dp_comm, seconds(volumes, "dp", dp * cp, dp_gbps * 1e9))
         tied = max(tied, seconds(volumes, "tied", 2, tied_gbps * 1e9))
     busy, compute, tp_comm, p2p, cp_comm = slowest
-    idle = bubble(pp, m)
+    schedule = cfg.parallel.pp_schedule
+    idle = bubble(pp, m, schedule)
     step = busy / (1 - idle) + tied + dp_comm
     return Plan(tp=tp, pp=pp, dp=dp, zero=layout["zero"], micro_batch=layout["micro_batch"], accumulation=m,
                 activation_checkpointing=layout["activation_checkpointing"],
                 sequence_parallel=layout["sequence_parallel"], memory_gib=memory / GIB, compute_s=compute,
                 tp_comm_s=tp_comm, dp_comm_s=dp_comm, exposed_dp_s=dp_comm, pp_comm_s=p2p + tied, bubble=idle,
-                step_s=step, mfu=model_flops / step / peak, tokens_per_s=tokens / step, cp=cp, cp_comm_s=cp_comm)
+                step_s=step, mfu=model_flops / step / peak, tokens_per_s=tokens / step, cp=cp, cp_comm_s=cp_comm,
+                pp_schedule=schedule)
 
 
 def context_sizes(gpus: int, seq_len: int) -> list[int]:
@@ -290,6 +300,15 @@ def layouts(cfg: Config, cluster: Cluster, *, seq_len: int, global_batch: int, m
                                 yield tp, pp, zero, micro, ckpt, sp, cp
 
 
+def schedules(cfg: Config, pp: int, accumulation: int) -> tuple[str, ...]:
+    """The pipeline schedules a layout can run: 1F1B, and DualPipeV where each rank's two stages
+    get a transformer layer each and a step has 2 x pp micro-batches (config.validate_pipeline,
+    check_schedule)."""
+    if pp == 1:
+        return ("1f1b",)
+    return ("1f1b", "dualpipev") if cfg.model.num_layers >= 2 * pp and accumulation >= 2 * pp else ("1f1b",)
+
+
 def plan(cfg: Config, cluster: Cluster, *, seq_len: int, global_batch: int, max_pp: int | None = None,
          max_cp: int | None = None) -> tuple[list[Plan], int]:
     """(layouts that fit, fastest first; how many were considered), pp up to `max_pp` and cp up
@@ -298,13 +317,15 @@ def plan(cfg: Config, cluster: Cluster, *, seq_len: int, global_batch: int, max_
     for tp, pp, zero, micro, ckpt, sp, cp in layouts(cfg, cluster, seq_len=seq_len, global_batch=global_batch, max_cp=max_cp):
         if max_pp is not None and pp > max_pp:
             continue
-        considered += 1
-        p = predict(cfg, cluster, tp=tp, pp=pp, zero=zero, micro_batch=micro, seq_len=seq_len, global_batch=global_batch,
-                    activation_checkpointing=ckpt, sequence_parallel=sp, cp=cp)
-        if p.memory_gib <= cluster.headroom * cluster.memory_gib:
-            fits.append(p)
-    if fits:
+        for schedule in schedules(cfg, pp, global_batch // (micro * (cluster.gpus // (tp * cp * pp)))):
+            considered += 1
+            p = predict(cfg, cluster, tp=tp, pp=pp, zero=zero, micro_batch=micro, seq_len=seq_len,
+                        global_batch=global_batch, activation_checkpointing=ckpt, sequence_parallel=sp, cp=cp,
+                        pp_schedule=schedule)
+            if p.memory_gib <= cluster.headroom * cluster.memory_gib:
+                fits.append(p)
+    if fits:  # within TIE of each other: the simpler layout first (fewer stages, 1F1B, less cp, ...)
         fastest = min(p.step_s for p in fits)
-        fits.sort(key=lambda p: (round(p.step_s / fastest / TIE), p.pp, p.cp, p.zero, -p.micro_batch,
-                                 p.activation_checkpointing, p.tp, p.step_s))
+        fits.sort(key=lambda p: (round(p.step_s / fastest / TIE), p.pp, p.pp_schedule != "1f1b", p.cp, p.zero,
+                                 -p.micro_batch, p.activation_checkpointing, p.tp, p.step_s))
     return fits, considered

@@ -13,7 +13,8 @@ our parallel groups, and `deepspeed.initialize` with our optimizer and schedule.
 | train.precision | bf16.enabled |
 | train.grad_accum_dtype (null: unset) | data_types.grad_accum_dtype (fp32 with bf16 at ZeRO-1: DeepSpeed's BF16_Optimizer) |
 | `--reshape` to another layout, ZeRO > 0 | checkpoint.load_universal (cplm_dist.checkpoint.reshape) |
-| parallel.pp > 1, sequence_parallel | pipeline.pipe_partitioned, grad_partitioned (off under sp: activations already sharded) |
+| parallel.pp > 1, sequence_parallel | pipeline.pipe_partitioned, grad_partitioned (off under sp: activations already sharded; off under DualPipeV) |
+| parallel.pp_schedule | the PipelineModule class: DeepSpeed's DualPipeVEngine runs a DualPipeVModule (cplm_dist.model.parallel.pipeline) |
 
 At parallel.pp > 1 the model is a `PipelineModule` (cplm_dist.model.parallel.pipeline) and DeepSpeed builds
 its pipeline engine, whose process grid (axes pipe, data, model) is the same rank layout as ours
@@ -99,7 +100,8 @@ def deepspeed_config(cfg: Config, dims: ParallelDims, load_universal: bool = Fal
     t = cfg.train
     accumulation = batch_layout(cfg, dims.dp_size)
     clip_ourselves = dims.pp_size > 1 and t.zero_stage == 0
-    partitioned = dims.tp_size > 1 and not cfg.parallel.sequence_parallel
+    # DualPipeV sends whole activations (DeepSpeed refuses partitioned ones with it)
+    partitioned = dims.tp_size > 1 and not cfg.parallel.sequence_parallel and cfg.parallel.pp_schedule == "1f1b"
     return {
         "pipeline": {"pipe_partitioned": partitioned, "grad_partitioned": partitioned},
         "train_batch_size": t.global_batch_size,

@@ -38,6 +38,7 @@ from cplm_dist.distributed import ParallelDims, synchronize
 from cplm_dist.model.cplm import build_model
 from cplm_dist.model.parallel.pipeline import build_pipeline_model
 from cplm_dist.model.parallel.reduction import BatchSums, ReduceGroups
+from cplm_dist.model.parallel.stages import loss_stage
 from cplm_dist.train.engine import build_engine
 from cplm_dist.train.optim import grad_norm
 
@@ -75,7 +76,7 @@ class TrainStep:
         self.accumulation = engine.gradient_accumulation_steps()
         self.zero_stage = cfg.train.zero_stage
         self.device = engine.device
-        self.groups = ReduceGroups.of(dims)
+        self.groups = ReduceGroups.of(dims, loss_stage(cfg))
         # the pipeline's last stage adds to its module's sums inside DeepSpeed's schedule
         self.sums = engine.module.sums if dims.pp_size > 1 else BatchSums(self.device)
 

@@ -45,7 +45,7 @@ from cplm_dist.model.parallel.context import context_of
 from cplm_dist.model.parallel.pipeline_grid import context_grid_class
 from cplm_dist.model.parallel.reduction import BatchSums, ReduceGroups
 from cplm_dist.model.parallel.stage_inputs import StageInputs
-from cplm_dist.model.parallel.stages import pipeline_layers, stage_bounds
+from cplm_dist.model.parallel.stages import loss_stage, pipeline_layers, schedule_bounds, stages_per_rank
 from cplm_dist.model.parts import Embedding, Head, PartSpec
 from cplm_dist.model.recompute_compile import parallelize
 from cplm_dist.model.rotary import layer_rope
@@ -139,7 +139,7 @@ class PipelineStages:
 
         self.cfg, self.dims = cfg, dims
         self.inject_nonfinite = False
-        self.sums, self.groups = BatchSums(device), ReduceGroups.of(dims)
+        self.sums, self.groups = BatchSums(device), ReduceGroups.of(dims, loss_stage(cfg))
         # the model axis tp x cp wide: Megatron's rank order (cplm_dist.model.parallel.pipeline_grid)
         topology = PipeModelDataParallelTopology(num_pp=dims.pp_size, num_mp=dims.tp_size * dims.cp_size, num_dp=dims.dp_size)
         super().__init__(layer_specs(cfg, dims, device, dtype), topology=topology, loss_fn=self.micro_batch_loss,
@@ -151,7 +151,8 @@ class PipelineStages:
     def canonical_named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         """(name in CPLM, parameter) for every parameter this stage holds: the seeded
         initialisation and the weight-decay groups go by these names."""
-        modules = [f for f in self.forward_funcs if isinstance(f, torch.nn.Module)] + list(self.tied_modules.values())
+        funcs = [f for phase in getattr(self, "phase_funcs", [self.forward_funcs]) for f in phase]  # DualPipeV: both
+        modules = [f for f in funcs if isinstance(f, torch.nn.Module)] + list(self.tied_modules.values())
         seen, out = set(), []
         for module in modules:
             for name, p in module.named_parameters():
@@ -171,9 +172,15 @@ class PipelineStages:
         return super().to(*args, **kwargs)
 
     def _partition_layers(self, method="parameters"):
-        self.parts = stage_bounds(self.cfg, self.num_stages)
+        # DualPipeV: 2 x pp stages, rank r running stage r (phase 0, out) and 2 pp - 1 - r (phase 1,
+        # back), as DeepSpeed's DualPipeVModule splits them; our split balances the ranks by parameters
+        per_rank = stages_per_rank(self.cfg)
+        self.num_stages *= per_rank
+        self.parts = schedule_bounds(self.cfg, self.num_stages // per_rank)
         stage = self._topo.get_coord(self.global_rank).pipe
-        self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
+        own = (stage, self.num_stages - 1 - stage)[:per_rank]
+        self.phase_bounds = [(self.parts[s], self.parts[s + 1]) for s in own]
+        self._set_bounds(*self.phase_bounds[0])
 
     def ckpt_layer_path(self, ckpt_dir, local_layer_idx):
         """A layer's file, named by its tp rank alone (DeepSpeed's names at cp = 1: the cp ranks
@@ -206,13 +213,16 @@ class PipelineStages:
         return self.sums.add(nll, lm_nll, share, labels, self.groups.sequence_tokens(labels))
 
 
-def pipeline_module_class():
-    """CPLMPipe: PipelineStages on DeepSpeed's PipelineModule (DeepSpeed imported only here),
-    with DeepSpeed's communication layer joined to our process group."""
+def pipeline_module_class(schedule: str = "1f1b"):
+    """CPLMPipe: PipelineStages on DeepSpeed's PipelineModule, or on its DualPipeVModule for
+    parallel.pp_schedule=dualpipev (deepspeed.initialize then builds the DualPipeV engine);
+    DeepSpeed imported only here, its communication layer joined to our process group."""
     deepspeed = import_deepspeed()
     deepspeed.init_distributed(dist_init_required=False)
-    from deepspeed.pipe import PipelineModule
+    from deepspeed.pipe import DualPipeVModule, PipelineModule
 
+    if schedule == "dualpipev":
+        return type("CPLMDualPipeV", (PipelineStages, DualPipeVModule), {})
     return type("CPLMPipe", (PipelineStages, PipelineModule), {})
 
 
@@ -221,5 +231,5 @@ def build_pipeline_model(cfg: Config, dims: ParallelDims, device=None, dtype=tor
     if dims.pp_size != cfg.parallel.pp:
         raise ValueError(f"parallel.pp={cfg.parallel.pp} but the pipeline group has {dims.pp_size} ranks")
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    return parallelize(pipeline_module_class()(cfg, dims, device, dtype), device=device,
+    return parallelize(pipeline_module_class(cfg.parallel.pp_schedule)(cfg, dims, device, dtype), device=device,
                        activation_checkpointing=cfg.train.activation_checkpointing, compile=cfg.train.compile)

@@ -20,7 +20,8 @@ Over dp the micro-batches are different ones, and their means are averaged. Two 
                                 micro-batches' per-token means, the loss the gradient follows
     token_loss, tokens          summed nll / summed tokens over dp x cp: validation's per-token mean
 
-At pp > 1 the last stage holds the sums (its loss function adds them): it reduces them over its
+At pp > 1 the loss stage holds the sums (its loss function adds them; the last pipeline rank under
+1F1B, rank 0 under DualPipeV): it reduces them over its
 dp x cp group and broadcasts the figures to the other stages over pp. One all-reduce of six
 float64 numbers a batch, whatever the layout.
 """
@@ -89,12 +90,14 @@ class ReduceGroups:
     holds_sums: bool = True
 
     @classmethod
-    def of(cls, dims) -> ReduceGroups:
-        """This rank's groups from its ParallelDims (cplm_dist.distributed)."""
+    def of(cls, dims, loss_stage: int | None = None) -> ReduceGroups:
+        """This rank's groups from its ParallelDims (cplm_dist.distributed); at pp > 1 the sums are
+        on pipeline rank `loss_stage` (default the last; DualPipeV's is rank 0: `loss_stage_of`)."""
         if dims.pp_size == 1:
             return cls(dims.grad_group, dims.cp_group)
-        return cls(dims.grad_group, dims.cp_group, dims.pp_group, dist.get_global_rank(dims.pp_group, dims.pp_size - 1),
-                   dims.is_last_stage)
+        stage = dims.pp_size - 1 if loss_stage is None else loss_stage
+        return cls(dims.grad_group, dims.cp_group, dims.pp_group, dist.get_global_rank(dims.pp_group, stage),
+                   dims.pp_rank == stage)
 
     @property
     def cp_size(self) -> int:

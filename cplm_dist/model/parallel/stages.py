@@ -98,17 +98,49 @@ def stage_bounds(cfg: Config, pp: int) -> list[int]:
     return bounds[:-1] + [bounds[-1] + 1] if cfg.model.tie_embeddings else bounds
 
 
+def dualpipev_bounds(cfg: Config, pp: int) -> list[int]:
+    """The 2 pp stage boundaries over `pipeline_layers` for DualPipeV, balanced by rank: rank r runs
+    stages r and 2 pp - 1 - r, so rank 0 holds the embedding and the head (with the tied copy).
+    Each rank takes at least two transformer layers (one a stage); the rest go one by one to the
+    rank with the least weight (ties: the later rank), and a rank's layers split between its two
+    stages, the outbound one taking the odd layer."""
+    layers = pipeline_layers(cfg)
+    ends = [layer.weight for layer in layers if layer.kind in ("embedding", "head")]
+    each = next(layer.weight for layer in layers if layer.kind == "layer")
+    counts = [2] * pp
+    load = [sum(ends) + 2 * each] + [2 * each] * (pp - 1)
+    for _ in range(cfg.model.num_layers - 2 * pp):
+        r = min(range(pp), key=lambda q: (load[q], -q))
+        counts[r] += 1
+        load[r] += each
+    per_stage = [(counts[r] + 1) // 2 for r in range(pp)] + [counts[r] // 2 for r in reversed(range(pp))]
+    bounds = [0]
+    for n in per_stage:
+        bounds.append(bounds[-1] + n + (len(bounds) == 1))  # stage 0 also holds the embedding
+    bounds[-1] = len(layers)  # the last stage: its layers, the tied copy and the head
+    return bounds
+
+
+def schedule_bounds(cfg: Config, pp: int) -> list[int]:
+    """The stage boundaries CPLMPipe builds at pp ranks: pp stages under 1F1B (`stage_bounds`),
+    2 pp under DualPipeV (`dualpipev_bounds`)."""
+    return dualpipev_bounds(cfg, pp) if pp > 1 and cfg.parallel.pp_schedule == "dualpipev" else stage_bounds(cfg, pp)
+
+
 def stage_transformer_layers(cfg: Config, pp: int) -> list[int]:
-    """How many transformer layers each stage runs."""
-    bounds, layers = stage_bounds(cfg, pp), pipeline_layers(cfg)
-    return [sum(layer.kind == "layer" for layer in layers[bounds[s]:bounds[s + 1]]) for s in range(pp)]
+    """How many transformer layers each stage runs (DualPipeV: each of its 2 pp stages)."""
+    bounds, layers = schedule_bounds(cfg, pp), pipeline_layers(cfg)
+    return [sum(layer.kind == "layer" for layer in layers[bounds[s]:bounds[s + 1]]) for s in range(len(bounds) - 1)]
 
 
 def stage_summary(cfg: Config, pp: int) -> str:
-    """One line: each stage's layers and parameters (over tp), as `partition` balanced them."""
-    weights, bounds = [layer.weight for layer in pipeline_layers(cfg)], stage_bounds(cfg, pp)
-    return "; ".join(f"stage {s}: layers [{bounds[s]}, {bounds[s + 1]}) {sum(weights[bounds[s]:bounds[s + 1]]) / 1e6:.1f}M"
-                     for s in range(pp))
+    """One line: each stage's layers and parameters (over tp), as `partition` balanced them
+    (DualPipeV: 2 pp stages, each named with the pipeline rank that runs it)."""
+    stages = pp * stages_per_rank(cfg)
+    weights, bounds = [layer.weight for layer in pipeline_layers(cfg)], schedule_bounds(cfg, pp)
+    rank = (lambda s: f" (rank {min(s, stages - 1 - s)})") if stages > pp else (lambda s: "")
+    return "; ".join(f"stage {s}{rank(s)}: layers [{bounds[s]}, {bounds[s + 1]}) "
+                     f"{sum(weights[bounds[s]:bounds[s + 1]]) / 1e6:.1f}M" for s in range(stages))
 
 
 def checkpoint_layer_names(cfg: Config) -> dict[int, str]:
@@ -125,6 +157,7 @@ class Stage:
     layers: int  # transformer layers
     first: bool  # holds the embedding; its input is the ids
     last: bool  # holds the final norm, the LM head (or the tied embedding copy) and the copy head
+    chunks: int = 1  # pipeline stages this rank runs: 2 under DualPipeV (stage `index` and 2 pp - 1 - index)
 
 
 def _at_tp(cfg: Config, tp: int | None) -> Config:
@@ -138,8 +171,13 @@ def pipeline_stages(cfg: Config, pp: int, tp: int | None = None) -> list[Stage]:
     L = cfg.model.num_layers
     if pp == 1:
         return [Stage(0, 1, L, True, True)]
-    if pp > L:
-        raise ValueError(f"pp={pp} exceeds model.num_layers={L}: every stage needs a transformer layer")
+    dual = cfg.parallel.pp_schedule == "dualpipev"  # a rank: stages r and 2 pp - 1 - r of 2 pp
+    if pp * (1 + dual) > L:
+        raise ValueError(f"pp={pp} exceeds model.num_layers={L}{' / 2 (DualPipeV)' if dual else ''}: every stage "
+                         "needs a transformer layer")
+    if dual:
+        layers = stage_transformer_layers(_at_tp(cfg, tp), pp)
+        return [Stage(r, pp, layers[r] + layers[2 * pp - 1 - r], r == 0, r == 0, chunks=2) for r in range(pp)]
     layers = stage_transformer_layers(_at_tp(cfg, tp), pp)
     return [Stage(s, pp, n, s == 0, s == pp - 1) for s, n in enumerate(layers)]
 
@@ -158,3 +196,14 @@ def stage_parameters(cfg: Config, stage: Stage, tp: int) -> float:
     if stage.stages == 1:
         return parameters_per_device(cfg, tp)
     return sum(stage_tensor_sizes(cfg, tp, stage.stages, stage.index))
+
+
+def stages_per_rank(cfg: Config) -> int:
+    """Pipeline stages a pipeline rank runs: two under DualPipeV (stage r and 2 pp - 1 - r), else one."""
+    return 2 if cfg.parallel.pp > 1 and cfg.parallel.pp_schedule == "dualpipev" else 1
+
+
+def loss_stage(cfg: Config) -> int:
+    """The pipeline rank that holds the head and computes the loss: the last under 1F1B, the first
+    under DualPipeV (its micro-batches come back to rank 0)."""
+    return 0 if stages_per_rank(cfg) == 2 else cfg.parallel.pp - 1
