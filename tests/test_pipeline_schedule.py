@@ -67,12 +67,13 @@ STEPS = 6
 
 
 def _args(small_data, out, schedule, *extra):
-    """pp 2, 4 layers, global batch 4 of micro 1: four micro-batches a step (DualPipeV's least at pp 2)."""
+    """pp 2, 4 layers, global batch 4 of micro 1: four micro-batches a step (DualPipeV's least at pp 2);
+    validation runs eight (another count than training's: DualPipeV's buffers must follow it)."""
     from tests.test_train import argv
 
     return argv(small_data, out, f"train.train_steps={STEPS}", "train.global_batch_size=4", "train.micro_batch_size=1",
                 "optim.clip_grad=1.0", "copy.mix=gate", "train.save_interval=3", f"train.eval_interval={STEPS}",
-                "train.eval_batches=4", "train.zero_stage=1", "parallel.pp=2", f"parallel.pp_schedule={schedule}",
+                "train.eval_batches=8", "train.zero_stage=1", "parallel.pp=2", f"parallel.pp_schedule={schedule}",
                 *LAYERS, *extra)
 
 

@@ -56,6 +56,11 @@ def evaluate_pipeline(engine, loader: ResumableLoader, cfg: Config, dims: Parall
     batches = ((model_inputs(b), b["labels"]) for b in loader)
     module = engine.module
     module.sums.zero_()
-    engine.eval_batch(batches if engine.is_first_stage() or engine.is_last_stage() else None,
-                      num_micro_batches=cfg.train.eval_batches, bcast_loss=False)
+    trained = engine.micro_batches  # DeepSpeed 0.19.8's DualPipeV finds a micro-batch's phase-1 buffer
+    engine.micro_batches = cfg.train.eval_batches  # by this count, not eval_batch's own
+    try:
+        engine.eval_batch(batches if engine.is_first_stage() or engine.is_last_stage() else None,
+                          num_micro_batches=cfg.train.eval_batches, bcast_loss=False)
+    finally:
+        engine.micro_batches = trained
     return module.groups.reduce(module.sums).token_loss
