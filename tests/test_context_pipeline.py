@@ -179,3 +179,18 @@ def test_a_cp2_pp2_checkpoint_evaluates_as_a_whole_model(small_data, cp_pp_train
     assert (layout["cp"], layout["pp"]) == (2, 2)
     logged = read_metrics(run / "logs" / "metrics.jsonl", "valid")[STEPS]["loss"]
     assert loss == pytest.approx(logged, abs=1e-5) and evaluated["loss"] == loss
+
+
+def test_a_cp2_pp2_checkpoint_continues_as_plain_data_parallel(small_data, cp_pp_training, tmp_path):
+    """--reshape from cp 2 x pp 2 (ZeRO-1, the optimizer partitioned over dp x cp) to dp 2 without
+    stages or cp: steps 6-10 are the straight cp x pp run's."""
+    from tests.test_train import losses, train
+
+    source = cp_pp_training / "cp2-pp2" / "checkpoints" / "step-00000005"
+    out = tmp_path / "dp2"
+    args = _args(small_data, out, "train.micro_batch_size=2", "train.eval_batches=1")
+    assert train(2, args + ["--resume", str(source), "--reshape"]) == [0, 0]
+    got, want = losses(out), losses(cp_pp_training / "cp2-pp2")
+    assert sorted(got) == list(range(6, STEPS + 1))
+    for step in got:
+        assert abs(got[step] - want[step]) < 1e-5, (step, got[step], want[step])

@@ -360,10 +360,6 @@ def check_reshape(manifest: Manifest, cfg: Config, tp: int) -> None:
     """One line when the saved run cannot continue at this layout (before any process starts);
     the conversion itself is cplm_dist.checkpoint.reshape's."""
     saved, path = manifest.layout, manifest.step_dir
-    if saved.pp != 1 or cfg.parallel.pp != 1:
-        raise ReshapeError(f"{path} was saved at tp={saved.tp} pp={saved.pp} dp={saved.dp} ZeRO-{saved.zero_stage}: "
-                           "reshaping to or from pipeline stages (parallel.pp > 1) is not supported; resume with the "
-                           "saved layout")
     try:
         check_tp_divides(cfg.model, tp)
     except ConfigError as e:

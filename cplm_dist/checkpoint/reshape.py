@@ -1,18 +1,25 @@
-"""Reshape on resume: a checkpoint saved at one layout (tp, dp, ZeRO stage) continues at another,
+"""Reshape on resume: a checkpoint saved at one layout (tp, pp and its schedule, cp, dp, ZeRO stage)
+continues at another,
 carrying the fp32 master weights, AdamW's moments and step, the schedule and the data position.
 
 The go-between is DeepSpeed's universal checkpoint: one directory per parameter holding its full,
 tp- and dp-independent fp32 weight and moments,
 
-    <tmp>/zero/<parameter name>/{fp32,exp_avg,exp_avg_sq,step}.pt    + zero/optimizer_state.pt
+    <tmp>/zero/<CPLM parameter name>/{fp32,exp_avg,exp_avg_sq,step}.pt    + zero/optimizer_state.pt
+
+Pipeline stages name their parameters by DeepSpeed's layer index; every save records those names,
+their CPLM names and their tp split for the whole model (cplm_dist.checkpoint.parameter_record), so
+the folders are renamed to the CPLM names after conversion and linked under the names the loading
+engine's stages give them before loading (`link_names`): any pp (and schedule) reads any other.
 
 1. **To universal** (rank 0, once). Under ZeRO 1-3 DeepSpeed's own converter
    (`deepspeed.checkpoint.ds_to_universal`) joins the ZeRO shards and then the tp shards, told how
    by the parameter layout every save records (`universal_info`: vocabulary rows and their
-   unpadded size, row-parallel splits, SwiGLU's two sub-parameters, replicated tensors). ZeRO-0
-   checkpoints hold a plain torch AdamW state per tp rank, which that converter does not read
-   (it reads ZeRO optimizer shards only): `_zero0_to_universal` writes the same files from them
-   with our shard layout (cplm_dist.model.parallel.sharding).
+   unpadded size, row-parallel splits, SwiGLU's two sub-parameters, replicated tensors, a
+   pipeline's tied copy). ZeRO-0 checkpoints hold a plain torch AdamW state per tp rank (and
+   stage), which that converter does not read (it reads ZeRO optimizer shards only):
+   `_zero0_to_universal` writes the same files from them (a pipeline's weights from its layer
+   files) with our shard layout (cplm_dist.model.parallel.sharding).
 2. **From universal** (`load_reshaped`, every rank). ZeRO 1-3 engines load it themselves
    (`checkpoint.load_universal` in their DeepSpeed config, cplm_dist.train.engine): every rank cuts its
    tp shard and its ZeRO partition.
@@ -40,7 +47,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from cplm_dist.checkpoint.manifest import Manifest, ReshapeError
+from cplm_dist.checkpoint.manifest import Layout, Manifest, ReshapeError
+from cplm_dist.checkpoint.parameter_record import (PARAMETERS, UNIVERSAL_INFO, canonical_names, spec_from_json,
+                                                   universal_info)
 from cplm_dist.checkpoint.safe_io import (load_states, model_states_file, model_states_name, os_error, safe_load,
                                           weights_only_torch_load)
 from cplm_dist.config import Config
@@ -51,61 +60,60 @@ from cplm_dist.train.optim import parameter_groups
 
 log = logging.getLogger(__name__)
 
-UNIVERSAL_INFO = "universal_checkpoint_info"  # the key DeepSpeed's converter reads from the model states
-
-
-def universal_info(model: torch.nn.Module) -> dict:
-    """What DeepSpeed's converter needs to join our tp shards, from the layout marks of `model`'s
-    parameters (recorded with every checkpoint). Replicated tensors are averaged over tp ranks
-    (they are equal; averaging does not assert bit-equality of the optimizer moments)."""
-    from deepspeed.checkpoint import constants as c
-
-    groups = {c.PARAMETER_TO_AVERAGE_PATTERNS: [], c.PARAMETER_WITH_ROW_PARALLELISM_PATTERNS: [],
-              c.PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0: [], c.VOCABULARY_PARAMETER_PATTERNS: []}
-    vocab = None
-    for name, param in model.named_parameters():
-        spec, pattern = spec_of(param), f"^{re.escape(name)}$"
-        if not spec.is_split:
-            groups[c.PARAMETER_TO_AVERAGE_PATTERNS].append(pattern)
-        elif spec.stride == 2 and spec.dim == 0:
-            groups[c.PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0].append(pattern)
-        elif spec.stride != 1:
-            raise ValueError(f"{name}: a split of stride {spec.stride} along dim {spec.dim} has no universal form")
-        elif spec.dim == 1:
-            groups[c.PARAMETER_WITH_ROW_PARALLELISM_PATTERNS].append(pattern)
-        if spec.full_rows:
-            groups[c.VOCABULARY_PARAMETER_PATTERNS].append(pattern)
-            vocab = spec.full_rows
-    info = {k: v for k, v in groups.items() if v}
-    info[c.UNIVERSAL_CHECKPOINT_VERSION_KEY] = c.UNIVERSAL_CHECKPOINT_VERSION_VALUE
-    if vocab is not None:
-        info[c.ORIGINAL_VOCAB_SIZE] = vocab
-    return info
-
-
 def to_universal(source: Manifest, out: Path, model: torch.nn.Module, cfg: Config) -> None:
-    """Write the universal form of the checkpoint `source` into `out` (removed first):
-    DeepSpeed's converter under ZeRO 1-3, ours for ZeRO-0. Rank 0 only."""
+    """Write the universal form of the checkpoint `source` into `out` (removed first), every
+    parameter's folder under its CPLM name: DeepSpeed's converter under ZeRO 1-3, ours for ZeRO-0.
+    Rank 0 only."""
     step_dir, saved = source.step_dir, source.layout
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
+    states = {p: None for p in _model_states_files(step_dir)}
+    first = states[next(iter(states))] = load_states(next(iter(states)))
+    if saved.pp > 1 and PARAMETERS not in first:
+        raise ReshapeError(f"{step_dir} is a pipeline checkpoint saved before cplm_dist recorded its parameter names: "
+                           f"resume it at its layout ({saved}) without --reshape, then save again to reshape")
     if saved.zero_stage == 0:
-        _zero0_to_universal(step_dir, out, model, cfg, saved.tp)
-        _readable_by_every_stage(out, cfg, saved.tp)
+        _zero0_to_universal(source, out, model, cfg, {p: s or load_states(p) for p, s in states.items()})
+        _readable_by_every_stage(out, cfg)
         return
+    del first, states
     import_deepspeed()
     from deepspeed.checkpoint import ds_to_universal
 
     args = argparse.Namespace(input_folder=str(step_dir), output_folder=str(out), num_extract_workers=1,
                               num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=False)
     quiet = contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO())
-    with quiet[0], quiet[1], trusted_torch_load(universal_info(model)):
+    with quiet[0], quiet[1], trusted_torch_load(universal_info(model)):  # the layout where a save lacks it
         ds_to_universal.main(args)
     (out.parent / "latest_universal").unlink(missing_ok=True)  # the converter's pointer; we name `out` ourselves
-    _readable_by_every_stage(out, cfg, saved.tp)
+    for f in out.glob("layer_*-model_states.pt"):  # pipeline layer files: the weights are in zero/
+        f.unlink()
+    names = (safe_load(model_states_file(out, 0), map_location="cpu").get(PARAMETERS) or {}).get("names", {})
+    for saved_name, name in names.items():  # a pipeline's DeepSpeed names -> CPLM names
+        if saved_name != name and (out / "zero" / saved_name).is_dir():
+            (out / "zero" / saved_name).rename(out / "zero" / name)
+    _readable_by_every_stage(out, cfg)
 
 
-def _readable_by_every_stage(out: Path, cfg: Config, saved_tp: int) -> None:
+def _model_states_files(step_dir: Path) -> list[Path]:
+    """The checkpoint's model-states files, one per model-parallel rank (tp x pp), in rank order."""
+    ranks = sorted({int(m.group(1)) for p in step_dir.iterdir() if (m := _MP_STATES.search(p.name))})
+    return [model_states_file(step_dir, r) for r in ranks]
+
+
+_MP_STATES = re.compile(r"(?:^|_)mp_rank_(\d+)_model_states\.pt$")
+
+
+def link_names(universal: Path, names: dict[str, str]) -> None:
+    """Each parameter's folder also under the name the loading engine gives it ({engine name: CPLM
+    name}; a pipeline stage's DeepSpeed names), as DeepSpeed's universal loader looks it up."""
+    for engine_name, name in names.items():
+        link = universal / "zero" / engine_name
+        if engine_name != name and not link.exists():
+            link.symlink_to(name, target_is_directory=True)
+
+
+def _readable_by_every_stage(out: Path, cfg: Config) -> None:
     """DeepSpeed's ZeRO-1/2 and ZeRO-3 universal loaders read different fields, and its
     converter writes those of the stage it read: the ZeRO-1/2 loader wants `ds_version`,
     `clip_grad` and `param_groups` at the top of zero/optimizer_state.pt and a step.pt per
@@ -128,9 +136,9 @@ def _readable_by_every_stage(out: Path, cfg: Config, saved_tp: int) -> None:
     for folder in folders:
         if (folder / "exp_avg.pt").is_file() and not (folder / "step.pt").is_file():
             torch.save(step, folder / "step.pt")
-    for r in range(saved_tp):
+    for have in _model_states_files(out):
+        r = int(_MP_STATES.search(have.name).group(1))
         names = [out / model_states_name(r), out / model_states_name(r, zero3=True)]
-        have = next(p for p in names if p.is_file())
         for p in names:
             if not p.exists():
                 os.link(have, p)
@@ -153,38 +161,57 @@ def trusted_torch_load(info: dict | None = None):
     return weights_only_torch_load(clean)
 
 
-def _zero0_to_universal(step_dir: Path, out: Path, model: torch.nn.Module, cfg: Config, saved_tp: int) -> None:
-    """Universal files from a ZeRO-0 checkpoint: every tp rank's weights and torch AdamW state
-    (indexed in parameter-group order, which does not depend on tp) joined by our layout."""
+def _zero0_to_universal(source: Manifest, out: Path, model: torch.nn.Module, cfg: Config, states: dict) -> None:
+    """Universal files from a ZeRO-0 checkpoint: every saved tp rank's weights (a pipeline's from
+    its layer files) and torch AdamW state (each model-states file's, indexed in its parameter-group
+    order) joined by our layout. `states`: {model-states file: its contents}."""
     from deepspeed.checkpoint import constants as c
 
-    states = [load_states(model_states_file(step_dir, r)) for r in range(saved_tp)]
-    by_id = {id(p): n for n, p in model.named_parameters()}
-    order = [by_id[id(p)] for g in parameter_groups(model, cfg) for p in g["params"]]
-    params = dict(model.named_parameters())
-    optim = [s["optimizer"] for s in states]
-    index = {name: i for i, name in enumerate(order)}
-    for name, param in params.items():
-        spec = spec_of(param)
-        per_state = {"fp32": [s["module"][name].float() for s in states]}
-        slots = [o["state"].get(index[name], {}) for o in optim]
+    from cplm_dist.checkpoint.loading import _pipeline_shards
+
+    saved = source.layout
+    records = [s.get(PARAMETERS) for s in states.values()]
+    if saved.pp > 1:
+        weights = _pipeline_shards(source, cfg)
+    else:
+        weights = [s["module"] for s in states.values()]
+    if records[0] is not None:
+        specs = {name: spec_from_json(v) for name, v in records[0]["specs"].items()}
+    elif hasattr(model, "canonical_named_parameters"):  # saved by an earlier cplm_dist, read at pp > 1
+        raise ReshapeError(f"{source.step_dir} (ZeRO-0) was saved before cplm_dist recorded its parameter order: "
+                           "reshape it to a layout without pipeline stages first (parallel.pp=1)")
+    else:
+        specs = {name: spec_of(p) for name, p in model.named_parameters()}
+    slots = [{} for _ in range(saved.tp)]  # per tp rank {CPLM name: AdamW state}
+    for i, (state, record) in enumerate(zip(states.values(), records)):
+        if record is None:
+            by_id = {id(p): n for n, p in model.named_parameters()}
+            order, tp_rank = [by_id[id(p)] for g in parameter_groups(model, cfg) for p in g["params"]], i
+        else:
+            order, tp_rank = record["order"], record["tp_rank"]
+        for index, name in enumerate(order):
+            slots[tp_rank].setdefault(name, state["optimizer"]["state"].get(index, {}))
+    for name, spec in specs.items():
+        per_state = {"fp32": [w[name].float() for w in weights]}
+        mine = [slot.get(name, {}) for slot in slots]
         for key in ("exp_avg", "exp_avg_sq"):
-            if all(key in s for s in slots):
-                per_state[key] = [s[key] for s in slots]
+            if all(key in s for s in mine):
+                per_state[key] = [s[key] for s in mine]
         folder = out / "zero" / name
         folder.mkdir(parents=True)
         for key, shards in per_state.items():
             full = join_shards(shards, spec) if spec.is_split else sum(shards) / len(shards)
             torch.save({c.PARAM: full[: spec.full_rows] if spec.full_rows else full, **how_to_split(spec)}, folder / f"{key}.pt")
-        if all("step" in s for s in slots):
-            torch.save(slots[0]["step"], folder / "step.pt")
+        if all("step" in s for s in mine):
+            torch.save(mine[0]["step"], folder / "step.pt")
     import deepspeed
 
-    groups = [{k: v for k, v in g.items() if k != "params"} for g in optim[0]["param_groups"]]
+    first = next(iter(states.values()))
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in first["optimizer"]["param_groups"]]
     torch.save({"param_groups": groups, "ds_version": deepspeed.__version__, "clip_grad": cfg.optim.clip_grad},
                out / "zero" / "optimizer_state.pt")
-    for r in range(saved_tp):  # the schedule and our client state, read from the model states
-        shutil.copy2(model_states_file(step_dir, r), out / model_states_name(r))
+    for path in states:  # the schedule and our client state, read from the model states
+        shutil.copy2(path, out / path.name)
 
 
 def how_to_split(spec) -> dict:
@@ -208,8 +235,10 @@ def load_zero0(universal: Path, model: torch.nn.Module, optimizer: torch.optim.O
     """This rank's tp shard of every parameter's universal fp32 weight and moments into a ZeRO-0
     run's model and AdamW, and the schedule (our loader: DeepSpeed's needs a ZeRO optimizer).
     Returns the saved client state."""
+    names = canonical_names(model)
     with torch.no_grad():
-        for name, param in model.named_parameters():
+        for engine_name, param in model.named_parameters():
+            name = names[engine_name]
             spec, folder = spec_of(param), universal / "zero" / name
             if not (folder / "fp32.pt").is_file():
                 raise ReshapeError(f"{universal}: no weights for {name}: the checkpoint holds another model")
@@ -241,21 +270,23 @@ def load_reshaped(engine, source: Manifest, cfg: Config, dims) -> dict:
     ZeRO > 0, `load_zero0` at ZeRO-0); the transient copy is removed. Returns the client state."""
     saved, tmp = source.layout, Path(cfg.train.out_dir) / f".reshape-{source.tag}"
     error, start = None, time.perf_counter()
+    names = [None] * dims.world_size  # every stage's parameter names, under which its engine loads them
+    dist.all_gather_object(names, canonical_names(engine.module))
     if dims.rank == 0:
-        error = os_error(lambda: to_universal(source, tmp, engine.module, cfg), tmp.parent)
+        error = os_error(lambda: (to_universal(source, tmp, engine.module, cfg),
+                                  link_names(tmp, {k: v for part in names for k, v in part.items()})), tmp.parent)
     gathered = [None] * dims.world_size
     dist.all_gather_object(gathered, error)
     try:
         if gathered[0]:
-            raise CheckpointError(f"converting {source.step_dir} (tp={saved.tp}, dp={saved.dp}, ZeRO-{saved.zero_stage}) "
-                                  f"for this layout failed: {gathered[0]}")
+            raise CheckpointError(f"converting {source.step_dir} ({saved}) for this layout failed: {gathered[0]}")
         client_state = _load_universal(engine, tmp, cfg, dims, source)
     finally:
         dist.barrier()
         if dims.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-    log.info(f"reshaped {source.step_dir} from tp={saved.tp} dp={saved.dp} ZeRO-{saved.zero_stage} to "
-             f"tp={dims.tp_size} dp={dims.dp_size} ZeRO-{cfg.train.zero_stage} in {time.perf_counter() - start:.1f}s")
+    log.info(f"reshaped {source.step_dir} from {saved} to {Layout.of(cfg, dims.tp_size, dims.dp_size)} "
+             f"in {time.perf_counter() - start:.1f}s")
     return client_state
 
 

@@ -10,7 +10,7 @@ whether any failed to write; on a failure the partial directory is removed on al
 
 The client state inside DeepSpeed's files holds what only a resume needs: the loader position,
 skipped-step counters, RNG states (tensors and plain values, so that a weights-only load reads
-them) and the parameter layout a reshape reads (cplm_dist.checkpoint.reshape).
+them) and the parameter layout a reshape reads (cplm_dist.checkpoint.parameter_record).
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ from cplm_dist.checkpoint.async_save import BackgroundSave, checkpoint_files, de
 from cplm_dist.checkpoint.manifest import (COMPLETE, LATEST, Layout, Manifest, carry_tokenizer, check_layout, complete_tags,
                                            damaged_files, latest_tag, read_manifest, tag_for, tokenizer_files, versions,
                                            write_manifest)
-from cplm_dist.checkpoint.reshape import UNIVERSAL_INFO, load_reshaped, universal_info
+from cplm_dist.checkpoint.parameter_record import ParameterRecord
+from cplm_dist.checkpoint.reshape import load_reshaped
 from cplm_dist.checkpoint.safe_io import os_error, use_safe_loading
 from cplm_dist.config import Config, to_dict
 from cplm_dist.distributed import ParallelDims
@@ -140,6 +141,7 @@ class Checkpointer:
         self.data_fingerprints = data_fingerprints(cfg) if dims.rank == 0 else None
         self.background: BackgroundSave | None = None  # the asynchronous save in flight (train.async_save)
         self.run = run_id(dims) if cfg.train.async_save else None
+        self.record: ParameterRecord | None = None  # cplm_dist.checkpoint.parameter_record, at the first save
 
     def latest_tag(self) -> str | None:
         return latest_tag(self.root)
@@ -151,8 +153,9 @@ class Checkpointer:
         self.finish()  # the next save waits for the previous one
         tag = tag_for(step)
         state = {**client_state, "step": step, "rng": rng_state()}
-        if self.dims.pp_size == 1:  # what a reshape reads; pipeline checkpoints are not reshaped
-            state[UNIVERSAL_INFO] = universal_info(engine.module)
+        if self.record is None:  # what a reshape reads (gathered over the stages at pp > 1: once a run)
+            self.record = ParameterRecord.of(engine.module, self.cfg, self.dims.tp_rank, self.dims.pp_size)
+        state.update(self.record.state())
         if self.cfg.train.async_save:  # cplm_dist.checkpoint.async_save: the host copy now, the writing behind
             self.background = start_save(self, engine, tag, state, step, consumed_samples, self.run)
             self.on_disk = (step, self.root / tag)
