@@ -18,6 +18,8 @@ MixMode = Literal["gate", "joint", "sentinel"]
 PasteMode = Literal["next", "self"]
 CopyImpl = Literal["auto", "chunked", "dense", "flex"]
 OptimImpl = Literal["auto", "fused", "foreach"]
+OptimName = Literal["adamw", "muon"]
+NsDtype = Literal["auto", "fp32", "bf16"]
 LossImpl = Literal["dense", "chunked"]
 TokenizerBackend = Literal["sentencepiece", "huggingface"]
 Schedule = Literal["cosine", "wsd", "constant"]
@@ -164,8 +166,31 @@ class ParallelConfig:
 
 
 @dataclass
+class MuonConfig:
+    """Muon for the transformer layers' matrices (cplm_dist.train.muon, docs/training.md "Muon"):
+    Nesterov momentum orthogonalised by a quintic Newton-Schulz iteration on the whole matrix
+    (gathered over tp and the ZeRO partition), scaled by rms_scale x sqrt(max(rows, cols)) so
+    AdamW's learning rates transfer (Moonlight); AdamW keeps the rest."""
+
+    lr: float | None = resumable(None)  # null: optim.lr (the update's RMS matches AdamW's); same schedule
+    momentum: float = 0.95
+    nesterov: bool = True
+    ns_steps: int = 5  # Newton-Schulz iterations (quintic, coefficients 3.4445, -4.7750, 2.0315)
+    ns_dtype: NsDtype = "auto"  # the iteration's dtype: auto = bf16 on CUDA, fp32 on CPU
+    rms_scale: float = 0.2  # update x rms_scale x sqrt(max(rows, cols)); 0 = the bare orthogonal matrix
+    # QKV orthogonalised per projection (queries, keys, values apart) rather than as one matrix
+    split_qkv: bool = False
+    # the copy head's query/key projections under Muon too (default: AdamW, as the LM head's; docs/training.md)
+    copy_head: bool = False
+
+
+@dataclass
 class OptimConfig:
-    """AdamW and its learning-rate schedule (cplm_dist.train.optim)."""
+    """The optimizer (AdamW, or Muon with AdamW beside it) and its learning-rate schedule
+    (cplm_dist.train.optim)."""
+
+    name: OptimName = "adamw"  # adamw | muon (not resumable: a resume keeps its optimizer's states)
+    muon: MuonConfig = field(default_factory=MuonConfig)
 
     lr: float = resumable(3e-4)
     min_lr: float = resumable(3e-5)  # floor of the cosine / WSD decay

@@ -49,6 +49,7 @@ def validate(cfg: Config) -> None:
         )
     validate_data(cfg)
     validate_train(cfg)
+    validate_muon(cfg)
     check_tp_divides(m, tp)
     validate_pipeline(cfg)
     validate_context_parallel(cfg)
@@ -237,6 +238,31 @@ def validate_train(cfg: Config) -> None:
         raise ConfigError("train.precision=bf16 with train.zero_stage=0 at parallel.tp>1 and optim.clip_grad>0: DeepSpeed's "
                           "bf16 stage-0 optimizer clips with a norm that misses the other tp ranks' shards; use "
                           "train.zero_stage=1 (it also shards the optimizer states)")
+
+
+def validate_muon(cfg: Config) -> None:
+    """optim.muon's ranges, and the layouts Muon is exact at: ZeRO 0-2 in fp32, ZeRO-1/2 in bf16
+    (cplm_dist.train.zero_partitions); DeepSpeed's other optimizer wrappers are refused."""
+    m, t = cfg.optim.muon, cfg.train
+    if m.lr is not None and not m.lr > 0:
+        raise ConfigError(f"optim.muon.lr={m.lr} must be > 0, or null to take optim.lr")
+    if not 0 <= m.momentum < 1:
+        raise ConfigError(f"optim.muon.momentum={m.momentum} must be within [0, 1) (e.g. 0.95)")
+    if m.ns_steps < 1:
+        raise ConfigError(f"optim.muon.ns_steps={m.ns_steps} must be a positive integer (e.g. 5)")
+    if not m.rms_scale >= 0:
+        raise ConfigError(f"optim.muon.rms_scale={m.rms_scale} must be >= 0 (0.2 matches AdamW's update RMS)")
+    if cfg.optim.name != "muon":
+        return
+    if t.zero_stage == 3:
+        raise ConfigError("optim.name=muon with train.zero_stage=3: ZeRO-3 partitions every matrix over dp, so "
+                          "no rank holds one whole; use train.zero_stage <= 2 (1 or 2 shard Muon's momentum)")
+    if t.precision == "bf16" and t.zero_stage == 0:
+        raise ConfigError("optim.name=muon with train.precision=bf16 at train.zero_stage=0: DeepSpeed's bf16 stage-0 "
+                          "wrapper flattens the matrices Muon needs whole; use train.zero_stage=1")
+    if t.precision == "bf16" and t.grad_accum_dtype == "fp32":
+        raise ConfigError("optim.name=muon with train.grad_accum_dtype=fp32: DeepSpeed's BF16_Optimizer lays out its "
+                          "partitions as Muon is not adapted to; drop train.grad_accum_dtype or use optim.name=adamw")
 
 
 @dataclass(frozen=True)
