@@ -1,4 +1,5 @@
-"""AdamW with parameter groups, the learning-rate schedules, and the non-finite guard.
+"""AdamW (or Muon beside it: optim.name) with parameter groups, the learning-rate schedules, and
+the non-finite guard.
 
 Parameter groups: vectors (norm weights, biases) never get weight decay; embeddings (the input
 embedding, and the LM head tied to it or not) only when `optim.decay_embeddings` is set. Schedules (per optimizer step):
@@ -23,25 +24,43 @@ import torch
 import torch.distributed as dist
 
 from cplm_dist.config import Config
+from cplm_dist.train.muon import Orthogonaliser, mark_matrices
 
 
 def parameter_groups(model: torch.nn.Module, cfg: Config) -> list[dict]:
     """Weight decay for matrices, not for norms, biases and (unless optim.decay_embeddings) the
-    vocabulary tensors; by the parameters' CPLM names (a pipeline stage maps its own to them)."""
+    vocabulary tensors; by the parameters' CPLM names (a pipeline stage maps its own to them).
+    optim.name=muon puts the transformer layers' matrices first, in a group of their own marked
+    `orthogonal` (cplm_dist.train.muon), with optim.muon.lr."""
     decay, no_decay = [], []
-    named = model.canonical_named_parameters() if hasattr(model, "canonical_named_parameters") else model.named_parameters()
+    named = list(model.canonical_named_parameters() if hasattr(model, "canonical_named_parameters")
+                 else model.named_parameters())
+    muon = mark_matrices(named, cfg) if cfg.optim.name == "muon" else []
+    orthogonal = {id(p) for p in muon}
     for name, param in named:
-        if not param.requires_grad:
+        if not param.requires_grad or id(param) in orthogonal:
             continue
         is_embedding = name.startswith(("embedding.", "lm_head."))
         if param.ndim < 2 or (is_embedding and not cfg.optim.decay_embeddings):
             no_decay.append(param)
         else:
             decay.append(param)
-    return [
+    groups = [
         {"params": decay, "weight_decay": cfg.optim.weight_decay, "name": "decay"},
         {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"},
     ]
+    if not muon:
+        return groups
+    # Muon beside one AdamW group: DeepSpeed drops empty groups and reduces the gradient norm group
+    # by group over the pipeline, so every stage must hold the same groups (a first stage has no
+    # decayed AdamW matrix). The decayed members carry `_cplm_decay` and are decayed before
+    # AdamW's step exactly as AdamW's decoupled decay would (GuardedMuon.decay_marked).
+    for param in decay:
+        param._cplm_decay = True
+    m = cfg.optim.muon
+    return [{"params": muon, "weight_decay": cfg.optim.weight_decay, "name": "muon", "orthogonal": True,
+             "lr": cfg.optim.lr if m.lr is None else m.lr, "momentum": m.momentum, "nesterov": m.nesterov},
+            {"params": decay + no_decay, "weight_decay": 0.0, "decoupled_decay": cfg.optim.weight_decay, "name": "adamw"}]
 
 
 def lr_factor(step: int, cfg: Config) -> float:
@@ -107,11 +126,74 @@ def adamw_kernels(impl: str, device: torch.device) -> dict:
     return {"fused": True} if fused else {"foreach": True}
 
 
-def build_optimizer(model: torch.nn.Module, cfg: Config) -> GuardedAdamW:
+class GuardedMuon(GuardedAdamW):
+    """Muon for the parameter groups marked `orthogonal` (cplm_dist.train.muon.Orthogonaliser),
+    AdamW (the parent) for the others: one optimizer for DeepSpeed to step and save, the
+    non-finite guard over both, the raw gradient's norm and clipping left to DeepSpeed."""
+
+    def __init__(self, params, orthogonaliser: Orthogonaliser, group: dist.ProcessGroup | None = None, **kwargs):
+        super().__init__(params, group=group, **kwargs)
+        self.orthogonaliser = orthogonaliser
+
+    def step(self, closure=None):
+        if self.before_step is not None:
+            self.before_step()
+        self.skipped_last = not self.all_grads_finite()
+        if self.skipped_last:
+            return None
+        groups = self.param_groups  # DeepSpeed's ZeRO steps one group at a time, swapping this list
+        for group in groups:
+            if group.get("orthogonal"):
+                self.orthogonaliser.step_group(self.state, group)
+        rest = [g for g in groups if not g.get("orthogonal")]
+        if rest:
+            self.decay_marked(rest)
+            self.param_groups = rest
+            try:
+                torch.optim.AdamW.step(self)
+            finally:
+                self.param_groups = groups
+        return None
+
+
+    @torch.no_grad()
+    def decay_marked(self, groups: list[dict]) -> None:
+        """AdamW's decoupled decay, p <- p (1 - lr wd), for the members marked `_cplm_decay` (a
+        module's parameter, or their slices of a ZeRO flat partition: `_cplm_decay_slices`)."""
+        for group in groups:
+            decay = group.get("decoupled_decay", 0.0)
+            if not decay:
+                continue
+            factor = 1 - group["lr"] * decay
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                slices = getattr(param, "_cplm_decay_slices", None)
+                if slices is None:
+                    if getattr(param, "_cplm_decay", False):
+                        param.mul_(factor)
+                    continue
+                for piece in slices:
+                    param[piece].mul_(factor)
+
+
+def ns_dtype(name: str, device: torch.device) -> torch.dtype:
+    """optim.muon.ns_dtype -> the Newton-Schulz iteration's dtype: auto is bf16 on CUDA, fp32 elsewhere."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
+
+
+def build_optimizer(model: torch.nn.Module, cfg: Config, tp_group: dist.ProcessGroup | None = None) -> GuardedAdamW:
     o = cfg.optim
     device = next(model.parameters()).device
-    return GuardedAdamW(parameter_groups(model, cfg), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
-                        weight_decay=o.weight_decay, **adamw_kernels(o.impl, device))
+    adamw = dict(lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay, **adamw_kernels(o.impl, device))
+    if o.name == "muon":
+        m = o.muon
+        orthogonaliser = Orthogonaliser(tp_group, ns_steps=m.ns_steps, ns_dtype=ns_dtype(m.ns_dtype, device),
+                                        rms_scale=m.rms_scale)
+        return GuardedMuon(parameter_groups(model, cfg), orthogonaliser, **adamw)
+    return GuardedAdamW(parameter_groups(model, cfg), **adamw)
 
 
 @torch.no_grad()
