@@ -22,7 +22,7 @@ its pipeline engine, whose process grid (axes pipe, data, model) is the same ran
 At ZeRO-0 there DeepSpeed's fp32 clipping would count each later stage's tp-replicated parameters
 out and the tied embedding twice, so the optimizer clips itself (`clip_before_step`).
 
-The optimizer (GuardedAdamW with weight-decay groups) and LR schedule are ours, handed to
+The optimizer (GuardedAdamW with weight-decay groups, or GuardedMuon) and LR schedule are ours, handed to
 DeepSpeed, which steps them at accumulation boundaries and saves them in its checkpoints.
 """
 
@@ -35,6 +35,7 @@ from cplm_dist.config import Config, batch_layout
 from cplm_dist.distributed import ParallelDims
 from cplm_dist.megatron_compat import import_deepspeed
 from cplm_dist.train.optim import build_optimizer, build_scheduler, grad_norm
+from cplm_dist.train.zero_partitions import bind_partitions
 
 
 class DeepSpeedMPU:
@@ -149,7 +150,7 @@ def build_engine(model: torch.nn.Module, cfg: Config, dims: ParallelDims, load_u
         # ZeRO-3 gathers a parameter only around its own module's forward: the LM head reads the
         # embedding's weight, so it must be declared to that module.
         deepspeed.zero.register_external_parameter(model.lm_head, model.embedding.weight)
-    optimizer = build_optimizer(model, cfg)
+    optimizer = build_optimizer(model, cfg, dims.tp_group)
     scheduler = build_scheduler(optimizer, cfg)
     if dims.cp_size > 1 and cfg.train.zero_stage == 3:
         # ZeRO-3 would partition the parameters over mpu.get_data_parallel_group() (dp alone, the
@@ -171,6 +172,7 @@ def build_engine(model: torch.nn.Module, cfg: Config, dims: ParallelDims, load_u
         model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config,
         mpu=None if pipeline else DeepSpeedMPU(dims), dist_init_required=False,  # a pipeline brings its own grid
     )
+    bind_partitions(engine.optimizer, optimizer)  # Muon under ZeRO-1/2 (a no-op for AdamW)
     if pipeline and dims.cp_size > 1:
         reduce_over_dp_cp(engine)
     return engine, optimizer, scheduler
