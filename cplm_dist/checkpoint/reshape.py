@@ -56,6 +56,7 @@ from cplm_dist.config import Config
 from cplm_dist.errors import CheckpointError
 from cplm_dist.megatron_compat import import_deepspeed
 from cplm_dist.model.parallel.sharding import full_shape, join_shards, spec_of, take_shard
+from cplm_dist.train.muon import is_muon_parameter
 from cplm_dist.train.optim import parameter_groups
 
 log = logging.getLogger(__name__)
@@ -92,6 +93,7 @@ def to_universal(source: Manifest, out: Path, model: torch.nn.Module, cfg: Confi
     for saved_name, name in names.items():  # a pipeline's DeepSpeed names -> CPLM names
         if saved_name != name and (out / "zero" / saved_name).is_dir():
             (out / "zero" / saved_name).rename(out / "zero" / name)
+    _momentum_folders(out, model, cfg)
     _readable_by_every_stage(out, cfg)
 
 
@@ -134,7 +136,8 @@ def _readable_by_every_stage(out: Path, cfg: Config) -> None:
               optimizer_state_dict={**inner, "state": inner.get("state") or {0: {"step": step}}, "param_groups": groups})
     torch.save(sd, path)
     for folder in folders:
-        if (folder / "exp_avg.pt").is_file() and not (folder / "step.pt").is_file():
+        moments = (folder / "exp_avg.pt").is_file() or (folder / "momentum_buffer.pt").is_file()
+        if moments and not (folder / "step.pt").is_file():
             torch.save(step, folder / "step.pt")
     for have in _model_states_files(out):
         r = int(_MP_STATES.search(have.name).group(1))
@@ -152,6 +155,7 @@ def trusted_torch_load(info: dict | None = None):
     states saved without one (by cplm_dist before reshaping existed)."""
 
     def clean(obj):
+        _momentum_as_moments(obj)
         if isinstance(obj, dict) and isinstance(obj.get("module"), dict):
             obj["module"] = {k: v for k, v in obj["module"].items() if v is not None}
             if info is not None:
@@ -159,6 +163,30 @@ def trusted_torch_load(info: dict | None = None):
         return obj
 
     return weights_only_torch_load(clean)
+
+
+def _momentum_as_moments(obj) -> None:
+    """Muon's ZeRO shards through DeepSpeed's converter, which reads exp_avg and exp_avg_sq from
+    every group's flat state: a group holding Muon's momentum_buffer alone lends it as exp_avg
+    (and zeros as exp_avg_sq); `_momentum_folders` names the files back after conversion."""
+    inner = obj.get("optimizer_state_dict") if isinstance(obj, dict) else None
+    state = (inner.get("base_optimizer_state") or {}).get("state") if isinstance(inner, dict) else None
+    for flat in (state or {}).values():
+        if "momentum_buffer" in flat and "exp_avg" not in flat:
+            flat["exp_avg"], flat["exp_avg_sq"] = flat["momentum_buffer"], torch.zeros_like(flat["momentum_buffer"])
+
+
+def _momentum_folders(out: Path, model: torch.nn.Module, cfg: Config) -> None:
+    """After DeepSpeed's converter: each Muon matrix's exp_avg.pt is its momentum_buffer.pt."""
+    if cfg.optim.name != "muon":
+        return
+    canonical = canonical_names(model)
+    for own_name, param in model.named_parameters():
+        name = canonical[own_name]
+        folder = out / "zero" / name
+        if is_muon_parameter(name, param, cfg.optim.muon.copy_head) and (folder / "exp_avg.pt").is_file():
+            (folder / "exp_avg.pt").rename(folder / "momentum_buffer.pt")
+            (folder / "exp_avg_sq.pt").unlink(missing_ok=True)
 
 
 def _zero0_to_universal(source: Manifest, out: Path, model: torch.nn.Module, cfg: Config, states: dict) -> None:
@@ -194,7 +222,7 @@ def _zero0_to_universal(source: Manifest, out: Path, model: torch.nn.Module, cfg
     for name, spec in specs.items():
         per_state = {"fp32": [w[name].float() for w in weights]}
         mine = [slot.get(name, {}) for slot in slots]
-        for key in ("exp_avg", "exp_avg_sq"):
+        for key in ("exp_avg", "exp_avg_sq", "momentum_buffer"):  # AdamW's moments, Muon's momentum
             if all(key in s for s in mine):
                 per_state[key] = [s[key] for s in mine]
         folder = out / "zero" / name
@@ -253,10 +281,11 @@ def load_zero0(universal: Path, model: torch.nn.Module, optimizer: torch.optim.O
                 return take_shard(full, spec, tp_rank, tp_size).to(param.device, torch.float32).contiguous()
 
             param.copy_(shard("fp32"))
-            if (folder / "exp_avg.pt").is_file():
+            keys = [k for k in ("exp_avg", "exp_avg_sq", "momentum_buffer") if (folder / f"{k}.pt").is_file()]
+            if keys:  # AdamW's moments or Muon's momentum
                 step = safe_load(folder / "step.pt", map_location="cpu")
                 optimizer.state[param] = {"step": torch.as_tensor(float(step), dtype=torch.float32),
-                                          "exp_avg": shard("exp_avg"), "exp_avg_sq": shard("exp_avg_sq")}
+                                          **{k: shard(k) for k in keys}}
     states = safe_load(model_states_file(universal, 0), map_location="cpu")
     scheduler.load_state_dict(states["lr_scheduler"])
     for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
