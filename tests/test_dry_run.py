@@ -28,6 +28,8 @@ LAYOUTS = {
     "pp2": ["parallel.pp=2", "train.zero_stage=1", "train.global_batch_size=4", "train.micro_batch_size=1"],
     "tp2-sp-zero2": ["parallel.tp=2", "parallel.sequence_parallel=true", "train.zero_stage=2", "train.global_batch_size=4",
                      "train.micro_batch_size=2"],
+    # Muon: one momentum buffer for the matrices, the direction gathered over the partitions at the step
+    "dp2-muon-zero1": ["optim.name=muon", "train.zero_stage=1", "train.global_batch_size=4", "train.micro_batch_size=2"],
 }
 
 

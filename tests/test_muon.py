@@ -192,3 +192,105 @@ def test_reshape_from_tp2_carries_the_momentum(small_data, muon_runs, tmp_path, 
     assert sorted(got) == list(range(6, STEPS + 1))
     for step in got:
         assert abs(got[step] - want[step]) <= 1e-5, (step, got[step], want[step])
+
+
+# --- the memory estimator -------------------------------------------------------------------------
+
+
+def _state_bytes_worker(overrides):
+    """Bytes of the optimizer's moment and momentum tensors after a real training step (on the
+    modules' parameters at ZeRO-0, DeepSpeed's flat partitions at ZeRO-1), and the estimator's
+    optimizer bytes for the layout."""
+    from cplm_dist.distributed import init_distributed
+    from cplm_dist.model import build_model
+    from cplm_dist.profiling.memory import estimate
+    from cplm_dist.train.engine import build_engine
+    from cplm_dist.train.step import TrainStep
+
+    cfg = load_config("tiny", ["train.precision=fp32", "data.seq_length=64", "train.global_batch_size=4", "train.micro_batch_size=2", *overrides])
+    dims = init_distributed(cfg.parallel.tp)
+    torch.manual_seed(0)
+    engine, optimizer, scheduler = build_engine(build_model(cfg), cfg, dims)
+    ids = torch.randint(0, cfg.model.vocab_size, (2, 2, 64))
+    labels = torch.cat([ids[..., 1:], torch.full((2, 2, 1), -100)], dim=-1)
+    TrainStep(engine, optimizer, scheduler, dims, cfg)(iter([{"input_ids": i, "labels": lab} for i, lab in zip(ids, labels)]))
+    held = sum(t.numel() * t.element_size() for state in optimizer.state.values() for t in state.values()
+               if torch.is_tensor(t) and t.numel() > 1)  # the step counters are scalars
+    return held, estimate(cfg, tp=dims.tp_size, dp=dims.dp_size, micro_batch=2, seq_len=cfg.data.seq_length).optimizer
+
+
+@pytest.mark.parametrize("world,overrides", [
+    (1, ["train.zero_stage=0"]), (2, ["train.zero_stage=0", "parallel.tp=2"]), (2, ["train.zero_stage=1"]),
+], ids=["one", "tp2-zero0", "dp2-zero1"])
+def test_the_estimators_optimizer_bytes_are_what_a_muon_step_holds(world, overrides):
+    """One fp32 momentum buffer for the layers' matrices, AdamW's two moments for the rest: the
+    estimate equals the held state (ZeRO-1's flat partitions pad to alignment: 0.1%), and is
+    below AdamW's by the momentum AdamW would add."""
+    from tests.spawn import run_ranks
+
+    for held, estimated in run_ranks(_state_bytes_worker, world, args=(["optim.name=muon", *overrides],)):
+        assert abs(held / estimated - 1) < 1e-3, (held, estimated)
+    adamw = run_ranks(_state_bytes_worker, world, args=(overrides,))[0]
+    assert abs(adamw[0] / adamw[1] - 1) < 1e-3 and adamw[1] > estimated * 1.3, (adamw, estimated)
+
+
+# --- FLOPs and the planner --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", [(48, 80), (80, 48)], ids=["wide", "tall"])
+def test_newton_schulz_flops_are_torchs_count_of_the_iteration(shape):
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from cplm_dist.profiling.muon_cost import newton_schulz_flops
+    from cplm_dist.train.muon import newton_schulz
+
+    with FlopCounterMode(display=False) as counter:
+        newton_schulz(torch.randn(*shape), steps=3)
+    assert counter.get_total_flops() == newton_schulz_flops(shape, 3)
+
+
+def _step_flops_worker(overrides):
+    """torch's FLOP count of a real Muon step (ZeRO-0, one rank: every matrix) and muon_step_cost's."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from cplm_dist.distributed import init_distributed
+    from cplm_dist.model import build_model
+    from cplm_dist.model.parallel.stages import pipeline_stages
+    from cplm_dist.profiling.muon_cost import muon_step_cost
+    from cplm_dist.train.optim import build_optimizer
+
+    init_distributed(1)
+    cfg = load_config("tiny", ["optim.name=muon", *overrides])
+    model = build_model(cfg)
+    optimizer = build_optimizer(model, cfg)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    with FlopCounterMode(display=False) as counter:
+        optimizer.step()
+    predicted, volumes = muon_step_cost(cfg, pipeline_stages(cfg, 1, 1)[0], tp=1, partitions=1, zero=0)
+    return counter.get_total_flops(), predicted, volumes
+
+
+@pytest.mark.parametrize("overrides", [["optim.muon.split_qkv=true"], ["optim.muon.copy_head=true", "model.num_kv_heads=2"]],
+                         ids=["split-qkv", "copy-head-gqa"])
+def test_the_step_flops_the_planner_counts_are_a_real_steps(overrides):
+    from tests.spawn import run_ranks
+
+    counted, predicted, volumes = run_ranks(_step_flops_worker, 1, args=(overrides,))[0]
+    assert counted == predicted > 0 and volumes == {}
+
+
+def test_the_planner_prices_muon_and_proposes_only_layouts_it_runs():
+    from cplm_dist.profiling.planner import Cluster, plan
+
+    cluster = Cluster(gpus=16)
+    kw = dict(seq_len=2048, global_batch=256)
+    adamw, _ = plan(load_config("cplm-360m", ["train.precision=bf16"]), cluster, **kw)
+    muon, _ = plan(load_config("cplm-360m", ["train.precision=bf16", "optim.name=muon"]), cluster, **kw)
+    assert muon and all(p.optimizer_s > 0 and p.zero in (1, 2) for p in muon)  # bf16: ZeRO-0 and ZeRO-3 refused
+    assert all(p.optimizer_s == 0 for p in adamw) and any(p.zero in (0, 3) for p in adamw)
+    same = {(p.tp, p.pp, p.cp, p.zero, p.micro_batch, p.activation_checkpointing, p.sequence_parallel, p.pp_schedule): p
+            for p in adamw}
+    for p in muon:
+        twin = same[(p.tp, p.pp, p.cp, p.zero, p.micro_batch, p.activation_checkpointing, p.sequence_parallel, p.pp_schedule)]
+        assert p.step_s > twin.step_s  # Newton-Schulz and its gathers

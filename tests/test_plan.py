@@ -33,6 +33,8 @@ CASES = [
     # wider so that the larger matrices pass ZeRO-3's persistence threshold (gathered every micro-batch)
     (["train.zero_stage=3", "train.activation_checkpointing=true", "model.hidden_size=256", "model.ffn_hidden_size=1024"],
      "ZeRO-3, persistent and gathered parameters; recomputed tp collectives"),
+    (["train.zero_stage=1", "optim.name=muon", "optim.muon.split_qkv=true"],
+     "Muon at ZeRO-1: the directions gathered over tp and over the dp partitions"),
 ]
 
 

@@ -26,7 +26,7 @@ from cplm_dist.profiling.layout_config import PLAN_NOTE, layout_overrides, write
 from cplm_dist.profiling.planner import Cluster, Plan, plan
 COLUMNS = [("tp", "tp"), ("cp", "cp"), ("pp", "pp"), ("dp", "dp"), ("zero", "ZeRO"), ("micro_batch", "micro"), ("accumulation", "accum"),
            ("activation_checkpointing", "ckpt"), ("sequence_parallel", "sp"), ("memory_gib", "GiB"),
-           ("compute_s", "compute s"), ("tp_comm_s", "tp s"), ("cp_comm_s", "cp s"), ("exposed_dp_s", "dp s (exposed)"),
+           ("compute_s", "compute s"), ("tp_comm_s", "tp s"), ("cp_comm_s", "cp s"), ("exposed_dp_s", "dp s (exposed)"), ("optimizer_s", "optimizer s"),
            ("pp_comm_s", "pp s"), ("bubble", "bubble"), ("pp_schedule", "schedule"), ("step_s", "step s"), ("mfu", "MFU"),
            ("tokens_per_s", "tokens/s")]
 

@@ -48,6 +48,9 @@ both stages' (rank 0 has the embedding's and the head's), it sends and receives 
 (`dualpipev_bytes_per_micro_batch`), whole tensors, and there is no tied all-reduce (rank 0 holds
 the one embedding).
     dp                 as above over the stage's own parameters
+Muon (optim.name=muon, cplm_dist.profiling.muon_cost), once a step: "tp/all_gather" the tp-split
+matrices' directions made whole (fp32), "dp/all_gather" under ZeRO-1/2 the Muon group's direction
+gathered over the partition's ranks (fp32).
 Context parallelism (cp = c > 1; cplm_dist.model.parallel.context): everything above is
 counted for this rank's n = micro-batch x seq / c tokens, and on the cp group, per micro-batch,
 with N = micro-batch x seq the positions of the whole sequences ("cp/<collective>"; by part,
@@ -83,6 +86,7 @@ from cplm_dist.model.layer_shapes import ALWAYS, UNDER_SEQUENCE_PARALLEL, layer_
 from cplm_dist.model.loss import padded_vocab_size
 from cplm_dist.model.mixes import MIXES
 from cplm_dist.model.parallel.stages import pipeline_stages, stage_tensor_sizes
+from cplm_dist.profiling.muon_cost import muon_step_cost
 
 ZERO3_PERSISTENCE_THRESHOLD = 100_000  # DeepSpeed's stage3_param_persistence_threshold default
 ZERO3_REUSE_DISTANCE = 1_000_000_000  # DeepSpeed's stage3_max_reuse_distance default
@@ -236,6 +240,9 @@ def step_bytes(cfg: Config, *, tp: int, dp: int, zero: int, micro_batch: int, ac
     for name, size in dp_bytes_per_step(cfg, tp=tp, dp=dp * cp, zero=zero, accumulation=accumulation, param_bytes=b,
                                         pp=pp, stage=stage).items():
         out[f"dp/{name}"] += size
+    own = held or pipeline_stages(cfg, 1, tp)[0]
+    for key, size in muon_step_cost(cfg, own, tp=tp, partitions=dp * cp, zero=zero)[1].items():  # Muon's gathers
+        out[key] += size
     return dict(out)
 
 

@@ -40,7 +40,7 @@ of the hidden states, or its sequence shard, plus the ids and labels).
 What DeepSpeed's engine owns is not traced and is added from the estimator's arithmetic
 (cplm_dist.profiling.memory.state_bytes_per_parameter, over the traced parameter count), marked
 "modelled" in the table and the JSON: the optimizer states (AdamW's m, v and fp32 master copy,
-ZeRO-partitioned), its gradient reduction buckets, the gradients it keeps for the optimizer step and the step's temporaries, the
+ZeRO-partitioned; with optim.name=muon one momentum buffer for the layers' matrices), its gradient reduction buckets, the gradients it keeps for the optimizer step and the step's temporaries, the
 dp collectives and the tied embedding's all-reduce (cplm_dist.profiling.communication). (Its
 engine builds under fake tensors once Module.to may swap fake parameters, but its step reads
 values, .item() on an overflow check, which fake tensors do not have.) A role's peak is
@@ -51,7 +51,8 @@ values, .item() on an overflow check, which fake tensors do not have.) A role's 
 and it fits when at most `headroom` (the planner's 90%) of the device's memory. The roofline
 step time (cplm_dist.profiling.roofline: the traced operators at the device's peak FLOPs and
 memory bandwidth, the traced tp bytes at the planner's NVLink bandwidth, the 1F1B bubble, the
-modelled dp bytes unhidden) is a model of the eager operator sequence, beside the planner's
+modelled dp bytes unhidden, and with Muon its Newton-Schulz FLOPs at the device's peak and its tp
+gathers, cplm_dist.profiling.muon_cost) is a model of the eager operator sequence, beside the planner's
 prediction (compiled layers fuse its pointwise operators away). The traced FLOPs of a dp
 replica's step are set beside throughput.flops_per_token's, the FLOPs MFU counts.
 """
@@ -73,7 +74,8 @@ from cplm_dist.model.parallel.stages import loss_stage, pipeline_stages
 from cplm_dist.profiling import communication
 from cplm_dist.profiling.fake_world import fake_rank, rank_of
 from cplm_dist.profiling.dry_run_schedule import RoleSchedule
-from cplm_dist.profiling.memory import bubble, bucket_bytes, stage_estimates, state_bytes_per_parameter
+from cplm_dist.profiling.memory import bubble, bucket_bytes, optimizer_bytes, stage_estimates, state_bytes_per_parameter
+from cplm_dist.profiling.muon_cost import muon_step_cost
 from cplm_dist.profiling.planner import Cluster, predict
 from cplm_dist.profiling.roofline import Device, Roofline
 
@@ -285,13 +287,16 @@ def modelled(cfg: Config, layout: Layout, trace: RoleTrace, stage: int) -> dict:
                                     accumulation=layout.accumulation, seq_len=layout.seq_len, precision=layout.precision,
                                     activation_checkpointing=t.activation_checkpointing,
                                     sequence_parallel=cfg.parallel.sequence_parallel, pp=layout.pp, stage=stage, cp=layout.cp)
-    for key, size in full.items():  # what the engine moves: dp, the tied gradient, the partitioned p2p gathers
-        if key.startswith(("dp/", "tied/")) or (key.startswith("tp/") and layout.pp > 1 and key == "tp/all_gather_into_tensor"
-                                                and not cfg.parallel.sequence_parallel):
+    held = pipeline_stages(cfg, layout.pp, layout.tp)[stage]
+    flops, muon = muon_step_cost(cfg, held, tp=layout.tp, partitions=layout.grad_ranks, zero=layout.zero_stage)
+    for key, size in full.items():  # what the engine moves: dp, the tied gradient, the partitioned p2p gathers, Muon's
+        if key.startswith(("dp/", "tied/")) or key in muon or (
+                key.startswith("tp/") and layout.pp > 1 and key == "tp/all_gather_into_tensor" and not cfg.parallel.sequence_parallel):
             collectives[key] = size
     buckets = bucket_bytes(cfg, zero=layout.zero_stage, pp=layout.pp, act_bytes=layout.act_bytes)
-    return {"optimizer_states": n * o_b, "gradient_buckets": buckets, "optimizer_step": n * g_b + 4 * n / (layout.grad_ranks if layout.zero_stage >= 1 else 1),
-            "collectives": collectives, "communication_model": full}
+    states, temporaries = optimizer_bytes(cfg, held, layout.tp, n, o_b, layout.zero_stage, layout.grad_ranks)
+    return {"optimizer_states": states, "gradient_buckets": buckets, "optimizer_step": n * g_b + temporaries,
+            "optimizer_flops": flops, "collectives": collectives, "communication_model": full}
 
 
 def _role(cfg: Config, layout: Layout, trace: RoleTrace, tp_rank: int, traced_as: int, stage: int, estimate,
@@ -305,11 +310,11 @@ def _role(cfg: Config, layout: Layout, trace: RoleTrace, tp_rank: int, traced_as
                 {k: v for k, v in model.items() if k not in extra["collectives"]}, cp_rank)
 
 
-def roofline_step(cfg: Config, layout: Layout, roles: list[Role], cluster: Cluster) -> float:
+def roofline_step(cfg: Config, layout: Layout, roles: list[Role], cluster: Cluster, device: Device | None = None) -> float:
     """The slowest stage's traced micro-batch at the roofline plus its traced tp bytes at the
     intra-node bandwidth and its traced cp bytes at the link its cp group spans, over the step's
     micro-batches and the schedule's bubble (memory.bubble), plus the modelled dp (over dp x cp) and tied bytes unhidden
-    (module docstring)."""
+    and Muon's step (its Newton-Schulz FLOPs at `device`'s peak, its tp gathers; module docstring)."""
     def link(ranks: int) -> float:
         return cluster.intra_gbps if ranks <= cluster.gpus_per_node else cluster.inter_gbps
 
@@ -324,7 +329,11 @@ def roofline_step(cfg: Config, layout: Layout, roles: list[Role], cluster: Clust
         dp_s = sum(size * communication.ring_factor(key.split("/")[1], layout.grad_ranks)
                    / (link(layout.tp * layout.grad_ranks) * 1e9)
                    for key, size in r.modelled["collectives"].items() if key.startswith("dp/"))
-        worst = max(worst, slot / (1 - bubble(layout.pp, layout.accumulation, cfg.parallel.pp_schedule)) + dp_s)
+        muon_s = sum(size * communication.ring_factor(key.split("/")[1], layout.tp) / (cluster.intra_gbps * 1e9)
+                     for key, size in r.modelled["collectives"].items() if key.startswith("tp/") and key != "tp/all_gather_into_tensor")
+        if device is not None:
+            muon_s += r.modelled.get("optimizer_flops", 0.0) / device.peak_flops(layout.precision)
+        worst = max(worst, slot / (1 - bubble(layout.pp, layout.accumulation, cfg.parallel.pp_schedule)) + dp_s + muon_s)
     return worst
 
 
@@ -354,6 +363,6 @@ def dry_run(cfg: Config, *, gpus: int, device: Device, cluster: Cluster | None =
                      sequence_parallel=cfg.parallel.sequence_parallel and layout.tp > 1,
                      pp_schedule=cfg.parallel.pp_schedule)
     planned = predict(cfg, cluster, seq_len=layout.seq_len, global_batch=t.global_batch_size, **layout_kw)
-    return DryRun(cfg, layout, device, roles, roofline_step(cfg, layout, roles, cluster), planned.step_s,
+    return DryRun(cfg, layout, device, roles, roofline_step(cfg, layout, roles, cluster, device), planned.step_s,
                   time.perf_counter() - start)
 

@@ -13,6 +13,10 @@ Model states (bytes per parameter held by the device, the ZeRO paper's counts, w
 | bf16 | 2 | 2 | 2 / dp + 4 / dp | 12 / dp |
 | bf16 | 3 | 2 / dp | 2 / dp + 4 / dp | 12 / dp |
 
+With optim.name=muon the transformer layers' matrices (and the copy head's q and k under
+optim.muon.copy_head) keep one fp32 momentum buffer where AdamW keeps two moments: their optimizer
+bytes are 4 (fp32) or 8 (bf16: momentum and fp32 master), / dp under ZeRO 1-2 (`muon_elements`).
+
 where a device holds P_tp = (tp-split parameters) / tp + replicated parameters, and dp is the
 group ZeRO partitions over: dp x cp under context parallelism (DeepSpeed's sequence-data-parallel
 group), dp alone otherwise.
@@ -68,7 +72,11 @@ gradient buckets:
                      + with more than one micro-batch a step, the gradients the earlier ones left
                      (they accumulate until the step: found by the dry run, cplm_dist.profiling.dry_run)
     optimizer step:  all gradients + the optimizer's temporaries (torch's foreach AdamW: about
-                     one fp32 copy of the parameters it updates)
+                     one fp32 copy of the parameters it updates; Muon, before AdamW runs on the
+                     rest: under ZeRO 1-2 the direction all-gathered whole, one fp32 copy of its
+                     matrices, at ZeRO-0 one matrix's direction; and the Newton-Schulz iteration's
+                     tensors of the largest whole matrix, NS_MATRIX_TENSORS of its size and
+                     NS_GRAM_TENSORS Gram-sized)
     buckets:         ZeRO 1-3 with train.contiguous_gradients: DeepSpeed 0.19.8's gradient
                      reduction buffers, train.reduce_bucket_size elements each in the gradient
                      dtype, allocated at the first backward and kept; two with overlap_comm at
@@ -146,10 +154,13 @@ from cplm_dist.model.copy_lse import FLEX_VALUE_DIM
 from cplm_dist.model.layer_shapes import by_name, layer_shapes
 from cplm_dist.model.loss import padded_vocab_size
 from cplm_dist.model.parallel.stages import Stage, pipeline_stages, stage_parameters
+from cplm_dist.profiling.muon_cost import muon_matrices
 
 GIB = 1024**3
 COPY_SCORE_TENSORS = 6  # (B, H_c, T, T) fp32 tensors alive at the dense copy head's peak (measured)
 COPY_BLOCK_TENSORS = 5  # (B, H_c, chunk, T) fp32 tensors at the chunked path's peak (measured 4.5)
+NS_MATRIX_TENSORS = 5  # matrix-sized fp32 tensors of one Newton-Schulz step: the gathered U, X, its update, a X, the result
+NS_GRAM_TENSORS = 3  # (min, min) tensors of one step: X X^T, its square, b A + c A^2
 
 
 @dataclass
@@ -411,18 +422,48 @@ def _stage_estimate(cfg: Config, stage: Stage, *, tp: int, dp: int, micro_batch:
         if c.enabled:
             copy_head = copy_head_bytes(cfg, micro_batch, seq_len, tp, cp)
     embedding_grad = v_local * m.hidden_size * (g_b if zero < 2 else b) if stage.first or stage.last else 0.0
+    optimizer, optimizer_transient = optimizer_bytes(cfg, stage, tp, n_local, o_b, zero, partitions)
     return MemoryEstimate(
         parameters=n_local * p_b,
         gradients=n_local * g_b,
-        optimizer=n_local * o_b,
+        optimizer=optimizer,
         activations=activations,
         logits=logits,
         copy_head=copy_head,
         backward_transient=recompute + tokens * per_layer + embedding_grad,
-        optimizer_transient=4 * n_local / (partitions if zero >= 1 else 1),
+        optimizer_transient=optimizer_transient,
         accumulated_gradients=n_local * g_b if accumulation > 1 else 0.0,
         buckets=bucket_bytes(cfg, zero=zero, pp=stage.stages, act_bytes=b),
     )
+
+
+def muon_elements(cfg: Config, stage: Stage, tp: int) -> tuple[float, float, float]:
+    """(elements of the Muon matrices one rank of `stage` holds, the largest whole matrix's
+    elements, its smaller side; cplm_dist.profiling.muon_cost.muon_matrices); (0, 0, 0) with AdamW."""
+    if cfg.optim.name != "muon":
+        return 0.0, 0.0, 0.0
+    matrices = muon_matrices(cfg, stage)
+    if not matrices:
+        return 0.0, 0.0, 0.0
+    local = sum(shape[0] * shape[1] // (tp if split else 1) for shape, split, _ in matrices)
+    largest = max((shape for shape, _, _ in matrices), key=lambda shape: shape[0] * shape[1])
+    return float(local), float(largest[0] * largest[1]), float(min(largest))
+
+
+def optimizer_bytes(cfg: Config, stage: Stage, tp: int, n_local: float, o_b: float, zero: int,
+                     partitions: int) -> tuple[float, float]:
+    """(optimizer state bytes, the step's temporaries) of one rank: AdamW's for all its
+    parameters, or with Muon one fp32 moment fewer for its matrices and the larger of AdamW's and
+    Muon's temporaries (they run one after the other)."""
+    shards = partitions if zero >= 1 else 1
+    muon, largest, side = muon_elements(cfg, stage, tp)
+    state = n_local * o_b - 4 * muon / shards
+    adamw_transient = 4 * (n_local - muon) / shards
+    if not muon:
+        return state, adamw_transient
+    direction = 4 * muon if zero >= 1 else 4 * largest  # U gathered over the partition group, or one matrix
+    iteration = 4 * (NS_MATRIX_TENSORS * largest + NS_GRAM_TENSORS * side * side)
+    return state, max(adamw_transient, direction + iteration)
 
 
 def largest_micro_batch(cfg: Config, device_bytes: float, *, tp: int, dp: int, seq_len: int, headroom: float = 0.9,

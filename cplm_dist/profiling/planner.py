@@ -27,7 +27,10 @@ x activation checkpointing x sequence parallelism (tp > 1):
              node), all exposed: each layer's attention waits for its gathered K and V. Compute
              per device is unchanged (each rank holds T / cp tokens and, by the 2 x cp chunks'
              balance, as much of the causal triangle); the dp x cp group reduces the gradients
-    step     compute + tp + cp + exposed dp;  MFU = model FLOPs per device / step / peak
+    optimizer with optim.name=muon, the Newton-Schulz FLOPs a rank runs (cplm_dist.profiling.muon_cost)
+             at `achievable` x peak, exposed (the step waits for it); its gathers are in tp and dp
+             (the dp one after the step, exposed as ZeRO's parameter gather is)
+    step     compute + tp + cp + exposed dp + optimizer;  MFU = model FLOPs per device / step / peak
 
 Pipeline parallelism (pp = p > 1, DeepSpeed's 1F1B engine; ranks ((pp_rank x dp + dp_rank) x cp +
 cp_rank) x tp + tp_rank, so consecutive stages are tp x cp x dp ranks apart and a multi-node job
@@ -54,7 +57,7 @@ tied embedding's gradient all-reduce between the first and last stage (V/tp x D 
 under tie_embeddings) and the largest stage's dp x cp volume (its own parameters; the pipeline
 engine reduces after the schedule, nothing overlaps), so
 
-    step     (compute + tp + cp + p2p) / (1 - bubble) + tied + dp
+    step     (compute + tp + cp + p2p) / (1 - bubble) + tied + dp + optimizer (the slowest stage's)
 
 The later stages' reductions could partly hide under the pipeline's drain; that is not counted.
 Every pipeline layout is predicted under both schedules it can run (`schedules`): 1F1B, and
@@ -73,6 +76,7 @@ from cplm_dist.config import BatchLayout, Config, ConfigError, check_tp_divides,
 from cplm_dist.model.counting import _copy_head, _layer_matrices
 from cplm_dist.profiling.communication import ring_factor, step_bytes
 from cplm_dist.profiling.memory import GIB, Stage, bubble, estimate, pipeline_stages
+from cplm_dist.profiling.muon_cost import muon_step_cost
 from cplm_dist.train.throughput import flops_per_token
 
 # Layouts whose predicted steps differ by less than this fraction rank as equal; among them the
@@ -118,6 +122,7 @@ class Plan:
     cp: int = 1  # context parallelism: each sequence over cp ranks
     cp_comm_s: float = 0.0  # the cp group's gathers and reduce-scatters a step, exposed
     pp_schedule: str = "1f1b"  # parallel.pp_schedule at pp > 1 (DualPipeV: two stages a rank)
+    optimizer_s: float = 0.0  # Muon's Newton-Schulz a step (0 with AdamW, whose elementwise step is not counted)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -209,17 +214,19 @@ def predict(cfg: Config, cluster: Cluster, *, tp: int, zero: int, micro_batch: i
     if zero == 0:
         exposed = dp_comm
     elif zero in (1, 2):
-        gather = seconds(volumes, "dp", dp * cp, dp_bw, ("all_gather_into_tensor",))
+        gather = seconds(volumes, "dp", dp * cp, dp_bw, ("all_gather_into_tensor", "all_gather"))  # after the step
         reduce_calls = 1 if zero == 1 else accumulation  # ZeRO-1 reduces in the last backward only
         exposed = gather + reduce_calls * unhidden((dp_comm - gather) / reduce_calls, backward_per_micro)
     else:
         exposed = accumulation * unhidden(dp_comm / accumulation, compute / accumulation)
-    step = compute + tp_comm + cp_comm + exposed
+    optimizer = muon_step_cost(cfg, pipeline_stages(cfg, 1, tp)[0], tp=tp, partitions=dp * cp, zero=zero)[0] \
+        / (peak * cluster.achievable)
+    step = compute + tp_comm + cp_comm + exposed + optimizer
     return Plan(tp=tp, pp=1, dp=dp, zero=zero, micro_batch=micro_batch, accumulation=accumulation,
                 activation_checkpointing=activation_checkpointing, sequence_parallel=sequence_parallel,
                 memory_gib=memory / GIB, compute_s=compute, tp_comm_s=tp_comm, dp_comm_s=dp_comm, exposed_dp_s=exposed,
                 pp_comm_s=0.0, bubble=0.0, step_s=step, mfu=model_flops / step / peak, tokens_per_s=tokens / step,
-                cp=cp, cp_comm_s=cp_comm)
+                cp=cp, cp_comm_s=cp_comm, optimizer_s=optimizer)
 
 
 def _predict_pipeline(cfg: Config, cluster: Cluster, layout: dict, *, pp: int, cp: int, memory: float,
@@ -230,7 +237,7 @@ def _predict_pipeline(cfg: Config, cluster: Cluster, layout: dict, *, pp: int, c
     dp_gbps, p2p_gbps, tied_gbps, cp_gbps = pipeline_links(cluster, tp=tp, pp=pp, dp=dp, cp=cp)
     speed = peak * cluster.achievable
     micro_tokens = layout["micro_batch"] * layout["seq_len"]
-    slowest, dp_comm, tied = None, 0.0, 0.0
+    slowest, dp_comm, tied, optimizer = None, 0.0, 0.0, 0.0
     kinds = {(s.layers, s.first, s.last): s for s in pipeline_stages(cfg, pp, tp)}  # stages alike cost alike
     for stage in kinds.values():
         volumes = step_bytes(cfg, **layout, pp=pp, stage=stage.index, cp=cp)
@@ -246,16 +253,17 @@ def _predict_pipeline(cfg: Config, cluster: Cluster, layout: dict, *, pp: int, c
             slowest = (busy, compute, tp_comm, p2p, cp_comm)
         dp_comm = max(dp_comm, seconds(volumes, "dp", dp * cp, dp_gbps * 1e9))
         tied = max(tied, seconds(volumes, "tied", 2, tied_gbps * 1e9))
+        optimizer = max(optimizer, muon_step_cost(cfg, stage, tp=tp, partitions=dp * cp, zero=layout["zero"])[0] / speed)
     busy, compute, tp_comm, p2p, cp_comm = slowest
     schedule = cfg.parallel.pp_schedule
     idle = bubble(pp, m, schedule)
-    step = busy / (1 - idle) + tied + dp_comm
+    step = busy / (1 - idle) + tied + dp_comm + optimizer
     return Plan(tp=tp, pp=pp, dp=dp, zero=layout["zero"], micro_batch=layout["micro_batch"], accumulation=m,
                 activation_checkpointing=layout["activation_checkpointing"],
                 sequence_parallel=layout["sequence_parallel"], memory_gib=memory / GIB, compute_s=compute,
                 tp_comm_s=tp_comm, dp_comm_s=dp_comm, exposed_dp_s=dp_comm, pp_comm_s=p2p + tied, bubble=idle,
                 step_s=step, mfu=model_flops / step / peak, tokens_per_s=tokens / step, cp=cp, cp_comm_s=cp_comm,
-                pp_schedule=schedule)
+                pp_schedule=schedule, optimizer_s=optimizer)
 
 
 def context_sizes(gpus: int, seq_len: int) -> list[int]:
@@ -295,6 +303,8 @@ def layouts(cfg: Config, cluster: Cluster, *, seq_len: int, global_batch: int, m
                             continue  # config.validate_train rejects it
                         if zero == 0 and t.precision == "bf16" and tp > 1 and cfg.optim.clip_grad > 0:
                             continue  # the same
+                        if cfg.optim.name == "muon" and (zero == 3 or (zero == 0 and t.precision == "bf16")):
+                            continue  # config.validate_muon: no rank holds a whole matrix / DeepSpeed's bf16 wrapper
                         for ckpt in (False, True):
                             for sp in sps:
                                 yield tp, pp, zero, micro, ckpt, sp, cp
