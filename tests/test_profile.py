@@ -19,7 +19,7 @@ from cplm_dist.profiling.memory import estimate, largest_micro_batch, layer_acti
 from tests.spawn import run_ranks
 
 REPO = Path(__file__).resolve().parent.parent
-FIELDS = ["tokens_per_s", "tokens_per_s_per_device", "step_time_s", "forward_s", "backward_s", "optimizer_s",
+FIELDS = ["tokens_per_s", "tokens_per_s_per_device", "step_time_s", "forward_s", "backward_s", "optimizer_s", "optimizer_share",
           "comm_tp_s", "comm_dp_s", "comm_cp_s", "comm_cp_mb", "comm_cp_calls", "cp", "comm_tp_calls", "comm_dp_calls", "tflops_per_device", "mfu", "peak_memory_gb",
           "step_memory_gb", "estimated_memory_gb", "estimate_error", "tp", "dp", "zero", "precision", "seq_len"]
 

@@ -214,6 +214,7 @@ def measure(step, cfg: Config, dims: ParallelDims, *, warmup: int, steps: int, b
     flops = flops_per_token(cfg, seq_len) * tokens_per_s / dims.world_size
     peak = device_peak_flops(t.precision, device)
     n = max(1, breakdown_steps)
+    total_phases = sum(phases.values())
     return {
         "step_time_s": median,
         "step_time_min_s": min(times),
@@ -228,6 +229,7 @@ def measure(step, cfg: Config, dims: ParallelDims, *, warmup: int, steps: int, b
         "forward_s": phases["forward"] / n,
         "backward_s": phases["backward"] / n,
         "optimizer_s": phases["optimizer"] / n,
+        "optimizer_share": phases["optimizer"] / total_phases if total_phases else None,  # of the timed phases
         "pipeline_s": phases["pipeline"] / n,  # pp > 1: forward, backward and the step interleave in one schedule
         "comm_pp_s": comm.seconds["pp"] / n,
         "comm_pp_mb": comm.bytes["pp"] / n / 1e6,

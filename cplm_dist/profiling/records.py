@@ -25,11 +25,11 @@ def table(result: dict) -> str:
 
 
 REPORT_COLUMNS = [
-    ("label", "run"), ("device", "device"), ("config", "model"), ("copy", "copy"), ("tp", "tp"), ("pp", "pp"), ("cp", "cp"), ("dp", "dp"),
+    ("label", "run"), ("device", "device"), ("config", "model"), ("copy", "copy"), ("optimizer", "optimizer"), ("tp", "tp"), ("pp", "pp"), ("cp", "cp"), ("dp", "dp"),
     ("zero", "ZeRO"), ("precision", "precision"), ("micro_batch", "micro"), ("seq_len", "seq"),
     ("tokens_per_s_per_device", "tokens/s/device"), ("tflops_per_device", "TFLOP/s/device"), ("mfu", "MFU"),
     ("step_memory_gb", "memory GB"), ("estimated_memory_gb", "estimate GB"), ("estimate_error", "estimate error"),
-    ("step_time_ratio", "copy on/off time"), ("memory_difference_gb", "copy memory GB"),
+    ("optimizer_share", "optimizer share"), ("step_time_ratio", "copy on/off time"), ("memory_difference_gb", "copy memory GB"),
 ]
 
 
@@ -46,7 +46,7 @@ def report(path: str) -> str:
             f = float(v)
         except ValueError:
             return v
-        if key in ("mfu", "estimate_error"):
+        if key in ("mfu", "estimate_error", "optimizer_share"):
             return f"{f:.1%}"
         return f"{f:,.0f}" if abs(f) >= 100 else f"{f:.3g}"
 
