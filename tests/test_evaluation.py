@@ -305,3 +305,38 @@ def test_ablation_summarises_paired_differences_across_seeds():
     # induction +0.30, +0.005 (a tie), +0.20
     assert cells[4] == "+0.168 [+0.005, +0.300], won 2/3"
     assert "needle" not in table.splitlines()[2]  # only the copy tasks are summarised
+
+
+def test_ablation_reports_what_the_optimizer_changes_in_the_copy_heads_gain(tmp_path):
+    """--optimizers adamw muon: the runs are named by size and optimizer, and the report says the
+    copy head's gain under each (mean over seeds) beside the gradient path it opens."""
+    from cplm_dist.experiments.ablation import Ablation, grid_table, run_overrides, write_report
+
+    ablation = Ablation("configs/quickstart.yaml", ["tiny"], ["off", "gate"], seeds=[1, 2], optimizers=["adamw", "muon"],
+                        learning_rates={"muon": 6e-3}, out=tmp_path)
+    assert [label for label, _, _ in ablation.arms()] == ["tiny-adamw", "tiny-muon"]
+    muon = run_overrides(ablation, "tiny", "gate", 1, "muon", "tiny-muon")
+    assert "optim.name=muon" in muon and "optim.muon.lr=0.006" in muon and f"train.out_dir={tmp_path}/tiny-muon-gate-seed1" in muon
+
+    def run(opt, variant, seed, loss, induction):
+        return {"name": f"tiny-{opt}-{variant}-seed{seed}", "size": f"tiny-{opt}", "optimizer": opt, "variant": variant,
+                "seed": seed, "valid_loss": loss, "valid_curve": [(100, loss)], "suite": {"induction": induction},
+                "suppressed_fraction": 0.9, "grad_h_lm": 0.02, "grad_h_copy": 0.04 if variant != "off" else 0.0}
+
+    runs = [run("adamw", "off", s, 5.0, 0.0) for s in (1, 2)] + [run("adamw", "gate", s, 4.0, 0.3) for s in (1, 2)]
+    runs += [run("muon", "off", s, 4.5, 0.0) for s in (1, 2)] + [run("muon", "gate", s, 4.0, 0.2) for s in (1, 2)]
+    grid = {"adamw": {"picked": 3e-3, "valid_loss": {1.5e-3: 5.1, 3e-3: 5.0}}, "muon": {"picked": 6e-3, "valid_loss": {6e-3: 4.5}}}
+    report = write_report(runs, ablation, tmp_path, grid)
+    assert "| adamw | **0.003** | 5.0000 |" in grid_table(grid) and "## Learning rates, picked on a grid first" in report
+    rows = [line for line in report.splitlines() if line.startswith("| tiny | gate |")]
+    assert rows == ["| tiny | gate | adamw | -1.000 | +0.300 | 2.00 | 0.9000 |",
+                    "| tiny | gate | muon | -0.500 | +0.200 | 2.00 | 0.9000 |"]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--optimizers", "adamw", "--lr-grid", "muon=1e-3"], "must be one of --optimizers"),
+    (["--optimizers", "muon", "--lr", "muon=fast"], "expected OPT=LR"),
+])
+def test_ablation_refuses_a_bad_learning_rate_in_one_line(args, message):
+    proc = subprocess.run([sys.executable, "tools/ablate.py", *args], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert proc.returncode == 2 and message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr

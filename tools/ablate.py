@@ -4,10 +4,12 @@ evaluated on the copy / retrieval suite and the gradient bottleneck, summarised 
 
     python tools/ablate.py                                  # CPU default: tiny and small, 4 variants, 1 seed
     python tools/ablate.py --sizes tiny --variants off gate --seeds 1 2 3 --steps 400
+    python tools/ablate.py --sizes tiny --variants off gate --seeds 1 2 3 --optimizers adamw muon \
+        --lr-grid adamw=1.5e-3,3e-3,6e-3 muon=3e-3,6e-3,1.2e-2    # does Muon change what the copy head buys?
     python tools/ablate.py --base-config configs/runs/cplm-135m.yaml --sizes base --launcher "torchrun --nproc-per-node 8"
 
 Writes <out>/report.md (tables; the copy-on minus copy-off differences and whether copy on wins,
-with the seeds used), <out>/summary.json, and PNGs: validation loss against tokens, suite
+with the seeds used; with several --optimizers the copy head's gain under each), <out>/summary.json, and PNGs: validation loss against tokens, suite
 accuracy per variant, gradient suppression. Finished runs are reused, so an interrupted
 ablation continues where it stopped. The runs, their summaries and the report are
 cplm_dist.experiments.ablation's; the evaluations run as the installed evaluate and grad_bottleneck
@@ -17,13 +19,15 @@ tools (python -m cplm_dist_tools.evaluate, after --launcher).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
 
 from cplm_dist.config import load_config
 from cplm_dist.config.cli import exit_on_usage_error
-from cplm_dist.experiments.ablation import SIZES, Ablation, run_ablation, write_report
+from cplm_dist.errors import UsageError
+from cplm_dist.experiments.ablation import OPTIMIZERS, SIZES, Ablation, pick_learning_rates, run_ablation, write_report
 from cplm_dist.experiments.runs import VARIANTS, ensure_quickstart_data, interpreter
 
 EVALUATE, BOTTLENECK = "cplm_dist_tools.evaluate", "cplm_dist_tools.grad_bottleneck"  # this package's tools, as installed
@@ -35,6 +39,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--sizes", nargs="+", default=["tiny", "small"], choices=list(SIZES))
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     p.add_argument("--seeds", nargs="+", type=int, default=[1])
+    p.add_argument("--optimizers", nargs="+", default=["adamw"], choices=list(OPTIMIZERS))
+    p.add_argument("--lr", nargs="+", default=[], metavar="OPT=LR", help="an optimizer's learning rate (optim.lr for "
+                   "adamw, optim.muon.lr for muon), e.g. muon=6e-3")
+    p.add_argument("--lr-grid", nargs="+", default=[], metavar="OPT=LR,LR,...", help="pick an optimizer's learning "
+                   "rate first: copy off at the first size and seed, lowest validation loss (runs in <out>/lr-grid)")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--samples", type=int, default=16, help="evaluation samples per task setting")
     p.add_argument("--out", default="runs/ablation")
@@ -43,19 +52,38 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def per_optimizer(pairs: list[str], flag: str, optimizers: list[str]) -> dict[str, list[float]]:
+    """{optimizer: [rates]} from OPT=LR[,LR...] words; a malformed one is a usage error naming it."""
+    out = {}
+    for pair in pairs:
+        name, _, rates = pair.partition("=")
+        try:
+            out[name] = [float(r) for r in rates.split(",")]
+        except ValueError:
+            raise UsageError(f"{flag} {pair}: expected OPT=LR[,LR...] with numbers, e.g. muon=3e-3,6e-3") from None
+        if name not in optimizers or not all(r > 0 for r in out[name]):
+            raise UsageError(f"{flag} {pair}: the optimizer must be one of --optimizers {optimizers} and every rate > 0")
+    return out
+
+
 @exit_on_usage_error
 def main(argv=None) -> int:
     args = parser().parse_intermixed_args(argv)
+    fixed = {k: v[0] for k, v in per_optimizer(args.lr, "--lr", args.optimizers).items()}
+    grid = per_optimizer(args.lr_grid, "--lr-grid", args.optimizers)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     log = out / "ablation.log"
     py = interpreter(args.launcher)  # torchrun takes `-m module` as python does
     ensure_quickstart_data(load_config(args.base_config, args.overrides), log)  # fail early on a bad base
     ablation = Ablation(args.base_config, args.sizes, args.variants, args.seeds, steps=args.steps, samples=args.samples,
-                        overrides=args.overrides, out=out)
+                        overrides=args.overrides, out=out, optimizers=args.optimizers, learning_rates=fixed)
+    picked = pick_learning_rates(ablation, grid, py, log) if grid else None
+    if picked:
+        ablation = dataclasses.replace(ablation, learning_rates={**fixed, **{o: r["picked"] for o, r in picked.items()}})
     runs = run_ablation(ablation, py, [*py, "-m", EVALUATE], [*py, "-m", BOTTLENECK], log)
     (out / "summary.json").write_text(json.dumps(runs, indent=2) + "\n")
-    report = write_report(runs, ablation, out)
+    report = write_report(runs, ablation, out, picked)
     print(report)
     print(f"wrote {out / 'report.md'}, {out / 'summary.json'} and plots")
     return 0

@@ -13,6 +13,7 @@ eval.json and bottleneck.json exist, so an interrupted ablation continues where 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 from dataclasses import dataclass, field
@@ -26,6 +27,8 @@ SIZES = {  # name -> overrides on the base config
     "tiny": [],
     "small": ["model.num_layers=4", "model.hidden_size=256", "model.ffn_hidden_size=512"],
 }
+OPTIMIZERS = {"adamw": ["optim.name=adamw"], "muon": ["optim.name=muon"]}  # name -> overrides
+LR_FIELD = {"adamw": "optim.lr", "muon": "optim.muon.lr"}  # the learning rate a grid picks per optimizer
 MARGIN = 0.01  # a suite difference smaller than this (absolute accuracy) counts as a tie, not a win
 
 
@@ -42,17 +45,62 @@ class Ablation:
     samples: int = 16
     overrides: list[str] = field(default_factory=list)
     out: Path = Path("runs/ablation")
+    optimizers: list[str] = field(default_factory=lambda: ["adamw"])
+    learning_rates: dict[str, float] = field(default_factory=dict)  # optimizer -> its LR_FIELD (else the config's)
+
+    def arms(self) -> list[tuple[str, str, str]]:
+        """(label, size, optimizer) of every size x optimizer: the label is the size alone when
+        AdamW is the only optimizer (the runs' names before the optimizer was an axis)."""
+        alone = self.optimizers == ["adamw"]
+        return [(size if alone else f"{size}-{opt}", size, opt) for size in self.sizes for opt in self.optimizers]
 
 
-def run_overrides(ablation: Ablation, size: str, variant: str, seed: int) -> list[str]:
+def run_overrides(ablation: Ablation, size: str, variant: str, seed: int, optimizer: str = "adamw",
+                  label: str | None = None) -> list[str]:
     """The training overrides of one run, its config loaded: a bad one fails before it trains."""
-    run_dir = Path(ablation.out) / f"{size}-{variant}-seed{seed}"
+    run_dir = Path(ablation.out) / f"{label or size}-{variant}-seed{seed}"
     steps = ablation.steps
-    overrides = [*ablation.overrides, *SIZES[size], *VARIANTS[variant], f"seed={seed}", f"data.seed={seed}",
+    lr = [f"{LR_FIELD[optimizer]}={ablation.learning_rates[optimizer]}"] if optimizer in ablation.learning_rates else []
+    overrides = [*ablation.overrides, *SIZES[size], *OPTIMIZERS[optimizer], *lr, *VARIANTS[variant],
+                 f"seed={seed}", f"data.seed={seed}",
                  f"train.train_steps={steps}", f"train.out_dir={run_dir}", f"train.eval_interval={max(1, steps // 4)}",
                  f"train.save_interval={steps}", f"train.log_interval={max(1, steps // 20)}"]
     load_config(ablation.base_config, overrides)
     return overrides
+
+
+def pick_learning_rates(ablation: Ablation, grid: dict[str, list[float]], train: list[str], log: Path) -> dict:
+    """Each optimizer's learning rate, picked on its grid before the ablation: copy off at the
+    first size and seed, the ablation's steps, lowest final validation loss wins (the baseline is
+    tuned, the copy head takes its optimizer's rate). {optimizer: {"picked": lr, "valid_loss": {lr: loss}}};
+    the runs go in <out>/lr-grid and are reused as the ablation's are."""
+    from cplm_dist.train.run_log import read_metrics
+
+    size, seed, picked = ablation.sizes[0], ablation.seeds[0], {}
+    for optimizer, rates in grid.items():
+        losses = {}
+        for lr in rates:
+            label = f"{size}-{optimizer}-lr{lr:g}"
+            trial = dataclasses.replace(ablation, out=Path(ablation.out) / "lr-grid", learning_rates={optimizer: lr})
+            overrides = run_overrides(trial, size, "off", seed, optimizer, label)
+            run_dir = trial.out / f"{label}-off-seed{seed}"
+            if not finished(run_dir, ablation.steps):
+                print(f"train {run_dir.name} (learning-rate grid) ...", flush=True)
+                run([*train, "-m", "cplm_dist.train", "--config", ablation.base_config, *overrides, "--resume", "auto"], log)
+            valid = read_metrics(run_dir / "logs" / "metrics.jsonl", "valid")
+            losses[lr] = valid[max(valid)]["loss"]
+        picked[optimizer] = {"picked": min(losses, key=losses.get), "valid_loss": losses}
+    return picked
+
+
+def grid_table(grid: dict) -> str:
+    """The learning-rate grid's final validation losses, the picked rate in bold."""
+    rows = ["| optimizer | learning rate | valid loss (copy off) |", "|---|---|---|"]
+    for optimizer, result in grid.items():
+        for lr, loss in result["valid_loss"].items():
+            mark = "**" if lr == result["picked"] else ""
+            rows.append(f"| {optimizer} | {mark}{lr:g}{mark} | {loss:.4f} |")
+    return "\n".join(rows)
 
 
 def run_ablation(ablation: Ablation, train: list[str], evaluate: list[str], bottleneck: list[str], log: Path) -> list[dict]:
@@ -60,12 +108,12 @@ def run_ablation(ablation: Ablation, train: list[str], evaluate: list[str], bott
     is the prefix of `-m cplm_dist.train`, `evaluate` and `bottleneck` the evaluation and
     gradient-bottleneck commands (launcher, -m, the tool's module)."""
     runs = []
-    for size in ablation.sizes:
+    for label, size, optimizer in ablation.arms():
         for variant in ablation.variants:
             for seed in ablation.seeds:
-                name = f"{size}-{variant}-seed{seed}"
+                name = f"{label}-{variant}-seed{seed}"
                 run_dir = Path(ablation.out) / name
-                overrides = run_overrides(ablation, size, variant, seed)
+                overrides = run_overrides(ablation, size, variant, seed, optimizer, label)
                 if not finished(run_dir, ablation.steps):
                     print(f"train {name} ...", flush=True)
                     run([*train, "-m", "cplm_dist.train", "--config", ablation.base_config, *overrides, "--resume", "auto"], log)
@@ -77,13 +125,13 @@ def run_ablation(ablation: Ablation, train: list[str], evaluate: list[str], bott
                 measured = run_dir / "eval" / "bottleneck.json"
                 if not measured.exists():
                     run([*bottleneck, "--checkpoint", str(run_dir), "--json", str(measured)], log)
-                runs.append(summarise(name, size, variant, seed, run_dir, evaluation, measured))
+                runs.append({**summarise(name, label, variant, seed, run_dir, evaluation, measured), "optimizer": optimizer})
     return runs
 
 
 def summarise(name, size, variant, seed, run_dir: Path, evaluation: Path, bottleneck: Path) -> dict:
-    """One run's record: its final validation loss and curve, perplexity, suite means and the
-    gradient bottleneck of its mixed (or LM-only) loss."""
+    """One run's record (`size`: its arm's label, the size and optimizer): its final validation
+    loss and curve, perplexity, suite means and the gradient bottleneck of its mixed (or LM-only) loss."""
     from cplm_dist.train.run_log import read_metrics
 
     ev = json.loads(evaluation.read_text())
@@ -102,14 +150,18 @@ def summarise(name, size, variant, seed, run_dir: Path, evaluation: Path, bottle
     }
 
 
-def write_report(runs: list[dict], ablation: Ablation, out: Path) -> str:
-    """report.md (and the plots beside it): the runs' table, copy on minus copy off per matched
-    pair, and across seeds when there are several; its text."""
+def write_report(runs: list[dict], ablation: Ablation, out: Path, grid: dict | None = None) -> str:
+    """report.md (and the plots beside it): the learning-rate grid when one ran, the runs' table,
+    copy on minus copy off per matched pair, across seeds when there are several, and the copy
+    head's gain per optimizer when there are several; its text."""
     tasks = sorted({t for r in runs for t in r["suite"]}, key=lambda t: ["induction", "mqar", "phonebook", "needle", "spamlang"].index(t))
     lines = ["# Copy head ablation", "",
              f"Base config `{ablation.base_config}`, {ablation.steps} steps per run, seeds {list(ablation.seeds)}, "
-             f"{ablation.samples} samples per suite setting. Every run of a seed sees the same data in the same order "
-             "and starts from the same seed; only the copy head differs.", "",
+             f"{ablation.samples} samples per suite setting, optimizers {list(ablation.optimizers)}"
+             + (f" (learning rates {ablation.learning_rates})" if ablation.learning_rates else "")
+             + ". Every run of a seed sees the same data in the same order and starts from the same seed; only the "
+             "copy head (and the optimizer) differs.", "",
+             *(["## Learning rates, picked on a grid first", "", grid_table(grid), ""] if grid else []),
              "| run | valid loss | " + " | ".join(tasks) + " | LM-head gradient suppressed | dL/dh via LM / copy |",
              "|---" * (4 + len(tasks)) + "|"]
     for r in runs:
@@ -117,8 +169,8 @@ def write_report(runs: list[dict], ablation: Ablation, out: Path) -> str:
                      + f" | {r['suppressed_fraction']:.4f} | {r['grad_h_lm']:.3g} / {r['grad_h_copy']:.3g} |")
     lines += ["", "Suite columns: mean accuracy over settings (induction, mqar, spamlang) or mean exact match "
               "(phonebook, needle).", "", "## Copy on minus copy off", ""]
-    verdicts = []
-    for size in ablation.sizes:
+    verdicts, labels = [], [label for label, _, _ in ablation.arms()]
+    for size in labels:
         for seed in ablation.seeds:
             off = next((r for r in runs if (r["size"], r["variant"], r["seed"]) == (size, "off", seed)), None)
             if off is None:
@@ -139,7 +191,9 @@ def write_report(runs: list[dict], ablation: Ablation, out: Path) -> str:
         lines += ["", f"Copy on beat copy off by more than {MARGIN} on all of {', '.join(COPY_TASKS)} in "
                       f"{sum(verdicts)} of {len(verdicts)} matched pairs."]
     if len(ablation.seeds) > 1:
-        lines += ["", "## Across seeds", "", across_seeds(runs, ablation.sizes, ablation.variants, tasks)]
+        lines += ["", "## Across seeds", "", across_seeds(runs, labels, ablation.variants, tasks)]
+    if len(ablation.optimizers) > 1:
+        lines += ["", "## Does the optimizer change what the copy head buys?", "", optimizer_effect(runs, ablation, tasks)]
     lines += ["", "![validation loss](loss.png) ![suite](suite.png) ![suppression](suppression.png)", ""]
     (out / "report.md").write_text("\n".join(lines))
     plots(runs, tasks, out)
@@ -176,6 +230,30 @@ def across_seeds(runs: list[dict], sizes: list[str], variants: list[str], tasks:
                 rows.append(f"| {size} | {variant} | {n} | " + " | ".join(cells) + " |")
     return ("Copy on minus copy off, mean [min, max] over seeds; a valid-loss win is lower by more than 0.01 "
             f"nats, a suite win higher by more than {MARGIN}.\n\n" + "\n".join(rows))
+
+
+def optimizer_effect(runs: list[dict], ablation: Ablation, tasks: list[str]) -> str:
+    """Per size and copy variant: the copy head's gain (copy on minus copy off, mean over seeds)
+    under each optimizer, and the gradient path the copy head opens (dL/dh via the copy head over
+    via the LM head), so a reader sees whether Muon widens or narrows what the copy head buys."""
+    metrics = {"valid loss": lambda r: r["valid_loss"]}
+    metrics.update({t: (lambda r, t=t: r["suite"].get(t, float("nan"))) for t in tasks if t in COPY_TASKS})
+    rows = ["| size | variant | optimizer | " + " | ".join(f"{m} gain" for m in metrics)
+            + " | copy / LM gradient into h | LM-head gradient suppressed |", "|---" * (5 + len(metrics)) + "|"]
+    for label, size, optimizer in ablation.arms():
+        mine = [r for r in runs if r["size"] == label]
+        for variant in ablation.variants:
+            if variant == "off":
+                continue
+            gains = [paired_differences(runs, label, variant, metric) for metric in metrics.values()]
+            on = [r for r in mine if r["variant"] == variant]
+            if not on or not gains[0]:
+                continue
+            ratio = statistics.mean(r["grad_h_copy"] / r["grad_h_lm"] for r in on if r["grad_h_lm"])
+            rows.append(f"| {size} | {variant} | {optimizer} | " + " | ".join(f"{statistics.mean(g):+.3f}" for g in gains)
+                        + f" | {ratio:.2f} | {statistics.mean(r['suppressed_fraction'] for r in on):.4f} |")
+    return ("The copy head's gain (copy on minus copy off, mean over seeds; valid loss: lower is better) "
+            "under each optimizer, with the gradient path it opens.\n\n" + "\n".join(rows))
 
 
 def plots(runs: list[dict], tasks: list[str], out: Path) -> None:
