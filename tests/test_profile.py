@@ -354,9 +354,10 @@ def test_gpu_check_script_runs_end_to_end_in_smoke_mode(tmp_path, trained):
     assert proc.returncode == 0, proc.stdout[-2000:]
     assert (tmp_path / "failures.txt").read_text() == ""
     table = (tmp_path / "table.md").read_text().splitlines()
-    # smoke mode: the tiny config alone (ZeRO-1, copy overhead, chunked loss at ZeRO-2), in the script's order
-    assert len(table) == 2 + 3 and table[2].startswith("| tiny-zero1 |") and "tiny-copy-overhead" in table[3], table
-    assert table[4].startswith("| tiny-chunked-loss |") and "| 2 | fp32 |" in table[4]
+    # smoke mode: the tiny config alone (ZeRO-1, Muon, copy overhead, chunked loss at ZeRO-2), in the script's order
+    assert len(table) == 2 + 4 and table[2].startswith("| tiny-zero1 |") and "tiny-copy-overhead" in table[4], table
+    assert table[3].startswith("| tiny-muon-zero1 |") and "| muon |" in table[3] and "| adamw |" in table[2]
+    assert table[5].startswith("| tiny-chunked-loss |") and "| 2 | fp32 |" in table[5]
     with tarfile.open(tmp_path / "results.tar.gz") as tar:
         names = {Path(n).name for n in tar.getnames()}
         assert {"tiny-zero1.json", "tiny-copy-overhead.json", "tiny-chunked-loss.json", "profile.csv"} <= names

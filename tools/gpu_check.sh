@@ -4,7 +4,7 @@
 # the estimator, train.compile on and off, the copy head's overhead in training and in KV-cache
 # decoding, the copy head alone (dense, chunked and the fused flex kernel that copy.impl=auto trains
 # with on CUDA, values and gradients checked against dense: tools/bench_copy_head.py --check), the
-# chunked LM loss, ZeRO-2 and transformers' Llama on the same shapes.
+# chunked LM loss, ZeRO-2, Muon (optim.name=muon) beside AdamW and transformers' Llama on the same shapes.
 # Runs go most valuable first under one time budget (GPU_CHECK_BUDGET_S, default 420 s): a run
 # that would start past it is recorded as skipped, a failing run is recorded and the others go on.
 #
@@ -73,8 +73,11 @@ if [ ! -f "$work/$small-zero1.json" ]; then  # the GPU defaults failed: the rest
   extra+=(optim.impl=foreach train.overlap_comm=false)
   echo "falling back to ${extra[*]} for the remaining runs" | tee -a "$OUT/failures.txt"
 fi
+# Muon beside the AdamW run: bf16 Newton-Schulz on CUDA, the optimizer's share of the step (optimizer_share)
+run "$small-muon-zero1" 120 $(shape $small $micro_small) train.zero_stage=1 optim.name=muon
 if [ -n "$large" ]; then
   run "$large-zero1" 150 $(shape $large 8) train.zero_stage=1
+  run "$large-muon-zero1" 150 $(shape $large 8) train.zero_stage=1 optim.name=muon
   run "$large-zero1-compile" 240 $(shape $large 8) train.zero_stage=1 train.compile=true
   run "$large-copy-overhead-compile" 240 $(shape $large 8) train.zero_stage=1 train.compile=true --copy-overhead
 fi
