@@ -294,3 +294,25 @@ def test_the_planner_prices_muon_and_proposes_only_layouts_it_runs():
     for p in muon:
         twin = same[(p.tp, p.pp, p.cp, p.zero, p.micro_batch, p.activation_checkpointing, p.sequence_parallel, p.pp_schedule)]
         assert p.step_s > twin.step_s  # Newton-Schulz and its gathers
+
+
+# --- the non-finite guard ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_a_nonfinite_muon_step_is_skipped_leaving_the_weights(small_data, tmp_path, zero):
+    """One guard decision for both halves (ours at ZeRO-0, on DeepSpeed's partitions at ZeRO-1):
+    the skipped step's weights are the step before's, and training goes on."""
+    from cplm_dist.train.run_log import read_metrics
+    from tests.test_train import argv, train
+
+    out = tmp_path / "nan"
+    assert train(1, argv(small_data, out, "optim.name=muon", "train.train_steps=4", f"train.zero_stage={zero}",
+                         "train.inject_nonfinite_at=[3]", "train.save_interval=1", "train.keep_last=4")) == [0]
+    log = read_metrics(out / "logs" / "metrics.jsonl")
+    assert log[2]["skipped_steps"] == 0 and log[3]["skipped_steps"] == 1 and log[4]["loss"] == log[4]["loss"]
+    before, skipped, after = (torch.load(out / "checkpoints" / f"step-0000000{s}" / "mp_rank_00_model_states.pt",
+                                         weights_only=False)["module"] for s in (2, 3, 4))
+    weights = [k for k, v in before.items() if isinstance(v, torch.Tensor) and "layers." in k and v.ndim == 2]
+    assert weights and all(torch.equal(before[k], skipped[k]) for k in weights)
+    assert not all(torch.equal(skipped[k], after[k]) for k in weights)
