@@ -1,7 +1,8 @@
 """optim.name=muon: one step equals the published algorithm (a reference written here, fp32
-Newton-Schulz); training at tp 2 (ZeRO-1), tp 2 + sp (ZeRO-2), dp 2 (ZeRO-1) and pp 2 follows one
-process for 10 steps; a resume is exact and --reshape tp 2 -> tp 1 carries the momentum; the
-layouts Muon cannot make exact are one line."""
+Newton-Schulz); training at tp 2 (ZeRO-1), tp 2 + sp (ZeRO-2), dp 2 (ZeRO-1), pp 2 and cp 2
+(ZeRO-1 over the dp x cp partitions) follows one process for 10 steps; a resume is exact and
+--reshape carries the momentum; the layouts Muon cannot make exact are one line; the estimator,
+the FLOP count and the planner price it; the non-finite guard covers it."""
 
 import math
 
@@ -153,7 +154,8 @@ def test_muon_at_tp2_follows_one_process_and_differs_from_adamw(small_data, muon
     (2, ("parallel.tp=2", "parallel.sequence_parallel=true", "train.zero_stage=2", "train.micro_batch_size=4")),
     (2, ("train.zero_stage=1", "train.micro_batch_size=2")),
     (2, ("parallel.pp=2", "train.zero_stage=1", "train.micro_batch_size=1")),
-], ids=["tp2-sp-zero2", "dp2-zero1", "pp2-zero1"])
+    (2, ("parallel.cp=2", "train.zero_stage=1", "train.micro_batch_size=4")),
+], ids=["tp2-sp-zero2", "dp2-zero1", "pp2-zero1", "cp2-zero1"])
 def test_muon_layouts_follow_one_process(small_data, muon_runs, tmp_path, world, extra):
     from tests.test_train import train
 
