@@ -116,7 +116,11 @@ class GuardedAdamW(torch.optim.AdamW):
         self.skipped_last = not self.all_grads_finite()
         if self.skipped_last:
             return None
-        return super().step(closure)
+        return self.apply_step(closure)
+
+    def apply_step(self, closure=None):
+        """The update itself, once the guard has passed (GuardedMuon: Muon's groups, then AdamW's)."""
+        return torch.optim.AdamW.step(self, closure)
 
 
 def adamw_kernels(impl: str, device: torch.device) -> dict:
@@ -135,12 +139,7 @@ class GuardedMuon(GuardedAdamW):
         super().__init__(params, group=group, **kwargs)
         self.orthogonaliser = orthogonaliser
 
-    def step(self, closure=None):
-        if self.before_step is not None:
-            self.before_step()
-        self.skipped_last = not self.all_grads_finite()
-        if self.skipped_last:
-            return None
+    def apply_step(self, closure=None):
         groups = self.param_groups  # DeepSpeed's ZeRO steps one group at a time, swapping this list
         for group in groups:
             if group.get("orthogonal"):
@@ -154,7 +153,6 @@ class GuardedMuon(GuardedAdamW):
             finally:
                 self.param_groups = groups
         return None
-
 
     @torch.no_grad()
     def decay_marked(self, groups: list[dict]) -> None:
