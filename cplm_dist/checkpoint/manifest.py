@@ -37,6 +37,7 @@ from pathlib import Path
 
 from cplm_dist.config import RESUMABLE_CHANGES, Config, check_tp_divides, to_dict
 from cplm_dist.data.indexed_data import content_fingerprint
+from cplm_dist.config.stages import all_entries, check_begun_stages, uses_stages
 from cplm_dist.distributed.launch_env import LaunchEnv
 from cplm_dist.errors import CheckpointError, ConfigError, DataError, UsageError
 from cplm_dist.files import sha256_file, write_text_atomic
@@ -373,6 +374,11 @@ def check_reshape(manifest: Manifest, cfg: Config, tp: int) -> None:
 def check_config_change(manifest: Manifest, cfg: Config) -> None:
     """A resumed run may change only RESUMABLE_CHANGES; one line names any other difference."""
     saved, here = _flatten(manifest.config), _flatten(to_dict(cfg))
+    data_saved, data_here = manifest.config.get("data", {}), to_dict(cfg)["data"]
+    if uses_stages(data_saved) or uses_stages(data_here):  # a staged mixture: begun stages fixed, later ones free
+        check_begun_stages(manifest.step_dir, data_saved, data_here, manifest.step)
+        for flat in (saved, here):
+            flat.pop("data.blend", None)
     given_saved, given_here = _as_given(saved), _as_given(here)
     changed = [k for k in sorted(saved) if k not in RESUMABLE_CHANGES and given_saved[k] != given_here.get(k)]
     # a mapping set where the saved run had null (model.rope_scaling): its keys are new, their parent was None
@@ -398,7 +404,7 @@ def data_fingerprints(cfg: Config) -> dict[str, str]:
     bounded reads whatever the size) of the datasets that exist; a missing one is check_data's to report.
     The valid and test splits are megatron's split of these same datasets (data.split): nothing else to record."""
     out = {}
-    for entry in cfg.data.blend:
+    for entry in all_entries(cfg):  # every stage's (cplm_dist.config.stages)
         try:
             out[entry.path] = content_fingerprint(entry.path)
         except FileNotFoundError:

@@ -128,11 +128,22 @@ class BlendEntry:
 
 
 @dataclass
+class DataStage:
+    """One stage of a staged mixture (data.stages): `blend` from the step after `from_step` on."""
+
+    from_step: int = 0  # the stage begins after this many optimizer steps (its first step is from_step + 1)
+    blend: list[BlendEntry] = field(default_factory=list)
+
+
+@dataclass
 class DataConfig:
     """Training data: a weighted blend of indexed datasets read through megatron-core's
     GPTDataset / BlendedMegatronDatasetBuilder (cplm_dist.data)."""
 
     blend: list[BlendEntry] = field(default_factory=list)
+    # a staged mixture (SmolLM2's): [{from_step, blend}, ...], the first from_step 0, instead of data.blend
+    # (its one-stage form); future stages may change on resume, begun ones may not (cplm_dist.config.stages)
+    stages: list[DataStage] = resumable(default_factory=list)
     tokenizer: str | None = None  # a SentencePiece .model, or a Hugging Face tokenizer directory
     tokenizer_backend: TokenizerBackend = "sentencepiece"
     split: str = "98,2,0"  # train, valid, test weights of every dataset in the blend (Megatron's)
@@ -242,6 +253,19 @@ class TrainConfig:
     lock_stale_minutes: float = resumable(10.0)  # out_dir's run lock: a holder on another host silent this long is gone (checkpoint.run_lock)
     exit_at_step: int | None = resumable(None)  # save and exit once this step is done (a time-sliced job; Megatron's --exit-interval)
     inject_nonfinite_at: list[int] = resumable(default_factory=list)  # fault injection (tests): NaN loss at these steps
+    # spikes (cplm_dist.train.stability): a loss or grad norm above mean + spike_zscore x std of the last
+    # spike_window good steps is logged with its batch's sources; 0 = off
+    spike_window: int = resumable(128)
+    spike_zscore: float = resumable(6.0)
+    skip_spikes: bool = resumable(False)  # also skip the update of a step whose loss spikes (beside the non-finite guard)
+    # the copy head's gradient path and the mixture, measured live every this many steps (0 = off;
+    # cplm_dist.train.diagnostics, docs/training.md "Watching the copy head learn")
+    diagnostics_interval: int = resumable(0)
+    # in-loop evaluation every eval_interval (cplm_dist.evaluation.in_loop): tasks of the copy/retrieval
+    # suite (induction, mqar, spamlang, phonebook) on the live model, dp-sharded; [] = off
+    eval_tasks: list[str] = resumable(default_factory=list)
+    eval_task_samples: int = resumable(16)  # samples per task setting, over all dp ranks
+    eval_task_lengths: list[int] = resumable(default_factory=list)  # the by-length subset (mqar in filler) at these lengths
     tensorboard: bool = resumable(True)
     wandb: bool = resumable(False)
     wandb_project: str = resumable("cplm_dist")

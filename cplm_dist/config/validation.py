@@ -48,6 +48,7 @@ def validate(cfg: Config) -> None:
             f"(valid: {divisors(m.num_heads)})"
         )
     validate_data(cfg)
+    validate_monitors(cfg)
     validate_train(cfg)
     validate_muon(cfg)
     check_tp_divides(m, tp)
@@ -174,6 +175,60 @@ def validate_data(cfg: Config) -> None:
         if not entry.weight > 0:
             raise ConfigError(f"data.blend[{i}].weight={entry.weight} must be > 0 (drop the entry instead)")
     parse_split(d.split)
+    validate_stages(cfg)
+
+
+def validate_stages(cfg: Config) -> None:
+    """data.stages: well formed, or one line naming the problem."""
+    d = cfg.data
+    if not d.stages:
+        return
+    if d.blend:
+        raise ConfigError("data.blend and data.stages are both set: give the mixture once (data.blend is the "
+                          "one-stage form of data.stages: [{from_step: 0, blend: [...]}])")
+    if d.stages[0].from_step != 0:
+        raise ConfigError(f"data.stages[0].from_step={d.stages[0].from_step}: the first stage must begin at "
+                          "from_step 0 (the run's first step)")
+    for i, (before, stage) in enumerate(zip(d.stages, d.stages[1:]), start=1):
+        if stage.from_step <= before.from_step:
+            raise ConfigError(f"data.stages[{i}].from_step={stage.from_step} is not after data.stages[{i - 1}]"
+                              f".from_step={before.from_step}: list the stages in the order they begin")
+    for i, stage in enumerate(d.stages):
+        if stage.from_step >= cfg.train.train_steps:
+            raise ConfigError(f"data.stages[{i}].from_step={stage.from_step} is not before train.train_steps="
+                              f"{cfg.train.train_steps}: the stage would never run; drop it or raise train.train_steps")
+        if not stage.blend:
+            raise ConfigError(f"data.stages[{i}].blend is empty: add at least one {{path: <prefix>, weight: 1.0}}")
+        for j, entry in enumerate(stage.blend):
+            if not entry.weight > 0:
+                raise ConfigError(f"data.stages[{i}].blend[{j}].weight={entry.weight} must be > 0 (drop the entry instead)")
+
+
+def validate_monitors(cfg: Config) -> None:
+    """Spike detection, the live diagnostics and in-loop evaluation: their fields, and the layouts
+    that run them (the whole model on one tp group: pp 1, cp 1, ZeRO <= 2)."""
+    t, p = cfg.train, cfg.parallel
+    if t.spike_window < 0 or t.diagnostics_interval < 0 or t.eval_task_samples < 1:
+        raise ConfigError("train.spike_window and train.diagnostics_interval must be >= 0 (0 = off), "
+                          "train.eval_task_samples >= 1")
+    if not t.spike_zscore > 0:
+        raise ConfigError(f"train.spike_zscore={t.spike_zscore} must be > 0 (OLMo-core-style monitors use 4-6)")
+    known = ("induction", "mqar", "spamlang", "phonebook")
+    unknown = [task for task in t.eval_tasks if task not in known]
+    if unknown:
+        raise ConfigError(f"train.eval_tasks names {unknown[0]!r}: choose from {list(known)}")
+    bad = [f"{name}={value}" for name, value in (("parallel.pp", p.pp), ("parallel.cp", p.cp)) if value > 1]
+    bad += [f"train.zero_stage={t.zero_stage}"] if t.zero_stage == 3 else []
+    for field, on in (("train.diagnostics_interval", t.diagnostics_interval > 0),
+                      ("train.eval_tasks", bool(t.eval_tasks) or bool(t.eval_task_lengths))):
+        if on and bad:
+            raise ConfigError(f"{field} runs on the whole model of one tp group, not at {', '.join(bad)}: turn it off "
+                              "for this layout, or measure the run's checkpoints with tools/grad_bottleneck.py and "
+                              "tools/evaluate.py")
+    for length in t.eval_task_lengths:
+        if not 32 <= length <= cfg.model.max_seq_len:
+            raise ConfigError(f"train.eval_task_lengths has {length}: each must lie in [32, model.max_seq_len="
+                              f"{cfg.model.max_seq_len}]")
 
 
 def validate_train(cfg: Config) -> None:

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from cplm_dist.config import Config, parse_split
 from cplm_dist.data.indexed_data import check_indexed_dataset, content_fingerprint, split_token_counts
 from cplm_dist.data.node_local import copy_from_rank0, copy_plan
+from cplm_dist.config.stages import all_entries, stages_of
 from cplm_dist.data.tokenizer import Tokenizer, check_tokenizer_fits_model, load_tokenizer
 from cplm_dist.errors import DataError
 from cplm_dist.megatron_compat import (BlendedMegatronDatasetBuilder, GPTDataset, GPTDatasetConfig,
@@ -46,7 +47,7 @@ def tokenizer_for(cfg: Config) -> Tokenizer:
 def check_data(cfg: Config, samples: tuple[int, int, int] = (0, 0, 0)) -> Tokenizer:
     """Everything about the data that can be wrong, checked before any of it is read."""
     d = cfg.data
-    if not d.blend:
+    if not d.blend and not d.stages:
         raise DataError("data.blend is empty: add at least one {path: <prefix>, weight: 1.0} made by tools/preprocess_data.py")
     tokenizer = tokenizer_for(cfg)
     fractions = parse_split(d.split)
@@ -54,7 +55,7 @@ def check_data(cfg: Config, samples: tuple[int, int, int] = (0, 0, 0)) -> Tokeni
         if n > 0 and frac == 0:
             raise DataError(f"{n} {name} samples requested but data.split={d.split!r} gives the {name} split no documents")
     bookends = convert_split_vector_to_split_matrix(fractions)
-    for entry in d.blend:
+    for entry in {e.path: e for e in all_entries(cfg)}.values():  # every stage's (cplm_dist.config.stages)
         summary = check_indexed_dataset(entry.path, vocab_size=cfg.model.vocab_size, tokenizer_sha256=tokenizer.fingerprint)
         if d.document_mask and summary.append_eod is False:
             raise DataError(f"data.document_mask=true but dataset {entry.path} was made without end-of-document ids "
@@ -89,8 +90,11 @@ def check_index_cache(cache: Path) -> None:
                             f"may hold pickled code; delete {cache} (it is rebuilt from the data)")
 
 
-def build_datasets(cfg: Config, samples: tuple[int, int, int], tokenizer: Tokenizer | None = None) -> Datasets:
-    """(train, valid, test) with exactly `samples` samples each (0 -> that split is None).
+def build_datasets(cfg: Config, samples: tuple[int, int, int], tokenizer: Tokenizer | None = None,
+                   stage: int | None = None) -> Datasets:
+    """(train, valid, test) with exactly `samples` samples each (0 -> that split is None), from
+    the blend of data stage `stage` (cplm_dist.config.stages; default the last, whose blend validation
+    reads; data.blend is the one stage), shuffled by data.seed + the stage's index.
 
     Call on every rank after the process group exists; rank 0 builds megatron's index cache
     first and the others read it (from a copy on their own host when data.cache_dir is
@@ -104,8 +108,11 @@ def build_datasets(cfg: Config, samples: tuple[int, int, int], tokenizer: Tokeni
                            "call cplm_dist.distributed.init_distributed first")
     d = cfg.data
     logging.getLogger("megatron.core.datasets").setLevel(logging.WARNING)
-    paths = [e.path for e in d.blend]
-    weights = [e.weight for e in d.blend] if len(paths) > 1 else None
+    stages = stages_of(cfg)
+    stage = len(stages) - 1 if stage is None else stage
+    blend = stages[stage].blend
+    paths = [e.path for e in blend]
+    weights = [e.weight for e in blend] if len(paths) > 1 else None
     # megatron keys its cache on paths, seed, split, lengths and tokenizer, not on the contents: a
     # dataset rebuilt in place (preprocess --overwrite) would reuse stale indices. One cache
     # directory per content fingerprint of the blend keeps them apart.
@@ -113,7 +120,7 @@ def build_datasets(cfg: Config, samples: tuple[int, int, int], tokenizer: Tokeni
     cache = str(Path(d.cache_dir or Path(paths[0]).parent / "index-cache") / fingerprint)
     check_index_cache(Path(cache))
     config = GPTDatasetConfig(
-        random_seed=d.seed,
+        random_seed=d.seed + stage,
         sequence_length=d.seq_length,
         blend=(paths, weights),
         split=d.split,

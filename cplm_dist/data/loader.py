@@ -43,14 +43,18 @@ def resets_positions(dataset) -> bool:
     return bool(getattr(getattr(dataset, "config", None), "reset_position_ids", False))
 
 
-def collate(samples: list[dict], positions: bool = False) -> dict[str, torch.Tensor]:
-    """GPTDataset samples -> input_ids (B, T) and labels (B, T), -100 where the loss is masked;
-    with `positions` (data.document_mask: the dataset resets its position_ids after each
-    end-of-document id) also position_ids (B, T)."""
+def collate(samples: list[dict], positions: bool = False, sources: list[int] | None = None) -> dict[str, torch.Tensor]:
+    """GPTDataset samples -> input_ids (B, T) and labels (B, T), -100 where the loss is masked,
+    and source (B,): the run's source id of each row's blend entry (megatron's BlendedDataset
+    gives its `dataset_id`, a one-entry blend is entry 0; `sources` maps entry -> source id,
+    cplm_dist.config.stages; default the entry itself); with `positions` (data.document_mask: the
+    dataset resets its position_ids after each end-of-document id) also position_ids (B, T)."""
     input_ids = torch.stack([s["tokens"] for s in samples])
     labels = torch.stack([s["labels"] for s in samples])
     loss_mask = torch.stack([s["loss_mask"] for s in samples])
-    batch = {"input_ids": input_ids, "labels": labels.masked_fill(loss_mask == 0, IGNORE_INDEX)}
+    entries = [int(s.get("dataset_id", 0)) for s in samples]
+    source = torch.tensor([sources[e] if sources is not None else e for e in entries], dtype=torch.long)
+    batch = {"input_ids": input_ids, "labels": labels.masked_fill(loss_mask == 0, IGNORE_INDEX), "source": source}
     if positions:
         batch["position_ids"] = torch.stack([s["position_ids"] for s in samples])
     return batch
@@ -63,13 +67,22 @@ def model_inputs(batch: dict[str, torch.Tensor], device=None) -> tuple[torch.Ten
     return tuple(batch[k] if device is None else batch[k].to(device) for k in keys)
 
 
+def label_inputs(batch: dict[str, torch.Tensor]):
+    """What a pipeline's loss stage takes of a micro-batch: the labels, with the rows' sources
+    where the batch has them ((labels, source): the per-source sums, cplm_dist.model.parallel.reduction)."""
+    return (batch["labels"], batch["source"]) if "source" in batch else batch["labels"]
+
+
 class ResumableLoader:
     """Iterates micro-batches for this dp rank; `state_dict()` / `load_state_dict()` resume it."""
 
     def __init__(self, dataset: Dataset, micro_batch_size: int, dp_rank: int = 0, dp_size: int = 1,
-                 num_workers: int = 0, consumed_samples: int = 0, pin_memory: bool = False, context=None):
-        """context: this rank's ContextShard under parallel.cp > 1 (it keeps its two chunks of each row)."""
+                 num_workers: int = 0, consumed_samples: int = 0, pin_memory: bool = False, context=None,
+                 sources: list[int] | None = None):
+        """context: this rank's ContextShard under parallel.cp > 1 (it keeps its two chunks of each
+        row); sources: the dataset's blend entry -> the run's source id (`collate`)."""
         self.dataset, self.micro, self.dp_rank, self.dp_size = dataset, micro_batch_size, dp_rank, dp_size
+        self.sources = sources
         self.context = context
         self.num_workers, self.pin_memory = num_workers, pin_memory
         self.consumed_samples = consumed_samples
@@ -89,14 +102,14 @@ class ResumableLoader:
     def __next__(self) -> dict[str, torch.Tensor]:
         if self._iter is None:
             sampler = PretrainingBatchSampler(len(self.dataset), self.consumed_samples, self.micro, self.dp_rank, self.dp_size)
-            collate_fn = functools.partial(collate, positions=resets_positions(self.dataset))
+            collate_fn = functools.partial(collate, positions=resets_positions(self.dataset), sources=self.sources)
             loader = DataLoader(self.dataset, batch_sampler=sampler, num_workers=self.num_workers, collate_fn=collate_fn,
                                 pin_memory=self.pin_memory, persistent_workers=False)
             self._iter = iter(loader)
         batch = next(self._iter)
         self.consumed_samples += self.samples_per_step
         if self.context is not None:
-            batch = {k: self.context.take(v) for k, v in batch.items()}
+            batch = {k: v if k == "source" else self.context.take(v) for k, v in batch.items()}  # rows stay whole
         return batch
 
     def skip(self, micro_batches: int) -> None:

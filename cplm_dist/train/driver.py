@@ -18,8 +18,8 @@ with one line and exit code 2. SIGTERM or SIGUSR1 saves a checkpoint at the next
 and exits 0, for a requeue to continue with --resume auto.
 
 The pieces, in the order `main` uses them: config (cplm_dist.config) -> checks -> parallel groups
-(cplm_dist.distributed) -> model (cplm_dist.model) -> DeepSpeed engine (cplm_dist.train.engine) -> data
-(cplm_dist.data) -> resume (cplm_dist.checkpoint) -> the step (cplm_dist.train.step, the one
+(cplm_dist.distributed) -> model (cplm_dist.model) -> DeepSpeed engine (cplm_dist.train.engine) -> resume
+(cplm_dist.checkpoint) -> data at the resumed position, per data stage (cplm_dist.data) -> the step (cplm_dist.train.step, the one
 the profiler measures too) and its log (cplm_dist.train.run_log) -> checkpoints.
 """
 
@@ -36,12 +36,13 @@ import torch.distributed as dist
 from cplm_dist.checkpoint import Checkpointer, Manifest, RunLock, check_async_save, check_out_dir, find_resume
 from cplm_dist.config import BatchLayout, Config
 from cplm_dist.config.cli import config_parser, exit_on_usage_error, load_from_args
-from cplm_dist.data.gpt_data import build_datasets, check_data
-from cplm_dist.data.loader import ResumableLoader
+from cplm_dist.data.gpt_data import check_data
+from cplm_dist.data.staged_loader import StagedLoader, build_train_data
 from cplm_dist.distributed import ParallelDims, default_device, destroy_distributed, init_distributed, synchronize
 from cplm_dist.distributed.heartbeat import Heartbeat
 from cplm_dist.distributed.launch_env import LaunchEnv
 from cplm_dist.distributed.lost_rank import lost_rank_message
+from cplm_dist.evaluation.in_loop import in_loop_eval
 from cplm_dist.interop.init_from import init_source, initialise_from
 from cplm_dist.model.copy_head import check_copy_impl
 from cplm_dist.model.counting import parameter_count
@@ -50,7 +51,8 @@ from cplm_dist.model.parallel.stages import stage_summary
 from cplm_dist.train.optim import parameters_finite
 from cplm_dist.train.run_log import RunLog
 from cplm_dist.train.step import build_train_step, build_training_model
-from cplm_dist.train.validation import evaluate
+from cplm_dist.train.diagnostics import diagnose, due
+from cplm_dist.train.validation import validation_figures
 from cplm_dist.train.wandb_log import check_wandb
 
 EXIT_BAD_STEPS = 3
@@ -179,21 +181,23 @@ def train(cfg: Config, dims: ParallelDims, accumulation: int, resume: Manifest |
     train_step = build_train_step(cfg, dims, device, model, load_universal=ckpt.loads_universal(resume))
     engine = train_step.engine
 
-    # 6. data: megatron's blended GPTDatasets, our resumable loader -------------------------------
-    stop.enter("indexing the data")
-    data = build_datasets(cfg, samples, tokenizer)
-    loader = ResumableLoader(data.train, t.micro_batch_size, dims.dp_rank, dims.dp_size,
-                             num_workers=cfg.data.num_workers, pin_memory=device.type == "cuda", context=context_of(dims))
+    # 6. resume: weights, optimizer, schedule (DeepSpeed) + step, data position, RNG (ours) -------
+    step, skipped_total, state = resume_from(ckpt, engine, resume, reshape, stop)
 
-    # 7. resume: weights, optimizer, schedule (DeepSpeed) + step, data position, RNG (ours) -------
-    step, skipped_total = resume_from(ckpt, engine, loader, resume, reshape, stop)
+    # 7. data: megatron's blended GPTDatasets per data stage, our resumable loader at the resumed position
+    stop.enter("indexing the data")
+    data, loader = build_train_data(cfg, dims, tokenizer, samples[1], state.get("loader"), step, context_of(dims),
+                                    pin_memory=device.type == "cuda", info=print if dims.is_first else lambda _: None)
     skipped_in_a_row = 0
     log = RunLog(cfg, dims, device, step)
+    log.load_state_dict(state.get("log"))  # each source's cumulative tokens
+    train_step.monitor.load_state_dict(state.get("spikes"))  # the spike windows (cplm_dist.train.stability)
     log.info(banner(cfg, dims, accumulation, resume.tag if resume is not None else None))
     log.resumed(step if resume is not None else None)  # a resume records the steps it recomputes
 
     def save(reason: str) -> Path:
-        return save_and_log(ckpt, engine, log, step, reason, loader, {"bad_steps_total": skipped_total})
+        return save_and_log(ckpt, engine, log, step, reason, loader, {"bad_steps_total": skipped_total, "log": log.state_dict(),
+                                                                         "spikes": train_step.monitor.state_dict()})
 
     # 8. train loop --------------------------------------------------------------------------------
     valid_loss, start_step, run_start = float("nan"), step, time.perf_counter()
@@ -205,26 +209,22 @@ def train(cfg: Config, dims: ParallelDims, accumulation: int, resume: Manifest |
                 log.info(f"stopped at step {step} on request; continue with --resume auto")
                 return 0
             step_start = time.perf_counter()
+            loader.at_step(step)  # the data stage of step + 1 (cplm_dist.config.stages)
             result = train_step(loader, inject_nonfinite=step + 1 in t.inject_nonfinite_at)
             step += 1
             if stop.heartbeat is not None:
                 stop.heartbeat.update(step=step)
             synchronize(device)
-            skipped_total += result.bad
-            skipped_in_a_row = skipped_in_a_row + 1 if result.bad else 0
-            if result.bad:
-                log.info(f"step {step}: non-finite loss {result.loss} / grad norm {result.grad_norm}: update skipped "
-                         f"({skipped_in_a_row} in a row, {skipped_total} in all)")
+            skipped_in_a_row, skipped_total = count_bad(log, step, result, skipped_in_a_row, skipped_total)
             log.step_done(step, result, time.perf_counter() - step_start,
                           loader.consumed_samples * cfg.data.seq_length, skipped_total)
+            watch_step(log, step, result, train_step, cfg, device)
             if skipped_in_a_row >= t.max_bad_steps:
                 # only a finite state is worth keeping: the last update may already have broken it
                 path = save("last good state") if parameters_finite(engine.module) else None
                 return stop_for_bad_steps(log, path or ckpt.latest_tag(), step, skipped_in_a_row, t.max_bad_steps)
             if step % t.eval_interval == 0 or step == t.train_steps:
-                valid_loss = evaluate(engine, data.valid, cfg, dims, device)
-                log.record("valid", {"step": step, "loss": valid_loss})
-                log.info(f"step {step:>6}/{t.train_steps} | validation loss {valid_loss:.4f}")
+                valid_loss = evaluate_and_log(engine, data, cfg, dims, device, log, step)
             if step % t.save_interval == 0 or step == t.train_steps or step == t.exit_at_step:
                 save("interval" if step < t.train_steps else "end of training")
             elif ckpt.background is not None and ckpt.background.done():
@@ -244,19 +244,52 @@ def train(cfg: Config, dims: ParallelDims, accumulation: int, resume: Manifest |
         log.close(failed)
 
 
-def resume_from(ckpt: Checkpointer, engine, loader: ResumableLoader, resume: Manifest | None, reshape: bool,
-                stop: StopRequest) -> tuple[int, int]:
-    """(step, skipped steps in all) of the checkpoint `resume` (0, 0 for a fresh run), whose weights,
-    optimizer and schedule (DeepSpeed), data position and RNG (ours) are loaded."""
+def count_bad(log: RunLog, step: int, result, in_a_row: int, total: int) -> tuple[int, int]:
+    """(bad steps in a row, in all) after this step; a bad one (non-finite) gets its line."""
+    in_a_row, total = (in_a_row + 1 if result.bad else 0), total + result.bad
+    if result.bad:
+        log.info(f"step {step}: non-finite loss {result.loss} / grad norm {result.grad_norm}: update skipped "
+                 f"({in_a_row} in a row, {total} in all)")
+    return in_a_row, total
+
+
+def watch_step(log: RunLog, step: int, result, train_step, cfg: Config, device) -> None:
+    """The step's spikes (cplm_dist.train.stability) and, every train.diagnostics_interval steps,
+    the live bottleneck on its last micro-batch (cplm_dist.train.diagnostics)."""
+    for spike in result.spikes:
+        log.spike(step, spike, result.spike_skipped and spike.metric == "loss", result.source_sums)
+    if due(cfg.train.diagnostics_interval, step) and train_step.last_batch is not None:
+        log.record("diagnostics", {"step": step, **diagnose(train_step.engine, train_step.last_batch, device)})
+
+
+def evaluate_and_log(engine, data, cfg: Config, dims: ParallelDims, device, log: RunLog, step: int) -> float:
+    """Validation (per source too) and, with train.eval_tasks or train.eval_task_lengths, the
+    in-loop suite (cplm_dist.evaluation.in_loop): their records and lines; the validation loss."""
+    figures = validation_figures(engine, data.valid, cfg, dims, device)
+    log.record("valid", {"step": step, "loss": figures.token_loss,
+                         "sources": log.sources_record(figures.source_sums, cumulative=False)})
+    log.info(f"step {step:>6}/{cfg.train.train_steps} | validation loss {figures.token_loss:.4f}")
+    if cfg.train.eval_tasks or cfg.train.eval_task_lengths:
+        tasks = in_loop_eval(engine.module, cfg, dims, data.tokenizer)
+        log.record("eval_tasks", {"step": step, **tasks})
+        scores = [f"{task}{' by length' if section == 'by_length' else ''} {sum(r['accuracy'] for r in rows.values()) / len(rows):.3f}"
+                  for section in ("tasks", "by_length") for task, rows in tasks[section].items()]
+        log.info(f"step {step:>6}/{cfg.train.train_steps} | in-loop accuracy: {', '.join(scores)} ({tasks['seconds']:.1f}s)")
+    return figures.token_loss
+
+
+def resume_from(ckpt: Checkpointer, engine, resume: Manifest | None, reshape: bool,
+                stop: StopRequest) -> tuple[int, int, dict]:
+    """(step, skipped steps in all, the client state: data position, ...) of the checkpoint `resume`
+    ((0, 0, {}) for a fresh run), whose weights, optimizer and schedule (DeepSpeed) and RNG (ours) are loaded."""
     if resume is None:
-        return 0, 0
+        return 0, 0, {}
     stop.enter(f"loading checkpoint {resume.step_dir}")
     state = ckpt.load(engine, resume, reshape=reshape)
-    loader.load_state_dict(state["loader"])
-    return state["step"], state["bad_steps_total"]
+    return state["step"], state["bad_steps_total"], state
 
 
-def save_and_log(ckpt: Checkpointer, engine, log: RunLog, step: int, reason: str, loader: ResumableLoader,
+def save_and_log(ckpt: Checkpointer, engine, log: RunLog, step: int, reason: str, loader: StagedLoader,
                  client_state: dict) -> Path:
     """A checkpoint of `step` and its log line: how long the step loop blocked (with train.async_save:
     the host copy, and the wait for the previous save when it is still being written)."""

@@ -93,6 +93,10 @@ class GuardedAdamW(torch.optim.AdamW):
         self.group = group
         self.skipped_last = False
         self.before_step = None  # a callable run first in each step (pipeline ZeRO-0: the norm and clipping)
+        # a callable every rank runs after the guard, True to skip this update too (train.skip_spikes:
+        # cplm_dist.train.stability); `skipped_spike` says it did
+        self.skip_check = None
+        self.skipped_spike = False
 
     @torch.no_grad()
     def all_grads_finite(self) -> bool:
@@ -108,13 +112,14 @@ class GuardedAdamW(torch.optim.AdamW):
 
     @property
     def overflow(self) -> bool:  # DeepSpeed's stage-0 engine reads this to count a skipped step
-        return self.skipped_last
+        return self.skipped_last or self.skipped_spike
 
     def step(self, closure=None):
         if self.before_step is not None:
             self.before_step()
         self.skipped_last = not self.all_grads_finite()
-        if self.skipped_last:
+        self.skipped_spike = self.skip_check is not None and bool(self.skip_check())  # collective: always asked
+        if self.skipped_last or self.skipped_spike:
             return None
         return self.apply_step(closure)
 

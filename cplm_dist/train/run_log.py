@@ -22,10 +22,12 @@ import torch
 import torch.distributed as dist
 
 from cplm_dist.config import Config
+from cplm_dist.config.stages import source_names
 from cplm_dist.distributed import ParallelDims
+from cplm_dist.model.parallel.reduction import source_figures
 from cplm_dist.train.step import StepResult
 from cplm_dist.train.throughput import device_peak_flops, flops_per_token, peak_memory_bytes
-from cplm_dist.train.wandb_log import start_wandb, wandb_values
+from cplm_dist.train.wandb_log import flat_values, start_wandb, wandb_values
 
 
 def _mean(xs: list[float]) -> float:
@@ -45,6 +47,8 @@ class RunLog:
         self.flops_per_token = flops_per_token(cfg, cfg.data.seq_length)
         self.peak_flops = device_peak_flops(t.precision, device)
         self.device, self.hosts = device, dims.hosts
+        self.source_names = source_names(cfg)
+        self.source_tokens = dict.fromkeys(self.source_names, 0)  # cumulative trained tokens (load_state on resume)
         self._new_window()
         if self.enabled:
             self.dir.mkdir(parents=True, exist_ok=True)
@@ -71,16 +75,36 @@ class RunLog:
             print(message, flush=True)
 
     def _new_window(self) -> None:
-        self.window = {"loss": [], "lm": [], "share": [], "time": 0.0, "steps": 0, "data_wait": 0.0}
+        self.window = {"loss": [], "lm": [], "share": [], "time": 0.0, "steps": 0, "data_wait": 0.0,
+                       "sources": [0.0] * (4 * len(self.source_names))}
+
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps of the log: each source's cumulative trained tokens."""
+        return {"source_tokens": dict(self.source_tokens)}
+
+    def load_state_dict(self, state: dict) -> None:
+        for name, tokens in (state or {}).get("source_tokens", {}).items():
+            self.source_tokens[name] = int(tokens)  # a source no stage names any more is kept too
+
+    def sources_record(self, sums, cumulative: bool = True) -> dict:
+        """{source: {loss, lm_loss, copy_share, tokens[, cumulative_tokens]}} of summed per-source terms."""
+        out = source_figures(sums, self.source_names)
+        for name, figures in out.items() if cumulative else ():
+            figures["cumulative_tokens"] = self.source_tokens[name]
+        return out
 
     def step_done(self, step: int, result: StepResult, seconds: float, consumed_tokens: int, skipped_total: int) -> None:
         """Count a finished step; every train.log_interval steps (and the last) write its record:
         means over the window's good steps, throughput over all of them."""
         w = self.window
+        for i, name in enumerate(self.source_names):
+            if 4 * i + 3 < len(result.source_sums):
+                self.source_tokens[name] += int(result.source_sums[4 * i + 3])
         if not result.bad:
             w["loss"].append(result.loss)
             w["lm"].append(result.lm_loss)
             w["share"].append(result.copy_share)
+            w["sources"] = [a + b for a, b in zip(w["sources"], result.source_sums)] or w["sources"]
         w["time"] += seconds
         w["data_wait"] += result.data_wait_s
         w["steps"] += 1
@@ -102,6 +126,7 @@ class RunLog:
             "step_time_s": w["time"] / w["steps"], "data_wait_s": waits[0], "data_wait_max_s": max(waits),
             "data_wait_max_rank": waits.index(max(waits)),
         }
+        record["sources"] = self.sources_record(w["sources"])  # per source: token means over the window's good steps
         self.record("train", record)
         self.info(f"step {step:>6}/{self.total_steps} | loss {record['loss']:.4f} | lm {record['lm_loss']:.4f} | "
                   f"copy share {record['copy_share']:.3f} | lr {record['lr']:.2e} | grad norm {result.grad_norm:.3f} | "
@@ -111,6 +136,15 @@ class RunLog:
                   + (f" | data wait {max(waits):.3f}s (rank {record['data_wait_max_rank']}{self.hosts.on_host(record['data_wait_max_rank'])})"
                      if max(waits) > 0.05 * record["step_time_s"] else ""))
         self._new_window()
+
+    def spike(self, step: int, spike, skipped: bool, source_sums) -> None:
+        """A loss or grad-norm spike (cplm_dist.train.stability): its record and one line, with the
+        sources of its batch (their trained tokens)."""
+        sources = {name: f["tokens"] for name, f in source_figures(source_sums, self.source_names).items()}
+        self.record("spike", {"step": step, **spike.as_record(), "skipped": skipped, "sources": sources})
+        self.info(f"step {step}: {spike.metric} spike {spike.value:.4g} ({spike.zscore:.1f} std above the window's mean "
+                  f"{spike.mean:.4g}){'; update skipped' if skipped else ''}; batch sources: "
+                  + ", ".join(f"{n} {k:,} tokens" for n, k in sources.items()))
 
     def _per_rank(self, seconds: float) -> list[float]:
         """Every rank's figure (all ranks call this together): peak memory, data wait. Step times are equal on every rank
@@ -139,9 +173,9 @@ class RunLog:
         self.jsonl.write(json.dumps({"event": event, **values}) + "\n")
         step = values.get("step")
         if self.tb is not None and step is not None:
-            for key, value in values.items():
-                if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
-                    self.tb.add_scalar(f"{event}/{key}", value, step)
+            for key, value in flat_values(event, values).items():  # per-source figures as <event>/sources/<name>/<figure>
+                if isinstance(value, (int, float)) and math.isfinite(value):
+                    self.tb.add_scalar(key, value, step)
         if self.wandb is not None and step is not None:
             self.wandb.log(wandb_values(event, values), step=step)
 

@@ -33,7 +33,8 @@ from typing import Iterator
 import torch
 
 from cplm_dist.config import Config
-from cplm_dist.data.loader import model_inputs
+from cplm_dist.config.stages import source_names
+from cplm_dist.data.loader import label_inputs, model_inputs
 from cplm_dist.distributed import ParallelDims, synchronize
 from cplm_dist.model.cplm import build_model
 from cplm_dist.model.parallel.pipeline import build_pipeline_model
@@ -41,6 +42,7 @@ from cplm_dist.model.parallel.reduction import BatchSums, ReduceGroups
 from cplm_dist.model.parallel.stages import loss_stage
 from cplm_dist.train.engine import build_engine
 from cplm_dist.train.optim import grad_norm
+from cplm_dist.train.stability import SpikeMonitor
 
 
 @dataclass
@@ -52,6 +54,10 @@ class StepResult:
     lr: float  # the learning rate this step used
     skipped: bool  # the optimizer skipped the update (a non-finite gradient on some rank)
     data_wait_s: float = 0.0  # this rank's time blocked on its micro-batches (not synchronised: shows stragglers)
+    # per source: summed nll, LM-only nll, copy share, trained tokens over dp x cp (BatchFigures.source_sums)
+    source_sums: tuple[float, ...] = ()
+    spikes: tuple = ()  # the step's loss / grad-norm spikes (cplm_dist.train.stability.Spike)
+    spike_skipped: bool = False  # train.skip_spikes skipped this update (its loss spiked)
 
     @property
     def bad(self) -> bool:
@@ -78,13 +84,34 @@ class TrainStep:
         self.device = engine.device
         self.groups = ReduceGroups.of(dims, loss_stage(cfg))
         # the pipeline's last stage adds to its module's sums inside DeepSpeed's schedule
-        self.sums = engine.module.sums if dims.pp_size > 1 else BatchSums(self.device)
+        self.sums = engine.module.sums if dims.pp_size > 1 else BatchSums(self.device, len(source_names(cfg)))
+        self.monitor = SpikeMonitor(cfg.train)
+        self._figures = None  # the batch's figures, when the spike check reduced them before the update
+        self.last_batch = None  # the last micro-batch read (pp = 1): train.diagnostics_interval measures it
+        if self.monitor.skip:
+            optimizer.skip_check = self._loss_spikes
+
+    def _loss_spikes(self) -> bool:
+        """In the optimizer step, on every rank: the batch's loss (reduced now, kept for the result) spikes."""
+        self._figures = self.groups.reduce(self.sums)
+        return self.monitor.skips(self._figures.loss)
+
+    def _result(self, figures, norm, lr: float, skipped_before: int, data_wait: float) -> StepResult:
+        """The step's result, its spikes observed (the monitor's windows advance)."""
+        norm = float(norm) if norm is not None else float("nan")
+        spiked = self.optimizer.skipped_spike
+        skipped = self.optimizer.skipped_last or (self.engine.skipped_steps > skipped_before and not spiked)
+        result = StepResult(figures.loss, figures.lm_loss, figures.copy_share, norm, lr, skipped, data_wait,
+                            figures.source_sums, spike_skipped=spiked)
+        result.spikes = tuple(self.monitor.observe(result.loss, norm, result.bad))
+        return result
 
     def __call__(self, batches: Iterator[dict], *, inject_nonfinite: bool = False, phases: dict | None = None) -> StepResult:
         if self.dims.pp_size > 1:
             return self._pipeline_step(batches, inject_nonfinite, phases)
         engine, device = self.engine, self.device
         sums = self.sums.zero_()
+        self._figures = None
         skipped_before = engine.skipped_steps
         norm = None
         lr = self.scheduler.get_last_lr()[0]  # this step's rate: engine.step() advances the schedule
@@ -93,34 +120,35 @@ class TrainStep:
             waited = time.perf_counter()
             batch = next(batches)
             data_wait += time.perf_counter() - waited
+            source = batch.get("source")  # the rows' source ids (per-source sums)
+            self.last_batch = batch
             inputs = model_inputs(batch, device)  # ids, labels (and position_ids: data.document_mask)
             labels = inputs[1]
             with _phase(phases, "forward", device):
                 out = engine(*inputs)
                 nll = out.nll * float("nan") if inject_nonfinite else out.nll
-                loss = sums.add(nll, out.lm_nll, out.copy_share, labels, self.groups.sequence_tokens(labels))
+                loss = sums.add(nll, out.lm_nll, out.copy_share, labels, self.groups.sequence_tokens(labels), source)
             with _phase(phases, "backward", device):
                 engine.backward(loss)
             if engine.is_gradient_accumulation_boundary():
-                self.optimizer.skipped_last = False
+                self.optimizer.skipped_last = self.optimizer.skipped_spike = False
                 if self.zero_stage == 0:  # DeepSpeed reports no norm at stage 0
                     norm = grad_norm(engine.module, self.dims.tp_group)
             with _phase(phases, "optimizer", device):
                 engine.step()
-        figures = self.groups.reduce(sums)
+        figures = self._figures or self.groups.reduce(sums)
         if norm is None:
             norm = engine.get_global_grad_norm()
-        skipped = self.optimizer.skipped_last or engine.skipped_steps > skipped_before
-        return StepResult(figures.loss, figures.lm_loss, figures.copy_share, float(norm) if norm is not None else float("nan"),
-                          lr, skipped, data_wait)
+        return self._result(figures, norm, lr, skipped_before, data_wait)
 
     def _pipeline_step(self, batches, inject_nonfinite: bool, phases: dict | None) -> StepResult:
         engine = self.engine
         lr = self.scheduler.get_last_lr()[0]
         skipped_before = engine.skipped_steps
-        self.optimizer.skipped_last = False
+        self.optimizer.skipped_last = self.optimizer.skipped_spike = False
         engine.module.inject_nonfinite = inject_nonfinite
         self.sums.zero_()
+        self._figures = None
         wait = [0.0]
 
         def micro_batches():
@@ -128,18 +156,16 @@ class TrainStep:
                 waited = time.perf_counter()
                 batch = next(batches)
                 wait[0] += time.perf_counter() - waited
-                yield model_inputs(batch), batch["labels"]  # position_ids (data.document_mask) carried like ids
+                yield model_inputs(batch), label_inputs(batch)  # position_ids (data.document_mask) carried like ids
 
         reads = engine.is_first_stage() or engine.is_last_stage()  # DeepSpeed's rule: they load micro-batches
         with _phase(phases, "pipeline", self.device):
             engine.train_batch(data_iter=micro_batches() if reads else None)
         if not reads and hasattr(batches, "skip"):  # the position a checkpoint stores: what the other stages read
             batches.skip(self.accumulation)
-        figures = self.groups.reduce(self.sums)  # the last stage's sums, over dp x cp, then to every stage
+        figures = self._figures or self.groups.reduce(self.sums)  # the last stage's sums, over dp x cp, then to every stage
         norm = getattr(self.optimizer, "grad_norm", None) if self.zero_stage == 0 else engine.get_global_grad_norm()
-        skipped = self.optimizer.skipped_last or engine.skipped_steps > skipped_before
-        return StepResult(figures.loss, figures.lm_loss, figures.copy_share,
-                          float(norm) if norm is not None else float("nan"), lr, skipped, wait[0])
+        return self._result(figures, norm, lr, skipped_before, wait[0])
 
 
 def build_training_model(cfg: Config, dims: ParallelDims, device: torch.device) -> torch.nn.Module:

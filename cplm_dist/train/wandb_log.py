@@ -103,5 +103,19 @@ def _init(cfg: Config, log_dir: Path):
 
 
 def wandb_values(event: str, values: dict) -> dict:
-    """A metrics.jsonl record as W&B keys (`<event>/<key>`), numbers and strings only."""
-    return {f"{event}/{k}": v for k, v in values.items() if k != "step" and isinstance(v, (int, float, str))}
+    """A metrics.jsonl record as W&B keys (`<event>/<key>`, nested records as `<event>/<key>/<sub>/...`:
+    the per-source figures), numbers and strings only."""
+    return {k: v for k, v in flat_values(event, values).items() if isinstance(v, (int, float, str))}
+
+
+def flat_values(prefix: str, values: dict) -> dict:
+    """{"<prefix>/<key>[/<sub>...]": value} of a record without its step: nested dicts flattened."""
+    out = {}
+    for key, value in values.items():
+        if key == "step" and "/" not in prefix:
+            continue
+        if isinstance(value, dict):
+            out.update(flat_values(f"{prefix}/{key}", value))
+        else:
+            out[f"{prefix}/{key}"] = value
+    return out

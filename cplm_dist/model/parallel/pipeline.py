@@ -36,6 +36,7 @@ from __future__ import annotations
 import torch
 
 from cplm_dist.config import Config
+from cplm_dist.config.stages import source_names
 from cplm_dist.distributed import ParallelDims
 from cplm_dist.megatron_compat import import_deepspeed
 from cplm_dist.model.block import TransformerLayer
@@ -139,7 +140,7 @@ class PipelineStages:
 
         self.cfg, self.dims = cfg, dims
         self.inject_nonfinite = False
-        self.sums, self.groups = BatchSums(device), ReduceGroups.of(dims, loss_stage(cfg))
+        self.sums, self.groups = BatchSums(device, len(source_names(cfg))), ReduceGroups.of(dims, loss_stage(cfg))
         # the model axis tp x cp wide: Megatron's rank order (cplm_dist.model.parallel.pipeline_grid)
         topology = PipeModelDataParallelTopology(num_pp=dims.pp_size, num_mp=dims.tp_size * dims.cp_size, num_dp=dims.dp_size)
         super().__init__(layer_specs(cfg, dims, device, dtype), topology=topology, loss_fn=self.micro_batch_loss,
@@ -200,17 +201,19 @@ class PipelineStages:
         with torch.no_grad():
             super()._synchronize_tied_weights()
 
-    def micro_batch_loss(self, out: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def micro_batch_loss(self, out: torch.Tensor, labels) -> torch.Tensor:
         """The last stage's loss function: the micro-batch's loss (this rank's part of its mean over
         the whole sequences), its figures added to `sums`; evaluating, its summed nll and tokens
-        (the validation loss is per token over all micro-batches)."""
+        (the validation loss is per token over all micro-batches). `labels`: the labels, or
+        (labels, source) where the rows' sources travel with them (the per-source sums)."""
+        labels, source = labels if isinstance(labels, (tuple, list)) else (labels, None)
         nll, lm_nll, share = out
         if not self.training:
-            self.sums.add_tokens(nll, labels)
+            self.sums.add_tokens(nll, labels, source, lm_nll, share)
             return nll.sum() / (labels != IGNORE_INDEX).sum()  # eval_batch's own figure, not read
         if self.inject_nonfinite:
             nll = nll * float("nan")
-        return self.sums.add(nll, lm_nll, share, labels, self.groups.sequence_tokens(labels))
+        return self.sums.add(nll, lm_nll, share, labels, self.groups.sequence_tokens(labels), source)
 
 
 def pipeline_module_class(schedule: str = "1f1b"):

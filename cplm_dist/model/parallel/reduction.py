@@ -10,6 +10,13 @@ and reduce them with `ReduceGroups.reduce`; only the groups differ.
     sums.add_tokens(out.nll, labels)                # evaluation: the summed nll and tokens only
     figures = groups.reduce(sums)                   # the same BatchFigures on every rank
 
+Per source (the blend entry a row came from: the batch's "source", cplm_dist.data.loader), with
+`BatchSums(device, sources=S)` and `source=` on add / add_tokens, each row's summed nll, LM-only
+nll, copy share and trained tokens go to its source's four sums, in the same all-reduce;
+`figures.per_source(names)` gives each source's token-weighted loss, lm_loss, copy_share and
+tokens. Their token-weighted mean is `token_loss`, which is `loss` where the micro-batches carry
+equal tokens.
+
 A batch is `n` micro-batches on each of dp replicas. Under context parallelism the cp ranks of a
 replica hold parts of the same sequences (cplm_dist.model.parallel.context), so a micro-batch's
 token count is summed over cp and each cp rank's loss is its own tokens' share of the sequences'
@@ -22,7 +29,7 @@ Over dp the micro-batches are different ones, and their means are averaged. Two 
 
 At pp > 1 the loss stage holds the sums (its loss function adds them; the last pipeline rank under
 1F1B, rank 0 under DualPipeV): it reduces them over its
-dp x cp group and broadcasts the figures to the other stages over pp. One all-reduce of six
+dp x cp group and broadcasts the figures to the other stages over pp. One all-reduce of 6 + 4 x sources
 float64 numbers a batch, whatever the layout.
 """
 
@@ -36,6 +43,7 @@ import torch.distributed as dist
 from cplm_dist.model.loss import IGNORE_INDEX
 
 PARTS, MICRO_BATCHES, NLL, TOKENS = slice(0, 3), 3, 4, 5  # BatchSums.values
+SOURCES = 6  # then per source: nll, LM-only nll, copy share, trained tokens (4 x sources)
 
 
 @dataclass(frozen=True)
@@ -45,35 +53,62 @@ class BatchFigures:
     copy_share: float  # mean share of the next-token mass the copy side holds
     token_loss: float  # summed nll over summed trained tokens (validation, evaluation)
     tokens: int  # trained tokens over dp x cp
+    source_sums: tuple[float, ...] = ()  # per source: summed nll, LM-only nll, copy share, trained tokens
+
+    def per_source(self, names: list[str]) -> dict[str, dict]:
+        """{name: {loss, lm_loss, copy_share, tokens}} of the sources with tokens in this batch."""
+        return source_figures(self.source_sums, names)
+
+
+def source_figures(sums, names: list[str]) -> dict[str, dict]:
+    """Per-source token means from summed (nll, LM-only nll, copy share, tokens) x sources."""
+    out = {}
+    for i, name in enumerate(names):
+        nll, lm, share, tokens = sums[4 * i: 4 * i + 4] if 4 * i + 4 <= len(sums) else (0.0, 0.0, 0.0, 0.0)
+        if tokens > 0:
+            out[name] = {"loss": nll / tokens, "lm_loss": lm / tokens, "copy_share": share / tokens, "tokens": int(tokens)}
+    return out
 
 
 class BatchSums:
     """A rank's running sums of a batch's micro-batches, float64: the parts of the micro-batches'
     means (loss, LM-only loss, copy share), the micro-batches, the summed nll and the trained tokens."""
 
-    def __init__(self, device=None):
-        self.values = torch.zeros(6, dtype=torch.float64, device=device)
+    def __init__(self, device=None, sources: int = 0):
+        self.sources = sources
+        self.values = torch.zeros(SOURCES + 4 * sources, dtype=torch.float64, device=device)
 
     def zero_(self) -> BatchSums:
         self.values.zero_()
         return self
 
     def add(self, nll: torch.Tensor, lm_nll: torch.Tensor, share: torch.Tensor, labels: torch.Tensor,
-            tokens: torch.Tensor) -> torch.Tensor:
+            tokens: torch.Tensor, source: torch.Tensor | None = None) -> torch.Tensor:
         """Add a micro-batch of per-token terms (nll, LM-only nll, copy share; 0 where labels are
         ignored) whose whole sequences hold `tokens` trained tokens (`ReduceGroups.sequence_tokens`);
-        return its loss, this rank's part of the micro-batch's mean (the tensor backward runs on)."""
+        return its loss, this rank's part of the micro-batch's mean (the tensor backward runs on).
+        `source` (B,): each row's source id, for the per-source sums."""
         loss = nll.sum() / tokens
         parts = torch.stack([loss.detach().double(), (lm_nll.sum() / tokens).double(), (share.sum() / tokens).double()])
         self.values[PARTS] += parts.detach()
         self.values[MICRO_BATCHES] += 1
-        self.add_tokens(nll.detach(), labels)
+        self.add_tokens(nll.detach(), labels, source, lm_nll.detach(), share.detach())
         return loss
 
-    def add_tokens(self, nll: torch.Tensor, labels: torch.Tensor) -> None:
-        """Add a micro-batch's summed nll and trained-token count (the token mean's terms alone)."""
+    def add_tokens(self, nll: torch.Tensor, labels: torch.Tensor, source: torch.Tensor | None = None,
+                   lm_nll: torch.Tensor | None = None, share: torch.Tensor | None = None) -> None:
+        """Add a micro-batch's summed nll and trained-token count (the token mean's terms alone),
+        and with `source` its rows' sums to their sources' (LM-only nll and share where given)."""
+        kept = (labels != IGNORE_INDEX).to(self.values.device).double()
         self.values[NLL] += nll.double().sum()
-        self.values[TOKENS] += (labels != IGNORE_INDEX).sum().to(self.values.device).double()
+        self.values[TOKENS] += kept.sum()
+        if source is None or self.sources == 0:
+            return
+        zero = torch.zeros_like(kept)
+        rows = torch.stack([t.double().flatten(1).sum(1) for t in
+                            (nll, zero if lm_nll is None else lm_nll, zero if share is None else share, kept)])
+        per_source = self.values[SOURCES:].view(self.sources, 4)
+        per_source.index_add_(0, source.to(self.values.device).long(), rows.t().to(self.values.device))
 
 
 @dataclass(frozen=True)
@@ -120,4 +155,5 @@ class ReduceGroups:
             dist.broadcast(values, src=self.pp_source, group=self.pp)
         means = values[PARTS] / (values[MICRO_BATCHES] / self.cp_size)  # n x dp micro-batches, each counted cp times
         loss, lm_loss, share = means.tolist()
-        return BatchFigures(loss, lm_loss, share, float(values[NLL] / values[TOKENS]), int(values[TOKENS]))
+        return BatchFigures(loss, lm_loss, share, float(values[NLL] / values[TOKENS]), int(values[TOKENS]),
+                            tuple(values[SOURCES:].tolist()))
