@@ -226,3 +226,12 @@ def test_bad_cp_layouts_get_one_line(small_data, cp_training, tmp_path):
         "error: parallel.tp=1 x parallel.cp=2 x parallel.pp=1 = 2 does not divide WORLD_SIZE=3 (dp = world / (tp x cp x pp) "
         "must be whole; tp x cp x pp must be one of [1, 3])")
     assert not fresh.exists()
+
+
+def test_per_source_figures_at_cp2_dp2_equal_the_step_re_scored(small_data, cp_training):
+    """Per source, reduced over dp x cp (each cp rank's chunk tokens, the rows' sources whole):
+    step 1's figures equal one process re-scoring each source's samples of that step."""
+    from tests.source_reference import assert_first_step_sources_rescored
+
+    args = _cp_args(small_data, cp_training / "cp2-dp2-z1", "train.micro_batch_size=2", "train.zero_stage=1", "parallel.cp=2")
+    assert_first_step_sources_rescored(cp_training / "cp2-dp2-z1", args, tolerance=1e-5)

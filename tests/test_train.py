@@ -636,3 +636,11 @@ def test_zero_settings_reach_deepspeed():
                     "allgather_bucket_size": 500_000_000, "stage3_prefetch_bucket_size": 77}
     default = deepspeed_config(load_config(REPO / "configs/quickstart.yaml"), dims)["zero_optimization"]
     assert default["overlap_comm"] is torch.cuda.is_available()  # null: overlap where there are CUDA streams
+
+
+def test_per_source_figures_at_pp2_equal_the_step_re_scored(small_data, pp2_run):
+    """The pipeline's loss stage adds each row to its source's sums ((labels, source) travel
+    together): step 1's per-source losses equal one process re-scoring each source's samples."""
+    from tests.source_reference import assert_first_step_sources_rescored
+
+    assert_first_step_sources_rescored(pp2_run, _pp_args(small_data, pp2_run, 1, "parallel.pp=2", "train.zero_stage=1"))

@@ -253,6 +253,7 @@ class TrainConfig:
     lock_stale_minutes: float = resumable(10.0)  # out_dir's run lock: a holder on another host silent this long is gone (checkpoint.run_lock)
     exit_at_step: int | None = resumable(None)  # save and exit once this step is done (a time-sliced job; Megatron's --exit-interval)
     inject_nonfinite_at: list[int] = resumable(default_factory=list)  # fault injection (tests): NaN loss at these steps
+    inject_spike_at: list[int] = resumable(default_factory=list)  # fault injection: the loss (and gradients) x 10 at these steps
     # spikes (cplm_dist.train.stability): a loss or grad norm above mean + spike_zscore x std of the last
     # spike_window good steps is logged with its batch's sources; 0 = off
     spike_window: int = resumable(128)

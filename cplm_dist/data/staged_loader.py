@@ -2,7 +2,7 @@
 (cplm_dist.config.stages; data.blend is one stage), each over its own megatron dataset and with its own
 position, and the step that says which one reads.
 
-    data, loader = build_train_data(cfg, dims, tokenizer, valid_samples, saved=state["loader"], step=step)
+    data, loader = build_train_data(cfg, dims, tokenizer, valid_samples, saved=client_state, step=step)
     loader.at_step(step)          # before each optimizer step: the stage step + 1 belongs to
     batch = next(loader)          # that stage's next micro-batch ("source": the run's source ids)
 
@@ -53,15 +53,20 @@ class StagedLoader:
         return sum(self.stage_consumed())
 
     def state_dict(self) -> dict:
-        return {"consumed_samples": self.consumed_samples,
-                "stages": [{"consumed_samples": c, "size": n} for c, n in zip(self.stage_consumed(), self.sizes)]}
+        """ResumableLoader's state: the samples consumed over all stages."""
+        return {"consumed_samples": self.consumed_samples}
+
+    def stages_state(self) -> list[dict]:
+        """Each stage's position and dataset size (the checkpoint's "data_stages")."""
+        return [{"consumed_samples": c, "size": n} for c, n in zip(self.stage_consumed(), self.sizes)]
 
 
 def saved_positions(saved: dict | None, stages: int) -> list[dict]:
-    """[{consumed_samples, size}] per stage from a loader state (size 0: not recorded)."""
+    """[{consumed_samples, size}] per stage from a checkpoint's client state (its "data_stages";
+    without them, as saved before stages existed: stage 0 at the loader's position, size 0: not recorded)."""
     if not saved:
         return [{"consumed_samples": 0, "size": 0} for _ in range(stages)]
-    recorded = saved.get("stages") or [{"consumed_samples": int(saved["consumed_samples"]), "size": 0}]
+    recorded = saved.get("data_stages") or [{"consumed_samples": int(saved["loader"]["consumed_samples"]), "size": 0}]
     recorded = [{"consumed_samples": int(r["consumed_samples"]), "size": int(r.get("size", 0))} for r in recorded]
     return (recorded + [{"consumed_samples": 0, "size": 0}] * stages)[:stages]
 
@@ -86,7 +91,7 @@ def stage_sizes(cfg: Config, positions: list[dict], step: int, info=print) -> li
 def build_train_data(cfg: Config, dims, tokenizer, valid_samples: int, saved: dict | None = None, step: int = 0,
                      context=None, pin_memory: bool = False, info=print) -> tuple[Datasets, StagedLoader]:
     """(the last stage's Datasets: its valid split is validation's, StagedLoader over every stage not
-    yet ended at `step`) from the loader state `saved` of a checkpoint at `step` (None: a fresh run)."""
+    yet ended at `step`) from the client state `saved` of a checkpoint at `step` (None: a fresh run)."""
     stages = stages_of(cfg)
     positions = saved_positions(saved, len(stages))
     sizes = stage_sizes(cfg, positions, step, info)

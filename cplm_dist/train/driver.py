@@ -57,6 +57,7 @@ from cplm_dist.train.wandb_log import check_wandb
 
 EXIT_BAD_STEPS = 3
 EXIT_LOST_RANK = 4
+SPIKE_FACTOR = 10.0  # train.inject_spike_at: the planted spike's loss factor
 
 
 class StopDuringStartup(Exception):
@@ -186,7 +187,7 @@ def train(cfg: Config, dims: ParallelDims, accumulation: int, resume: Manifest |
 
     # 7. data: megatron's blended GPTDatasets per data stage, our resumable loader at the resumed position
     stop.enter("indexing the data")
-    data, loader = build_train_data(cfg, dims, tokenizer, samples[1], state.get("loader"), step, context_of(dims),
+    data, loader = build_train_data(cfg, dims, tokenizer, samples[1], state, step, context_of(dims),
                                     pin_memory=device.type == "cuda", info=print if dims.is_first else lambda _: None)
     skipped_in_a_row = 0
     log = RunLog(cfg, dims, device, step)
@@ -210,7 +211,8 @@ def train(cfg: Config, dims: ParallelDims, accumulation: int, resume: Manifest |
                 return 0
             step_start = time.perf_counter()
             loader.at_step(step)  # the data stage of step + 1 (cplm_dist.config.stages)
-            result = train_step(loader, inject_nonfinite=step + 1 in t.inject_nonfinite_at)
+            result = train_step(loader, inject_nonfinite=step + 1 in t.inject_nonfinite_at,
+                                inject_scale=SPIKE_FACTOR if step + 1 in t.inject_spike_at else 1.0)
             step += 1
             if stop.heartbeat is not None:
                 stop.heartbeat.update(step=step)
@@ -296,7 +298,8 @@ def save_and_log(ckpt: Checkpointer, engine, log: RunLog, step: int, reason: str
     start = time.perf_counter()
     if ckpt.background is not None:  # the next save waits for the previous one
         log_completed(log, step, ckpt.finish())
-    path, written = ckpt.save(engine, step, loader.consumed_samples, {"loader": loader.state_dict(), **client_state})
+    path, written = ckpt.save(engine, step, loader.consumed_samples, {"loader": loader.state_dict(),
+                                                                      "data_stages": loader.stages_state(), **client_state})
     blocked = f"; the step loop blocked {time.perf_counter() - start:.2f}s" if written else ""
     if written and ckpt.background is not None:
         log.info(f"step {step}: saving {path} in the background ({reason}{blocked})")

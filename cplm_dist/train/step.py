@@ -106,10 +106,14 @@ class TrainStep:
         result.spikes = tuple(self.monitor.observe(result.loss, norm, result.bad))
         return result
 
-    def __call__(self, batches: Iterator[dict], *, inject_nonfinite: bool = False, phases: dict | None = None) -> StepResult:
+    def __call__(self, batches: Iterator[dict], *, inject_nonfinite: bool = False, inject_scale: float = 1.0,
+                 phases: dict | None = None) -> StepResult:
+        """inject_nonfinite / inject_scale: fault injection (train.inject_nonfinite_at, train.inject_spike_at):
+        the step's loss made NaN / multiplied by inject_scale, its gradients with it."""
         if self.dims.pp_size > 1:
-            return self._pipeline_step(batches, inject_nonfinite, phases)
+            return self._pipeline_step(batches, inject_nonfinite, phases, inject_scale)
         engine, device = self.engine, self.device
+        factor = float("nan") if inject_nonfinite else inject_scale  # fault injection (nan != 1)
         sums = self.sums.zero_()
         self._figures = None
         skipped_before = engine.skipped_steps
@@ -126,7 +130,7 @@ class TrainStep:
             labels = inputs[1]
             with _phase(phases, "forward", device):
                 out = engine(*inputs)
-                nll = out.nll * float("nan") if inject_nonfinite else out.nll
+                nll = out.nll if factor == 1 else out.nll * factor
                 loss = sums.add(nll, out.lm_nll, out.copy_share, labels, self.groups.sequence_tokens(labels), source)
             with _phase(phases, "backward", device):
                 engine.backward(loss)
@@ -141,12 +145,12 @@ class TrainStep:
             norm = engine.get_global_grad_norm()
         return self._result(figures, norm, lr, skipped_before, data_wait)
 
-    def _pipeline_step(self, batches, inject_nonfinite: bool, phases: dict | None) -> StepResult:
+    def _pipeline_step(self, batches, inject_nonfinite: bool, phases: dict | None, inject_scale: float = 1.0) -> StepResult:
         engine = self.engine
         lr = self.scheduler.get_last_lr()[0]
         skipped_before = engine.skipped_steps
         self.optimizer.skipped_last = self.optimizer.skipped_spike = False
-        engine.module.inject_nonfinite = inject_nonfinite
+        engine.module.inject_nonfinite, engine.module.inject_scale = inject_nonfinite, inject_scale
         self.sums.zero_()
         self._figures = None
         wait = [0.0]

@@ -139,7 +139,7 @@ class PipelineStages:
         from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
         self.cfg, self.dims = cfg, dims
-        self.inject_nonfinite = False
+        self.inject_nonfinite, self.inject_scale = False, 1.0  # fault injection (cplm_dist.train.step)
         self.sums, self.groups = BatchSums(device, len(source_names(cfg))), ReduceGroups.of(dims, loss_stage(cfg))
         # the model axis tp x cp wide: Megatron's rank order (cplm_dist.model.parallel.pipeline_grid)
         topology = PipeModelDataParallelTopology(num_pp=dims.pp_size, num_mp=dims.tp_size * dims.cp_size, num_dp=dims.dp_size)
@@ -211,8 +211,8 @@ class PipelineStages:
         if not self.training:
             self.sums.add_tokens(nll, labels, source, lm_nll, share)
             return nll.sum() / (labels != IGNORE_INDEX).sum()  # eval_batch's own figure, not read
-        if self.inject_nonfinite:
-            nll = nll * float("nan")
+        if self.inject_nonfinite or self.inject_scale != 1:
+            nll = nll * (float("nan") if self.inject_nonfinite else self.inject_scale)
         return self.sums.add(nll, lm_nll, share, labels, self.groups.sequence_tokens(labels), source)
 
 
