@@ -6,6 +6,7 @@ prompt of --prompt tokens (a span said twice, so the copy head has something to 
     python tools/bench_hf_generate.py --config cplm-135m --json out.json
     python tools/bench_hf_generate.py --config configs/quickstart.yaml --override copy.mix=joint
     python tools/bench_hf_generate.py --export hf/my-run                # an existing export directory
+    python tools/bench_hf_generate.py --config configs/quickstart.yaml --peer   # and stock Llama, copy off
 
 Without --export, the config's model (copy on, random weights) is built with cplm_dist and written
 as tools/export_hf.py writes it (cplm_dist.interop.hf.directory.write_hf_dir), into a temporary directory; the
@@ -40,7 +41,7 @@ def export(config: str, overrides: list[str], directory: Path, dtype: torch.dtyp
     from cplm_dist.model import build_model
     from cplm_dist.model.parallel.sharding import full_state_dict
 
-    cfg = load_config(config, ["copy.enabled=true", *overrides])
+    cfg = load_config(config, ["copy.enabled=true", *overrides])  # a later copy.enabled=false wins
     init_distributed(1)
     torch.manual_seed(0)
     model = build_model(cfg).eval()
@@ -70,6 +71,20 @@ def time_generate(model, prompt: torch.Tensor, new_tokens: int, use_cache: bool,
             seconds.append(time.perf_counter() - start)
     return {"seconds": statistics.median(seconds), "positions_fed": sum(fed), "forwards": len(fed),
             "tokens": tokens[0, prompt.shape[1]:].tolist()}
+
+
+def stock_copy_off(args):
+    """--peer: the same config copy off, exported (no remote code) and loaded as transformers'
+    stock class of the backbone (LlamaForCausalLM for llama), its generation set as ours."""
+    from transformers import AutoModelForCausalLM
+
+    with tempfile.TemporaryDirectory() as tmp:
+        export(args.config, [*args.override, "copy.enabled=false"], Path(tmp), DTYPES[args.dtype])
+        model = AutoModelForCausalLM.from_pretrained(tmp, dtype=DTYPES[args.dtype])
+    model = model.to(args.device).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
 
 
 def check_copy_on_export(directory: Path) -> None:
@@ -104,11 +119,14 @@ def run(args) -> dict:
     prompt = torch.cat([span, span], dim=1)[:, :args.prompt].to(args.device)
     modes = {name: time_generate(model, prompt, args.new_tokens, use_cache, args.repeats)
              for name, use_cache in (("cached", True), ("uncached", False))}
+    if args.peer:
+        modes["stock_copy_off"] = time_generate(stock_copy_off(args), prompt, args.new_tokens, True, args.repeats)
     return {"model": type(model).__name__, "config": args.export or args.config, "override": args.override,
             "params": sum(p.numel() for p in model.parameters()), "dtype": args.dtype, "device": args.device,
             "threads": torch.get_num_threads(), "prompt": args.prompt, "new_tokens": args.new_tokens,
             "repeats": args.repeats, "same_tokens": modes["cached"]["tokens"] == modes["uncached"]["tokens"],
             "speedup": modes["uncached"]["seconds"] / modes["cached"]["seconds"],
+            **({"copy_on_vs_stock": modes["cached"]["seconds"] / modes["stock_copy_off"]["seconds"]} if args.peer else {}),
             "modes": {name: {k: v for k, v in m.items() if k != "tokens"} for name, m in modes.items()}}
 
 
@@ -121,6 +139,8 @@ def table(result: dict) -> str:
         lines.append(f"{name:<9} {m['seconds']:>8.3f} {result['new_tokens'] / m['seconds']:>9.1f} {m['forwards']:>9} "
                      f"{m['positions_fed']:>14}")
     lines.append(f"speedup {result['speedup']:.2f}x; same tokens: {'yes' if result['same_tokens'] else 'NO'}")
+    if "copy_on_vs_stock" in result:
+        lines.append(f"copy-on export / stock copy-off export (cached, seconds): {result['copy_on_vs_stock']:.3f}")
     return "\n".join(lines)
 
 
@@ -136,9 +156,13 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--json", help="also write the figures here")
+    p.add_argument("--peer", action="store_true", help="also the copy-off export of the same config as the backbone's "
+                   "stock transformers class (cached): the copy head's cost through transformers")
     args = p.parse_args(argv)
     if args.prompt < 1 or args.new_tokens < 1 or args.repeats < 1:
         raise UsageError(f"--prompt {args.prompt}, --new-tokens {args.new_tokens}, --repeats {args.repeats}: each must be >= 1")
+    if args.peer and args.export:
+        raise UsageError("--peer builds both exports from --config: leave out --export")
     result = run(args)
     print(table(result))
     if args.json:

@@ -8,7 +8,8 @@
     python tools/cplm_profile.py --config tiny --sweep zero=0,1,2 micro=1,2,4 --nproc 2     # each point a fresh launch
     python tools/cplm_profile.py --config cplm-135m --copy-overhead                 # copy on / off, alternating
     python tools/cplm_profile.py --config cplm-135m --peer                          # against transformers' Llama
-    python tools/cplm_profile.py --config cplm-135m --decode                        # KV-cache decoding, copy on / off
+    python tools/cplm_profile.py --config cplm-135m --decode                        # decoding, copy on / off (compiled step)
+    python tools/cplm_profile.py --config cplm-135m --decode --peer --decode-eager  # and transformers' generate, and eager
 
 Reports tokens/s (global, per device), the step-time breakdown (forward, backward, optimizer and
 its share of the step: AdamW's elementwise step, or Muon's Newton-Schulz and gathers;
@@ -59,6 +60,8 @@ def parser():
     p.add_argument("--decode-batches", type=int, nargs="+", default=[1, 8], metavar="B")
     p.add_argument("--decode-prompts", type=int, nargs="+", default=[512, 2048], metavar="T", help="prompt lengths")
     p.add_argument("--new-tokens", type=int, default=64, help="--decode: tokens generated after each prompt")
+    p.add_argument("--decode-eager", action="store_true", help="--decode: also the copy-off model's eager decode step")
+    p.add_argument("--no-compile", action="store_true", help="--decode: decode eager (no compiled step)")
     p.add_argument("--report", metavar="CSV", help="print a markdown table of a profile CSV and exit")
     return p
 
@@ -196,9 +199,10 @@ def peer(cfg: Config, args) -> dict:
 
 
 def decode(cfg: Config, args) -> dict:
-    """Decoding tokens/s, copy on and off, in the training precision (tp = 1: one process)."""
+    """Decoding through generate(): copy on and off (compiled unless --no-compile), with --peer
+    transformers' generate() on the copy-off weights, with --decode-eager the eager step (tp = 1)."""
     from cplm_dist.model import build_model
-    from cplm_dist.profiling.decoding import decode_overhead, markdown
+    from cplm_dist.profiling.decoding import Ours, Peer, decode_speed, markdown, peer_model
 
     longest = max(args.decode_prompts) + args.new_tokens
     if longest > cfg.model.max_seq_len:
@@ -206,16 +210,28 @@ def decode(cfg: Config, args) -> dict:
                          f"model.max_seq_len={cfg.model.max_seq_len}: add model.max_seq_len={longest} (RoPE extends)")
     if cfg.parallel.tp != 1 or cfg.parallel.pp != 1:
         raise UsageError("--decode measures one process: use parallel.tp=1 and parallel.pp=1")
+    if args.new_tokens < 2:
+        raise UsageError(f"--new-tokens {args.new_tokens}: --decode needs at least 2 (a token's time is a difference)")
     dims, device, seq, accumulation = setup(cfg, args)
     dtype = torch.bfloat16 if cfg.train.precision == "bf16" and device.type == "cuda" else torch.float32
     off = copy_off(cfg)
     cfg.copy.enabled = True
     models = {name: build_model(c, device=device, dtype=dtype, compile_layers=False, sequence_parallel=False).eval()
               for name, c in (("copy_on", cfg), ("copy_off", off))}
+    compiled = not args.no_compile
+    runs = {name: Ours(model, compiled) for name, model in models.items()}
+    if args.decode_eager:
+        runs["copy_off_eager"] = Ours(models["copy_off"], False)
+    if args.peer:
+        try:
+            runs["peer"] = Peer(peer_model(models["copy_off"], off, device))
+        except ImportError:
+            raise UsageError("--peer needs transformers: pip install -e '.[bench]'") from None
     points = [(b, t) for b in args.decode_batches for t in args.decode_prompts]
-    rows = decode_overhead(models, cfg.model.vocab_size, points, args.new_tokens, args.rounds, device, seed=cfg.seed)
+    rows = decode_speed(runs, cfg.model.vocab_size, points, args.new_tokens, args.rounds, device, seed=cfg.seed)
     print(markdown(rows), flush=True)
-    return {**describe(cfg, dims, seq, accumulation, args, "decode"), "dtype": str(dtype).removeprefix("torch."), "points": rows}
+    return {**describe(cfg, dims, seq, accumulation, args, "decode"), "dtype": str(dtype).removeprefix("torch."),
+            "compiled": compiled, "points": rows}
 
 
 # --- sweeps: each point a fresh launch of this tool ----------------------------------------------
@@ -249,7 +265,7 @@ def main(argv=None) -> int:
     cfg = load_from_args(args)
     from cplm_dist.distributed import destroy_distributed
 
-    mode = copy_overhead if args.copy_overhead else peer if args.peer else decode if args.decode else profile_one
+    mode = copy_overhead if args.copy_overhead else decode if args.decode else peer if args.peer else profile_one
     result = mode(cfg, args)
     if torch.distributed.get_rank() == 0:
         print(table(result), flush=True)

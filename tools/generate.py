@@ -5,7 +5,8 @@
     OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 tools/generate.py --checkpoint runs/tp2-run --prompt "..."
 
 With --mark-copies, tokens the copy head gave most of their probability are shown in [brackets].
-Decoding keeps a KV cache (and the copy head's keys); on tp ranks every rank samples the same token.
+Decoding runs the static-cache decoder with its compiled step (cplm_dist.model.static_decode;
+--no-compile: eager); on tp ranks every rank samples the same token.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--mark-copies", action="store_true")
     p.add_argument("--tokenizer", help="default: the run's data.tokenizer")
+    p.add_argument("--no-compile", action="store_true", help="decode eager (default: the compiled step where "
+                   "torch.compile works; CPLM_DECODE_COMPILE=0 does the same)")
     args = p.parse_args(argv)
     if args.max_new_tokens < 1 or args.temperature < 0 or args.top_k < 0 or not 0 < args.top_p <= 1:
         raise UsageError(f"--max-new-tokens {args.max_new_tokens}, --temperature {args.temperature}, --top-k {args.top_k}, "
@@ -55,7 +58,8 @@ def main(argv=None) -> int:
             raise UsageError(f"prompt {i}: {len(ids)} tokens + --max-new-tokens {args.max_new_tokens} must be in 1.."
                              f"{cfg.model.max_seq_len} (model.max_seq_len)")
         out = generate(model, torch.tensor([ids], device=device_of(model)), args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                       top_p=args.top_p, eos_id=tok.eod, seed=args.seed, mark_copies=args.mark_copies)
+                       top_p=args.top_p, eos_id=tok.eod, seed=args.seed, mark_copies=args.mark_copies,
+                       compile=False if args.no_compile else None)
         tokens = out.tokens[0].tolist()
         if tok.eod in tokens:
             tokens = tokens[: tokens.index(tok.eod)]

@@ -32,11 +32,11 @@ work=$(mktemp -d)
 if [ -n "${GPU_CHECK_SMOKE:-}" ]; then
   small=tiny; large=; seq=64; steps=(--warmup 0 --steps 1 --breakdown-steps 1 --rounds 1); micro_small=2
   extra=(train.precision=fp32); copy_bench=()  # the bench's own test runs it on CPU
-  decode=(--decode-batches 1 --decode-prompts 16 --new-tokens 4); trace=()
+  decode=(--decode-batches 1 --decode-prompts 16 --new-tokens 4 --no-compile); trace=()  # compiling: test_decoding.py
 else
   small=cplm-135m; large=cplm-1.7b; seq=2048; steps=(--warmup 3 --steps 10 --breakdown-steps 2 --rounds 3); micro_small=16
   extra=(train.precision=bf16); copy_bench=(--seq-lens 2048 8192 --batch 8 --hidden 2048 --vocab 64 --impls dense chunked flex --check 1e-3)
-  decode=(--decode-batches 1 8 --decode-prompts 512 2048 --new-tokens 64 model.max_seq_len=2112); trace=(--trace "$work/trace-135m.json")
+  decode=(--decode-batches 1 8 --decode-prompts 512 2048 --new-tokens 64 model.max_seq_len=2112 --peer --decode-eager); trace=(--trace "$work/trace-135m.json")
   { nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader
     "$PY" tools/gpu_ceiling.py; } 2>&1 | tee "$OUT/device.txt"
 fi

@@ -3,9 +3,11 @@
     out = generate(model, prompt_ids, max_new_tokens=32, temperature=0.8, top_p=0.95, mark_copies=True)
     out.tokens (B, n), out.copied (B, n): True where the copy head gave the chosen token most of its mass
 
-`model` is a CPLM (its `decode` keeps keys and values between steps, on any tp: every rank gets
-the gathered distribution and, sharing the seed, samples the same token) or anything with
-`next_token_logprobs(ids) -> (B, T, V)` (re-run on the whole prefix each step).
+`model` is a CPLM, decoded by its static-cache decoder (cplm_dist.model.static_decode: the cache
+preallocated, one compiled step a token, the greedy token from shard maxima without gathering the
+vocabulary; when sampling, every tp rank gets the gathered distribution and, sharing the seed,
+samples the same token), or anything with `next_token_logprobs(ids) -> (B, T, V)` (re-run on the
+whole prefix each step).
 """
 
 from __future__ import annotations
@@ -51,51 +53,82 @@ def choose(logprobs: torch.Tensor, temperature: float, top_k: int, top_p: float,
     return torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(logprobs.device)
 
 
+def prompt_rows(prompt) -> list[torch.Tensor]:
+    """The prompts of a batch, one 1-D tensor each: rows of a (B, T) tensor, or a list of
+    sequences of any lengths (a batch of unequal prompts)."""
+    if isinstance(prompt, torch.Tensor):
+        if prompt.dim() != 2:
+            raise ValueError(f"prompt of shape {tuple(prompt.shape)}: give (B, T) ids or a list of 1-D prompts")
+        return list(prompt.unbind(0))
+    return [torch.as_tensor(p, dtype=torch.long).reshape(-1) for p in prompt]
+
+
 @torch.no_grad()
-def generate(model, prompt: torch.Tensor, max_new_tokens: int, *, temperature: float = 0.0, top_k: int = 0,
+def generate(model, prompt, max_new_tokens: int, *, temperature: float = 0.0, top_k: int = 0,
              top_p: float = 1.0, eos_id: int | None = None, seed: int = 0, mark_copies: bool = False,
-             generator: torch.Generator | None = None, prefill_chunk: int | None = None) -> Generation:
-    """generator: a CPU generator that goes on across calls (repeated sampled requests then differ);
-    default: a fresh one seeded with `seed`. prefill_chunk: feed a long prompt this many tokens at
-    a time into the cache (`prefill`), so that no chunk's activations are the whole prompt's."""
+             generator: torch.Generator | None = None, prefill_chunk: int | None = None,
+             position_ids=None, compile: bool | None = None) -> Generation:
+    """prompt: (B, T) ids, or a list of B prompts of any lengths (each row then decodes as it
+    would alone: cplm_dist.model.static_cache pads them on the left). generator: a CPU generator
+    that goes on across calls (repeated sampled requests then differ); default: a fresh one seeded
+    with `seed`. prefill_chunk: feed a long prompt this many tokens at a time into the cache, so
+    that no chunk's activations are the whole prompt's. position_ids: per prompt (as the prompt is
+    given), document masking's positions. compile: the compiled decode step (None: where
+    torch.compile works, unless CPLM_DECODE_COMPILE=0; cplm_dist.model.static_decode)."""
     gen = generator if generator is not None else torch.Generator().manual_seed(seed)
-    cached = hasattr(model, "decode")
-    state = model.new_decode_state() if cached else None
-    ids, feed = prompt, prompt
-    if cached and prefill_chunk:
-        feed = prefill(model, prompt, state, prefill_chunk)
+    rows = prompt_rows(prompt)
+    device = device_of(model)
+    if not hasattr(model, "decode"):
+        return _generate_uncached(model, rows, max_new_tokens, temperature, top_k, top_p, eos_id, gen)
+    from cplm_dist.model.static_decode import decoder_for
+
+    decoder = decoder_for(model, compile)
+    greedy_mode = temperature <= 0
+    positions = None if position_ids is None else prompt_rows(position_ids)
+    out = decoder.prefill(rows, max_new_tokens, positions, prefill_chunk, greedy_mode=greedy_mode, mark_copies=mark_copies)
     tokens, copied = [], []
-    done = torch.zeros(prompt.shape[0], dtype=torch.bool, device=prompt.device)
-    for _ in range(max_new_tokens):
-        if cached:
-            logprobs, copy_part = model.decode(feed, state, with_copy_part=mark_copies, last_only=True)
-            logprobs = logprobs[:, -1]
-            copy_part = copy_part[:, -1] if copy_part is not None else None
+    done = torch.zeros(len(rows), dtype=torch.bool, device=device)
+    for i in range(max_new_tokens):
+        if greedy_mode:
+            nxt, mark = out
         else:
-            logprobs, copy_part = model.next_token_logprobs(ids)[:, -1], None
-        nxt = choose(logprobs, temperature, top_k, top_p, gen)
+            logprobs, copy_part = out
+            nxt = choose(logprobs, temperature, top_k, top_p, gen)
+            mark = None if copy_part is None else copied_mostly(copy_part, logprobs, nxt)
         if eos_id is not None:
             nxt = torch.where(done, torch.full_like(nxt, eos_id), nxt)
             done |= nxt == eos_id
         tokens.append(nxt)
-        if copy_part is not None:
-            chosen = lambda t: t.gather(-1, nxt[:, None]).squeeze(-1)  # noqa: E731
-            copied.append(chosen(copy_part) - chosen(logprobs) > math.log(0.5))
-        feed = nxt[:, None]
-        ids = torch.cat([ids, feed], dim=1)
-        if eos_id is not None and bool(done.all()):
+        if mark_copies and mark is not None:
+            copied.append(mark)
+        if i + 1 == max_new_tokens or (eos_id is not None and bool(done.all())):
             break
+        out = decoder.step(nxt, greedy_mode=greedy_mode, mark_copies=mark_copies)
     return Generation(torch.stack(tokens, dim=1), torch.stack(copied, dim=1) if copied else None)
 
 
-@torch.no_grad()
-def prefill(model, prompt: torch.Tensor, state, chunk: int) -> torch.Tensor:
-    """Feed all but the last `chunk`-or-fewer tokens of `prompt` into the decode `state`, `chunk`
-    at a time, reading nothing (decode's last_only keeps a chunk at (B, 1, V)); returns the rest,
-    whose feed gives the first new token's distribution."""
-    if chunk < 1:
-        raise ValueError(f"prefill chunk must be >= 1, got {chunk}")
-    cut = ((prompt.shape[1] - 1) // chunk) * chunk
-    for t in range(0, cut, chunk):
-        model.decode(prompt[:, t:t + chunk], state, last_only=True)
-    return prompt[:, cut:]
+def copied_mostly(copy_part: torch.Tensor, logprobs: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    """(B,) whether the copy component holds more than half of the chosen ids' probability."""
+    at = lambda t: t.gather(-1, chosen[:, None]).squeeze(-1)  # noqa: E731
+    return at(copy_part) - at(logprobs) > math.log(0.5)
+
+
+def _generate_uncached(model, rows: list[torch.Tensor], max_new_tokens: int, temperature: float, top_k: int,
+                       top_p: float, eos_id: int | None, gen: torch.Generator) -> Generation:
+    """A model with only `next_token_logprobs(ids) -> (B, T, V)` (the reference models in tests):
+    the whole prefix again each step; prompts of one length."""
+    if len({r.numel() for r in rows}) > 1:
+        raise ValueError("prompts of unequal lengths need a model that decodes with a cache (a CPLM)")
+    ids = torch.stack(rows)
+    tokens = []
+    done = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
+    for _ in range(max_new_tokens):
+        nxt = choose(model.next_token_logprobs(ids)[:, -1], temperature, top_k, top_p, gen)
+        if eos_id is not None:
+            nxt = torch.where(done, torch.full_like(nxt, eos_id), nxt)
+            done |= nxt == eos_id
+        tokens.append(nxt)
+        ids = torch.cat([ids, nxt[:, None]], dim=1)
+        if eos_id is not None and bool(done.all()):
+            break
+    return Generation(torch.stack(tokens, dim=1), None)

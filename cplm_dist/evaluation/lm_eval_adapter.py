@@ -15,7 +15,7 @@ cplm_dist/evaluation/harness_model.py. Batching (docs/evaluation.md):
   run as rows of a right-padded batch, longest first (causal: padding after a row's end changes
   none of its positions, the copy head included). Both give batch 1's numbers.
 - loglikelihood_rolling: every window of every text is a row of such a batch.
-- generate_until: prompts of the same length and generation settings decode together.
+- generate_until: prompts of the same generation settings decode together, of any lengths (left-padded).
 
 Every tensor is made on the model's device.
 """
@@ -202,13 +202,14 @@ class HarnessAdapter:
             temperature = 0.0 if kwargs.get("do_sample") is False else float(kwargs.get("temperature", 0.0))
             ids = (self.tok.encode(context) or [self.tok.eod])[-(self.max_length - max_new):]  # room for max_new
             settings.append((ids, until))
-            batches[(len(ids), max_new, temperature)].append(i)
+            batches[(max_new, temperature)].append(i)
         out: list[str | None] = [None] * len(requests)
         bar = _progress(len(requests), "generate_until", self.progress)
-        for (_, max_new, temperature), members in sorted(batches.items(), key=lambda kv: -kv[0][0]):
+        for (max_new, temperature), members in sorted(batches.items(), key=lambda kv: -kv[0][0]):
+            members.sort(key=lambda i: -len(settings[i][0]))  # similar lengths together: little padding
             for b in range(0, len(members), self.batch_size):
-                chunk = members[b:b + self.batch_size]
-                gen = generate(self.model, self._tensor([settings[i][0] for i in chunk]), max_new,
+                chunk = members[b:b + self.batch_size]  # prompts of any lengths: each decodes as it would alone
+                gen = generate(self.model, [self._tensor([settings[i][0]])[0] for i in chunk], max_new,
                                temperature=temperature, eos_id=self.tok.eod, generator=self.generator)
                 for row, i in enumerate(chunk):
                     tokens = gen.tokens[row].tolist()

@@ -8,8 +8,8 @@ them, the attention and MLP linears gather and scatter the sequence (megatron-co
 
 How a layer runs in training is set after it is built (cplm_dist.model.recompute_compile), the same for
 the whole model and a pipeline stage: `recompute` (activation checkpointing: only the input is kept,
-the layer runs again in backward) and `compiled` (its `block` compiled). Decoding with a KV cache
-always runs the eager block (the cache changes shape every token).
+the layer runs again in backward) and `compiled` (its `block` compiled). With a cache the layer
+runs its `block` itself: decoding compiles the whole step around it (cplm_dist.model.static_decode).
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ Every layer runs the same code, so dynamo traces one graph and every layer reuse
 are graph inputs): compile time is one layer's, whatever the depth, and the fused norms, RoPE and
 SwiGLU are what the layers gain. The embedding, LM head and loss stay eager (the loss is a custom
 autograd Function over the vocabulary shards); the copy head compiles its pointwise parts
-(CopyHead.compile_pointwise). Decoding with a KV cache always runs the eager layers (the cache
-changes shape every token).
+(CopyHead.compile_pointwise). Decoding compiles differently: one graph for a whole step of one
+token over a static cache (cplm_dist.model.static_decode).
 
 Where compilation cannot work (no C++ compiler for CPU code, no Triton for CUDA, dynamo not
 supported on this Python), the run warns once and trains eager.

@@ -290,13 +290,15 @@ class CopyHead(torch.nn.Module):
 
     @torch.no_grad()
     def weights_for(self, q: torch.Tensor, k: torch.Tensor, ids: torch.Tensor, offset: int, h: torch.Tensor,
-                    docs: torch.Tensor | None = None):
+                    docs: torch.Tensor | None = None, cand: torch.Tensor | None = None):
         """The copy distribution of queries q (B, H, Tq, d) at positions offset.. over keys k
         (B, H, Tk, d) of the positions 0..Tk-1 whose ids are `ids` (B, Tk) and, under document
-        masking, whose document indices are `docs` (B, Tk); h (B, Tq, D) for the gate."""
+        masking, whose document indices are `docs` (B, Tk); h (B, Tq, D) for the gate. `cand`
+        (B, Tq, Tk): the candidates themselves (a static cache's slots), instead of offset and docs."""
         Tq, Tk = q.shape[2], k.shape[2]
         scores = q @ k.transpose(-1, -2) / math.sqrt(self.head_dim)  # (B, H, Tq, Tk)
-        cand = candidate_mask(Tq, Tk, offset, self.shift, q.device, docs)
+        if cand is None:
+            cand = candidate_mask(Tq, Tk, offset, self.shift, q.device, docs)
         scores = scores.masked_fill(~per_head(cand), NEG_INF)
         a_heads = masked_logsumexp(scores, None, dim=-1)  # (B, H, Tq)
         copy_all = self._copy_all(a_heads)

@@ -1,10 +1,15 @@
-"""Decoding speed with the KV cache, copy head on against off: the inference overhead of a CPLM.
+"""Decoding speed through `generate` (the door every tool decodes through): copy head on against
+off, compiled against eager, and against transformers' `generate()` on the same weights.
 
-Each point (batch, prompt length) prefills a random prompt, then decodes `new_tokens` greedy
-tokens one at a time through `CPLM.decode` (the path `tools/generate.py` takes); the copy-on and
-copy-off models alternate over `rounds` and each keeps its median. Decoding a token with the copy
-head adds its query and key projections, one score row over the cached copy keys and the
-scatter of the copy mass onto the vocabulary.
+Each point (batch, prompt length) times greedy generations of a random prompt, every model
+alternating over `rounds` (medians kept): a generation of `new_tokens` tokens and one of a single
+token; the prefill is the single token's time and a decoded token costs
+    (t(new_tokens) - t(1)) / (new_tokens - 1),
+the same arithmetic for ours and for transformers, so their per-token figures compare the decode
+loops alone. The peer (`peer_model`) is the backbone's stock transformers class (LlamaForCausalLM
+for llama) holding the copy-off model's own weights (its HF export), decoding with its own cache;
+the tokens of both are compared. Compile time: what the first generation of a shape costs above a
+later one (cplm_dist.model.static_decode: once per batch and cache bucket).
 """
 
 from __future__ import annotations
@@ -17,55 +22,108 @@ import torch
 from cplm_dist.distributed import synchronize
 
 
-@torch.no_grad()
-def decode_once(model, prompt: torch.Tensor, new_tokens: int) -> tuple[float, float]:
-    """(prefill seconds, decode seconds for `new_tokens` tokens) of one greedy generation."""
-    device = prompt.device
-    state = model.new_decode_state()
-    synchronize(device)
+def peer_model(model, cfg, device: torch.device):
+    """transformers' stock class of cfg.model's backbone with `model`'s weights (a copy-off CPLM
+    at tp = 1), in eval mode, its attention SDPA."""
+    from transformers import AutoModelForCausalLM
+
+    from cplm_dist.interop.hf.directory import transformers_config
+    from cplm_dist.model.backbones import backbone
+    from cplm_dist.model.parallel.sharding import full_state_dict
+
+    hf = AutoModelForCausalLM.from_config(transformers_config(cfg.model, attn_implementation="sdpa"))
+    weights = backbone(cfg.model).hf.to_hf(full_state_dict([model.state_dict()], model), cfg.model)
+    missing, unexpected = hf.load_state_dict(weights, strict=False)
+    tied = {"lm_head.weight"} if cfg.model.tie_embeddings else set()
+    hf.tie_weights()
+    if unexpected or [k for k in missing if "rotary" not in k and k not in tied]:
+        raise RuntimeError(f"the peer does not take our weights: missing {missing}, unexpected {unexpected}")
+    return hf.to(device=device, dtype=next(model.parameters()).dtype).eval()
+
+
+class Ours:
+    """generate() of a CPLM, compiled or eager."""
+
+    def __init__(self, model, compile: bool):
+        self.model, self.compile = model, compile
+
+    def __call__(self, prompt: torch.Tensor, new_tokens: int) -> torch.Tensor:
+        from cplm_dist.evaluation.generation import generate
+
+        return generate(self.model, prompt, new_tokens, compile=self.compile).tokens
+
+
+class Peer:
+    """transformers' generate(), greedy, exactly `new_tokens` tokens, its own cache."""
+
+    def __init__(self, model):
+        self.model = model
+
+    @torch.no_grad()
+    def __call__(self, prompt: torch.Tensor, new_tokens: int) -> torch.Tensor:
+        out = self.model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
+                                  min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+        return out[:, prompt.shape[1]:]
+
+
+def timed(run, prompt: torch.Tensor, new_tokens: int) -> tuple[float, torch.Tensor]:
+    synchronize(prompt.device)
     start = time.perf_counter()
-    logprobs, _ = model.decode(prompt, state, last_only=True)
-    nxt = logprobs[:, -1].argmax(dim=-1)
-    synchronize(device)
-    prefilled = time.perf_counter()
-    for _ in range(new_tokens):
-        logprobs, _ = model.decode(nxt[:, None], state, last_only=True)
-        nxt = logprobs[:, -1].argmax(dim=-1)
-    synchronize(device)
-    return prefilled - start, time.perf_counter() - prefilled
+    tokens = run(prompt, new_tokens)
+    synchronize(prompt.device)
+    return time.perf_counter() - start, tokens
 
 
-def decode_overhead(models: dict, vocab_size: int, points: list[tuple[int, int]], new_tokens: int, rounds: int,
-                    device: torch.device, seed: int = 0) -> list[dict]:
-    """One row per (batch, prompt): each model's prefill time and decode tokens/s (medians over
-    `rounds`, the models alternating), and the copy-on / copy-off time ratios."""
+def decode_speed(runs: dict, vocab_size: int, points: list[tuple[int, int]], new_tokens: int, rounds: int,
+                 device: torch.device, seed: int = 0) -> list[dict]:
+    """One row per (batch, prompt): per run its prefill seconds, ms per token, tokens/s and first
+    call's extra seconds (compilation); ratios against the others where they are there."""
+    if new_tokens < 2:
+        raise ValueError("decode_speed needs new_tokens >= 2 (a token's time is a difference of two generations)")
     gen = torch.Generator().manual_seed(seed)
     rows = []
     for batch, prompt_len in points:
         prompt = torch.randint(0, vocab_size, (batch, prompt_len), generator=gen).to(device)
-        for model in models.values():  # warm-up: allocator, kernels, caches
-            decode_once(model, prompt[:, : min(prompt_len, 16)], 2)
-        times = {name: [] for name in models}
+        first = {name: timed(run, prompt, new_tokens)[0] for name, run in runs.items()}  # compiles, warms up
+        whole, single, tokens = {n: [] for n in runs}, {n: [] for n in runs}, {}
         for _ in range(rounds):
-            for name, model in models.items():
-                times[name].append(decode_once(model, prompt, new_tokens))
+            for name, run in runs.items():
+                seconds, tokens[name] = timed(run, prompt, new_tokens)
+                whole[name].append(seconds)
+                single[name].append(timed(run, prompt, 1)[0])
         row = {"batch": batch, "prompt": prompt_len, "new_tokens": new_tokens}
-        for name, pairs in times.items():
-            prefill = statistics.median(p for p, _ in pairs)
-            decode = statistics.median(d for _, d in pairs)
-            row.update({f"{name}_prefill_s": prefill, f"{name}_decode_tokens_per_s": batch * new_tokens / decode,
-                        f"{name}_ms_per_token": 1e3 * decode / new_tokens})
-        if {"copy_on", "copy_off"} <= set(models):
-            row["decode_time_ratio"] = row["copy_on_ms_per_token"] / row["copy_off_ms_per_token"]
-            row["prefill_time_ratio"] = row["copy_on_prefill_s"] / row["copy_off_prefill_s"]
+        for name in runs:
+            t_all, t_one = statistics.median(whole[name]), statistics.median(single[name])
+            per_token = max(t_all - t_one, 1e-9) / (new_tokens - 1)
+            row.update({f"{name}_prefill_s": t_one, f"{name}_ms_per_token": 1e3 * per_token,
+                        f"{name}_tokens_per_s": batch / per_token, f"{name}_first_call_extra_s": first[name] - t_all})
+        ratios(row, tokens)
         rows.append(row)
     return rows
 
 
+def ratios(row: dict, tokens: dict) -> None:
+    """The figures the decoding goals are stated in, for the runs present in `row`."""
+    ms = lambda name: row[f"{name}_ms_per_token"]  # noqa: E731
+    names = {k.removesuffix("_ms_per_token") for k in row if k.endswith("_ms_per_token")}
+    if {"copy_on", "copy_off"} <= names:
+        row["copy_overhead"] = ms("copy_on") / ms("copy_off")
+    if {"copy_off", "peer"} <= names:
+        row["speedup_vs_peer"] = ms("peer") / ms("copy_off")
+        row["same_tokens_as_peer"] = bool(torch.equal(tokens["copy_off"].cpu(), tokens["peer"].cpu()))
+    if {"copy_on", "peer"} <= names:
+        row["copy_on_speedup_vs_peer"] = ms("peer") / ms("copy_on")
+    if {"copy_off", "copy_off_eager"} <= names:
+        row["speedup_vs_eager"] = ms("copy_off_eager") / ms("copy_off")
+
+
 def markdown(rows: list[dict]) -> str:
-    lines = ["| batch | prompt | new | copy off tokens/s | copy on tokens/s | decode on/off | prefill on/off |",
-             "|---|---|---|---|---|---|---|"]
+    names = sorted({k.removesuffix("_ms_per_token") for r in rows for k in r if k.endswith("_ms_per_token")})
+    extra = [k for k in ("copy_overhead", "speedup_vs_peer", "copy_on_speedup_vs_peer", "speedup_vs_eager") if k in rows[0]]
+    head = ["batch", "prompt", "new", *(f"{n} ms/token" for n in names), *extra]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        lines.append(f"| {r['batch']} | {r['prompt']} | {r['new_tokens']} | {r['copy_off_decode_tokens_per_s']:,.0f} | "
-                     f"{r['copy_on_decode_tokens_per_s']:,.0f} | {r['decode_time_ratio']:.3f} | {r['prefill_time_ratio']:.3f} |")
+        cells = [str(r["batch"]), str(r["prompt"]), str(r["new_tokens"]), *(f"{r[f'{n}_ms_per_token']:.2f}" for n in names),
+                 *(f"{r[k]:.3f}" for k in extra)]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

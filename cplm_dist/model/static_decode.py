@@ -1,0 +1,214 @@
+"""Decoding a CPLM with a static cache and a compiled step: what `generate` runs
+(cplm_dist.evaluation.generation), and through it tools/generate.py, tools/evaluate.py, the
+long-context suite and the lm-eval adapter's generate requests.
+
+    decoder = decoder_for(model)                        # one a model, kept: its compiled step and cache
+    first = decoder.prefill(rows, new_tokens)           # rows: B prompts, any lengths (left-padded inside)
+    out = decoder.step(token)                           # one token a row, one compiled region
+
+A step is one forward of one token for the whole model, the head included: the embedding, every
+layer (its keys and values written at the step's slot of the StaticCache, attention over all S
+slots under the slot mask), the final norm, the LM head's shard, the copy head's query and key,
+its weights over the slots, and then either the greedy token from shard maxima
+(cplm_dist.model.next_token.greedy: the vocabulary never gathered) or, when sampling, the mixed
+distribution built once (`full_log_probs`). Its shapes are static (B, S fixed by the bucket, the
+slot a tensor), so torch.compile traces it once per (batch, bucket, greedy, mark) and every later
+call reuses the graph; on CUDA the graph runs as a CUDA graph (mode="reduce-overhead"). The
+prefill runs eager: it is a few large matmuls, which compilation does not speed up, and a
+compiled prefill would be one more shape for every prompt length.
+
+Compilation is on where torch.compile can build kernels (cplm_dist.model.compiled) unless
+`compile=False` or CPLM_DECODE_COMPILE=0; a step that fails to compile warns once and the decoder
+goes on eager (`path` says which ran). Tensor parallelism: every rank runs the same step, the
+collectives inside it (the row-parallel linears' all-reduces, LSE and the argmax's maxima).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import warnings
+
+import torch
+
+from cplm_dist.model.compiled import unavailable_reason
+from cplm_dist.model.core_attention import Masks
+from cplm_dist.model.documents import check_positions, document_index
+from cplm_dist.model.next_token import full_log_probs, greedy
+from cplm_dist.model.rotary import layer_rope
+from cplm_dist.model.static_cache import PAD_DOC, StaticCache, bucket
+
+log = logging.getLogger(__name__)
+
+ENV = "CPLM_DECODE_COMPILE"
+
+
+def compile_default(device: torch.device) -> bool:
+    """Whether decoding compiles by default here: yes where torch.compile can build kernels for
+    `device`, unless CPLM_DECODE_COMPILE=0."""
+    return os.environ.get(ENV, "1") not in ("0", "false", "no") and unavailable_reason(device) is None
+
+
+def decoder_for(model, compile: bool | None = None) -> "StaticDecoder":
+    """The model's decoder (made once and kept on it, so its compiled steps are paid once), set to
+    compile or not (None: `compile_default`)."""
+    decoder = model.__dict__.get("_static_decoder")
+    if decoder is None:
+        decoder = StaticDecoder(model)
+        model.__dict__["_static_decoder"] = decoder  # not a submodule: no state-dict entries
+    decoder.compile = compile_default(decoder.device) if compile is None else compile
+    return decoder
+
+
+class StaticDecoder:
+    def __init__(self, model):
+        if getattr(model, "context", None) is not None or getattr(model, "sequence_parallel", False):
+            raise RuntimeError("a context- or sequence-parallel model trains only: load its checkpoint with "
+                               "cplm_dist.checkpoint.load_model (built without them) to decode")
+        self.model = model
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.compile = False
+        self.cache: StaticCache | None = None
+        self.compiled = None  # torch.compile of `_decode`, made on the first compiled step
+        self.path: str | None = None  # what the last step ran: "compiled" or "eager"
+        self.compile_seconds: dict[tuple, float] = {}  # per compiled shape: its first call's seconds
+        self._failed = False
+
+    # --- the cache -------------------------------------------------------------------------------
+
+    def _allocate(self, batch: int, slots: int) -> StaticCache:
+        if self.cache is None or not self.cache.fits(batch, slots):
+            self.cache = None  # the old buffers go before the new ones come
+            self.cache = StaticCache.allocate(self.model, batch, slots, self.device, self.dtype)
+        self.cache.reset()
+        return self.cache
+
+    # --- prefill (eager) ---------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def prefill(self, rows: list[torch.Tensor], new_tokens: int, position_ids: list[torch.Tensor] | None = None,
+                chunk: int | None = None, *, greedy_mode: bool = True, mark_copies: bool = False):
+        """Write the prompts `rows` (1-D each, lengths may differ; left-padded) into a fresh cache
+        with room for `new_tokens` more, `chunk` prompt slots a forward (None: all at once); the
+        head's output at each row's last prompt token (as `step` returns it)."""
+        lengths = [int(r.numel()) for r in rows]
+        if min(lengths) < 1:
+            raise ValueError("every prompt needs at least one token")
+        limit = self.model.model_cfg.max_seq_len
+        if max(lengths) + new_tokens > limit:
+            raise ValueError(f"sequence length {max(lengths) + new_tokens} exceeds model.max_seq_len={limit}")
+        P = max(lengths)
+        c = self._allocate(len(rows), bucket(P + new_tokens, limit + P - min(lengths)))
+        for b, (row, n) in enumerate(zip(rows, lengths)):
+            pos = torch.arange(n, device=self.device) if position_ids is None else position_ids[b].to(self.device)
+            if position_ids is not None:
+                check_positions(pos[None], row[None], full_row=False)
+            c.ids[b, P - n:P] = row.to(self.device)
+            c.positions[b, P - n:P] = pos
+            c.docs[b, P - n:P] = document_index(pos[None])[0]
+        chunk = chunk or P
+        if chunk < 1:
+            raise ValueError(f"prefill chunk must be >= 1, got {chunk}")
+        for t0 in range(0, P, chunk):
+            t1 = min(P, t0 + chunk)
+            slots = torch.arange(t0, t1, device=self.device)
+            h, q = self._forward(c.ids[:, t0:t1], slots, keys=t1)
+        c.length = P
+        last = torch.full((1,), P - 1, dtype=torch.long, device=self.device)
+        return self._head(h[:, -1:], None if q is None else q[:, :, -1:], last, P, greedy_mode, mark_copies)
+
+    # --- one step ----------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, token: torch.Tensor, *, greedy_mode: bool = True, mark_copies: bool = False):
+        """Feed `token` (B,) at the next slot: (next token (B,), copied (B,) or None) when greedy,
+        else (log p (B, V), the copy part or None), the same on every tp rank."""
+        c = self.cache
+        if c is None or c.length >= c.slots:
+            raise RuntimeError("decode step past the cache: prefill first, with room for the new tokens")
+        c.step_slot.fill_(c.length)
+        c.cursor.slots, c.cursor.keys = c.step_slot, None
+        out = self._run(token, greedy_mode, mark_copies)
+        c.length += 1
+        return out
+
+    def _run(self, token: torch.Tensor, greedy_mode: bool, mark_copies: bool):
+        c = self.cache
+        if not self.compile or self._failed:
+            self.path = "eager"
+            return self._decode(token, c.step_slot, greedy_mode, mark_copies)
+        if self.compiled is None:
+            mode = "reduce-overhead" if self.device.type == "cuda" else None
+            # megatron-core's row-parallel linear warns (a deprecation) on every call: ignored in the graph, not a break in it
+            torch._dynamo.config.ignore_logging_functions.add(warnings.warn)
+            self.compiled = torch.compile(self._decode, dynamic=False, mode=mode, fullgraph=True)
+        key = (c.batch, c.slots, greedy_mode, mark_copies)
+        start = time.perf_counter()
+        try:
+            out = self.compiled(token, c.step_slot, greedy_mode, mark_copies)
+        except Exception as e:  # noqa: BLE001 - any compiler failure: warn once, decode eager
+            log.warning("the compiled decode step failed (%s: %s): decoding eager", type(e).__name__, str(e).splitlines()[0][:200])
+            self._failed = True
+            return self._run(token, greedy_mode, mark_copies)
+        if key not in self.compile_seconds:
+            self.compile_seconds[key] = time.perf_counter() - start
+        self.path = "compiled"
+        return tuple(None if t is None else t.clone() for t in out)  # CUDA graphs reuse their outputs
+
+    def _decode(self, token: torch.Tensor, slot: torch.Tensor, greedy_mode: bool, mark_copies: bool):
+        """The compiled region: `token` (B,) at slot `slot` (1,) through the whole model and head."""
+        c = self.cache
+        previous = slot - 1
+        c.ids[:, slot] = token[:, None]
+        c.positions[:, slot] = c.positions[:, previous] + 1
+        c.docs[:, slot] = c.docs[:, previous]
+        h, q = self._forward(token[:, None], slot, keys=None)
+        return self._head(h, q, slot, None, greedy_mode, mark_copies)
+
+    # --- the model over the cache --------------------------------------------------------------------
+
+    def _forward(self, ids: torch.Tensor, slots: torch.Tensor, keys: int | None):
+        """ids (B, T) at `slots` (T,) through the trunk, attending to the first `keys` slots (None:
+        all): (final states h (B, T, D), the copy head's queries (B, H_c, T, d_c) or None); the
+        keys and values, and the copy keys, written at `slots`."""
+        m, c = self.model, self.cache
+        c.cursor.slots, c.cursor.keys = slots, keys
+        positions = c.positions[:, slots]
+        visible = self._visible(slots, keys, shift=0)
+        cos, sin = layer_rope(m.model_cfg, ids.shape[1], 0, device=ids.device, position_ids=positions)
+        x = m.parts.embed(ids, 0, positions)
+        masks = Masks(dense=visible.unsqueeze(1))
+        for layer, kv in zip(m.layers, c.layers):
+            x = layer(x, cos, sin, masks, kv)
+        h = m.final_norm(x)
+        if m.copy_head is None:
+            return h, None
+        q, k = m.copy_head.project(h, 0, positions=positions)
+        c.copy_k[:, :, slots] = k
+        return h, q
+
+    def _visible(self, slots: torch.Tensor, keys: int | None, shift: int) -> torch.Tensor:
+        """(B, T, K): slot j is at or before slot i + shift and of its document (padding: its own)."""
+        c = self.cache
+        K = c.slots if keys is None else keys
+        j = torch.arange(K, device=slots.device)
+        docs = c.docs[:, :K]
+        return (j[None, None, :] <= slots[None, :, None] + shift) & (docs[:, None, :] == c.docs[:, slots][:, :, None])
+
+    def _head(self, h: torch.Tensor, q: torch.Tensor | None, slot: torch.Tensor, keys: int | None,
+              greedy_mode: bool, mark_copies: bool):
+        """The next token's head output for the last states h (B, 1, D) and queries q at `slot`."""
+        m, c = self.model, self.cache
+        logits = m.lm_logits(h, m.tied)[:, 0]  # (B, V/tp)
+        copy = weights = src = cand = None
+        if m.copy_head is not None:
+            K = c.slots if keys is None else keys
+            cand = self._visible(slot, keys, shift=m.copy_head.shift) & (c.docs[:, None, :K] != PAD_DOC)
+            weights, src, copy = m.copy_head.weights_for(q, c.copy_k[:, :, :K], c.ids[:, :K], 0, h, cand=cand)
+            weights, cand = weights[:, 0], cand[:, 0]
+            copy = type(copy)(*(None if t is None else t[:, 0] for t in copy))
+        if greedy_mode:
+            return greedy(logits, copy, weights, src, cand, m.copy_cfg.mix, m.tp_group, mark_copies)
+        return full_log_probs(logits, copy, weights, src, m.copy_cfg.mix, m.vocab_size, m.tp_group, mark_copies)
