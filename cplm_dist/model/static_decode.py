@@ -111,10 +111,13 @@ class StaticDecoder:
         chunk = chunk or P
         if chunk < 1:
             raise ValueError(f"prefill chunk must be >= 1, got {chunk}")
+        uniform = position_ids is None and min(lengths) == P  # causal: the kernel's own (flash) path, no mask
         for t0 in range(0, P, chunk):
             t1 = min(P, t0 + chunk)
             slots = torch.arange(t0, t1, device=self.device)
-            h, q = self._forward(c.ids[:, t0:t1], slots, keys=t1)
+            # the layers' kernel's masks (SDPA's causal or dense, FlexAttention's block mask on CUDA)
+            masks = self.model.core_attention.masks(None if uniform else c.docs[:, :t1], t0, t1 - t0, self.device)
+            h, q = self._forward(c.ids[:, t0:t1], slots, t1, masks)
         c.length = P
         last = torch.full((1,), P - 1, dtype=torch.long, device=self.device)
         return self._head(h[:, -1:], None if q is None else q[:, :, -1:], last, P, greedy_mode, mark_copies)
@@ -164,22 +167,21 @@ class StaticDecoder:
         c.ids[:, slot] = token[:, None]
         c.positions[:, slot] = c.positions[:, previous] + 1
         c.docs[:, slot] = c.docs[:, previous]
-        h, q = self._forward(token[:, None], slot, keys=None)
+        masks = Masks(dense=self._visible(slot, None, shift=0).unsqueeze(1))  # (B, 1, 1, S)
+        h, q = self._forward(token[:, None], slot, None, masks)
         return self._head(h, q, slot, None, greedy_mode, mark_copies)
 
     # --- the model over the cache --------------------------------------------------------------------
 
-    def _forward(self, ids: torch.Tensor, slots: torch.Tensor, keys: int | None):
+    def _forward(self, ids: torch.Tensor, slots: torch.Tensor, keys: int | None, masks):
         """ids (B, T) at `slots` (T,) through the trunk, attending to the first `keys` slots (None:
-        all): (final states h (B, T, D), the copy head's queries (B, H_c, T, d_c) or None); the
-        keys and values, and the copy keys, written at `slots`."""
+        all) under `masks`: (final states h (B, T, D), the copy head's queries (B, H_c, T, d_c) or
+        None); the keys and values, and the copy keys, written at `slots`."""
         m, c = self.model, self.cache
         c.cursor.slots, c.cursor.keys = slots, keys
         positions = c.positions[:, slots]
-        visible = self._visible(slots, keys, shift=0)
         cos, sin = layer_rope(m.model_cfg, ids.shape[1], 0, device=ids.device, position_ids=positions)
         x = m.parts.embed(ids, 0, positions)
-        masks = Masks(dense=visible.unsqueeze(1))
         for layer, kv in zip(m.layers, c.layers):
             x = layer(x, cos, sin, masks, kv)
         h = m.final_norm(x)

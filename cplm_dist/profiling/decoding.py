@@ -2,8 +2,9 @@
 off, compiled against eager, and against transformers' `generate()` on the same weights.
 
 Each point (batch, prompt length) times greedy generations of a random prompt, every model
-alternating over `rounds` (medians kept): a generation of `new_tokens` tokens and one of a single
-token; the prefill is the single token's time and a decoded token costs
+alternating over `rounds` (their order reversed every other round): a generation of one token and,
+right after it, one of `new_tokens`; the prefill is the single token's time and a decoded token
+costs the median over rounds of
     (t(new_tokens) - t(1)) / (new_tokens - 1),
 the same arithmetic for ours and for transformers, so their per-token figures compare the decode
 loops alone. The peer (`peer_model`) is the backbone's stock transformers class (LlamaForCausalLM
@@ -86,16 +87,19 @@ def decode_speed(runs: dict, vocab_size: int, points: list[tuple[int, int]], new
         prompt = torch.randint(0, vocab_size, (batch, prompt_len), generator=gen).to(device)
         first = {name: timed(run, prompt, new_tokens)[0] for name, run in runs.items()}  # compiles, warms up
         whole, single, tokens = {n: [] for n in runs}, {n: [] for n in runs}, {}
-        for _ in range(rounds):
-            for name, run in runs.items():
+        for r in range(rounds):
+            order = list(runs.items()) if r % 2 == 0 else list(runs.items())[::-1]  # none always first
+            for name, run in order:
+                one = timed(run, prompt, 1)[0]
                 seconds, tokens[name] = timed(run, prompt, new_tokens)
                 whole[name].append(seconds)
-                single[name].append(timed(run, prompt, 1)[0])
-        row = {"batch": batch, "prompt": prompt_len, "new_tokens": new_tokens}
+                single[name].append(one)
+        row = {"batch": batch, "prompt": prompt_len, "new_tokens": new_tokens, "rounds": rounds}
         for name in runs:
-            t_all, t_one = statistics.median(whole[name]), statistics.median(single[name])
-            per_token = max(t_all - t_one, 1e-9) / (new_tokens - 1)
-            row.update({f"{name}_prefill_s": t_one, f"{name}_ms_per_token": 1e3 * per_token,
+            # each round's own difference (the two generations back to back), then the median
+            per_token = max(statistics.median(a - b for a, b in zip(whole[name], single[name])), 1e-9) / (new_tokens - 1)
+            t_all = statistics.median(whole[name])
+            row.update({f"{name}_prefill_s": statistics.median(single[name]), f"{name}_ms_per_token": 1e3 * per_token,
                         f"{name}_tokens_per_s": batch / per_token, f"{name}_first_call_extra_s": first[name] - t_all})
         ratios(row, tokens)
         rows.append(row)
