@@ -42,6 +42,7 @@ from cplm_dist.model.static_cache import PAD_DOC, StaticCache, bucket
 log = logging.getLogger(__name__)
 
 ENV = "CPLM_DECODE_COMPILE"
+RECOMPILE_LIMIT = 64
 
 
 def compile_default(device: torch.device) -> bool:
@@ -146,6 +147,9 @@ class StaticDecoder:
             mode = "reduce-overhead" if self.device.type == "cuda" else None
             # megatron-core's row-parallel linear warns (a deprecation) on every call: ignored in the graph, not a break in it
             torch._dynamo.config.ignore_logging_functions.add(warnings.warn)
+            # one graph per (batch, bucket, greedy, marks): an evaluation meets more than dynamo's default 8,
+            # past which it would run the step eager without a word
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
             self.compiled = torch.compile(self._decode, dynamic=False, mode=mode, fullgraph=True)
         key = (c.batch, c.slots, greedy_mode, mark_copies)
         start = time.perf_counter()

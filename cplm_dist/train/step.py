@@ -38,7 +38,7 @@ from cplm_dist.data.loader import label_inputs, model_inputs
 from cplm_dist.distributed import ParallelDims, synchronize
 from cplm_dist.model.cplm import build_model
 from cplm_dist.model.parallel.pipeline import build_pipeline_model
-from cplm_dist.model.parallel.reduction import BatchSums, ReduceGroups
+from cplm_dist.model.parallel.reduction import BatchSums, ReduceGroups, injected
 from cplm_dist.model.parallel.stages import loss_stage
 from cplm_dist.train.engine import build_engine
 from cplm_dist.train.optim import grad_norm
@@ -111,9 +111,8 @@ class TrainStep:
         """inject_nonfinite / inject_scale: fault injection (train.inject_nonfinite_at, train.inject_spike_at):
         the step's loss made NaN / multiplied by inject_scale, its gradients with it."""
         if self.dims.pp_size > 1:
-            return self._pipeline_step(batches, inject_nonfinite, phases, inject_scale)
+            return self._pipeline_step(batches, inject_nonfinite, inject_scale, phases)
         engine, device = self.engine, self.device
-        factor = float("nan") if inject_nonfinite else inject_scale  # fault injection (nan != 1)
         sums = self.sums.zero_()
         self._figures = None
         skipped_before = engine.skipped_steps
@@ -130,7 +129,7 @@ class TrainStep:
             labels = inputs[1]
             with _phase(phases, "forward", device):
                 out = engine(*inputs)
-                nll = out.nll if factor == 1 else out.nll * factor
+                nll = injected(out.nll, inject_nonfinite, inject_scale)
                 loss = sums.add(nll, out.lm_nll, out.copy_share, labels, self.groups.sequence_tokens(labels), source)
             with _phase(phases, "backward", device):
                 engine.backward(loss)
@@ -145,7 +144,7 @@ class TrainStep:
             norm = engine.get_global_grad_norm()
         return self._result(figures, norm, lr, skipped_before, data_wait)
 
-    def _pipeline_step(self, batches, inject_nonfinite: bool, phases: dict | None, inject_scale: float = 1.0) -> StepResult:
+    def _pipeline_step(self, batches, inject_nonfinite: bool, inject_scale: float, phases: dict | None) -> StepResult:
         engine = self.engine
         lr = self.scheduler.get_last_lr()[0]
         skipped_before = engine.skipped_steps

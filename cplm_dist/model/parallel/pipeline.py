@@ -44,7 +44,7 @@ from cplm_dist.model.initialization import init_parameters
 from cplm_dist.model.loss import IGNORE_INDEX
 from cplm_dist.model.parallel.context import context_of
 from cplm_dist.model.parallel.pipeline_grid import context_grid_class
-from cplm_dist.model.parallel.reduction import BatchSums, ReduceGroups
+from cplm_dist.model.parallel.reduction import BatchSums, ReduceGroups, injected
 from cplm_dist.model.parallel.stage_inputs import StageInputs
 from cplm_dist.model.parallel.stages import loss_stage, pipeline_layers, schedule_bounds, stages_per_rank
 from cplm_dist.model.parts import Embedding, Head, PartSpec
@@ -211,8 +211,7 @@ class PipelineStages:
         if not self.training:
             self.sums.add_tokens(nll, labels, source, lm_nll, share)
             return nll.sum() / (labels != IGNORE_INDEX).sum()  # eval_batch's own figure, not read
-        if self.inject_nonfinite or self.inject_scale != 1:
-            nll = nll * (float("nan") if self.inject_nonfinite else self.inject_scale)
+        nll = injected(nll, self.inject_nonfinite, self.inject_scale)
         return self.sums.add(nll, lm_nll, share, labels, self.groups.sequence_tokens(labels), source)
 
 

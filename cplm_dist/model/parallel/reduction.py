@@ -70,6 +70,15 @@ def source_figures(sums, names: list[str]) -> dict[str, dict]:
     return out
 
 
+def injected(nll: torch.Tensor, nonfinite: bool, scale: float) -> torch.Tensor:
+    """The per-token loss under fault injection (train.inject_nonfinite_at: NaN; train.inject_spike_at:
+    times `scale`), its gradients with it; unchanged otherwise. The one place both the step and a
+    pipeline's last stage inject."""
+    if nonfinite:
+        return nll * float("nan")
+    return nll if scale == 1 else nll * scale
+
+
 class BatchSums:
     """A rank's running sums of a batch's micro-batches, float64: the parts of the micro-batches'
     means (loss, LM-only loss, copy share), the micro-batches, the summed nll and the trained tokens."""
