@@ -28,4 +28,4 @@ class LaunchError(UsageError):
 
 class HFImportError(UsageError):
     """A Hugging Face directory that cannot initialise this model (a backbone's HF adapter checks
-    its config.json: cplm_dist.model.backbones; the directory: cplm_dist.interop.hf.directory)."""
+    its config.json: cplm_dist.config.backbones; the directory: cplm_dist.interop.hf.directory)."""

@@ -29,7 +29,7 @@ def _hidden(module: str):
     """`import <module>` fails inside (a None entry in sys.modules), unless it is imported already.
     megatron-core's `import megatron.core` tries `import wandb` for its inference contexts' own
     logging (HAVE_WANDB), which we never use: with wandb installed that cost every process that
-    imports cplm_dist 0.6 s. Our own W&B logging (cplm_dist.train.wandb_log) imports it afterwards."""
+    imports cplm_dist 0.6 s. Our own W&B logging (cplm_dist.training.wandb_log) imports it afterwards."""
     if module in sys.modules:
         yield
         return

@@ -1,6 +1,6 @@
 """The per-source figures a run logs for its first step, against the same initial weights re-scored
 in one process on each source's samples of that step (the dense reference of the per-source sums:
-cplm_dist.model.parallel.reduction). Used by the layouts' own tests (dp, cp, pp), on the runs they
+cplm_dist.training.reduction). Used by the layouts' own tests (dp, cp, pp), on the runs they
 already make."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from tests.spawn import run_ranks
 
 def _rescore_worker(args):
     from cplm_dist.config.cli import config_parser, load_from_args
-    from cplm_dist.config.stages import source_names
+    from cplm_dist.config.curriculum import source_names
     from cplm_dist.data.gpt_data import check_data
     from cplm_dist.data.loader import model_inputs
     from cplm_dist.data.staged_loader import build_train_data
@@ -44,7 +44,7 @@ def _rescore_worker(args):
 def assert_first_step_sources_rescored(out_dir: Path, args: list[str], tolerance: float = 1e-6) -> None:
     """Step 1's per-source losses and tokens of the run in out_dir equal the re-scored ones, and
     their token-weighted mean is the step's loss (its micro-batches carry equal tokens)."""
-    from cplm_dist.train.run_log import read_metrics
+    from cplm_dist.training.run_log import read_metrics
 
     record = read_metrics(Path(out_dir) / "logs" / "metrics.jsonl")[1]
     want = run_ranks(_rescore_worker, 1, args=(args,))[0]

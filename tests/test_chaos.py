@@ -106,7 +106,7 @@ def test_a_kill_during_the_first_save_restarts_afresh_but_never_over_a_completed
 
 
 def test_a_resume_record_counts_the_steps_of_the_run_before_it_only(tmp_path):
-    from cplm_dist.train.run_log import lost_steps, previous_reach
+    from cplm_dist.training.run_log import lost_steps, previous_reach
 
     metrics = tmp_path / "metrics.jsonl"
 

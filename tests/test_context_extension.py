@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from cplm_dist.config import ConfigError, load_config, to_dict
-from cplm_dist.train.run_log import read_metrics
+from cplm_dist.training.run_log import read_metrics
 from tests.spawn import run_ranks
 from tests.test_train import argv, run_cli, train
 
@@ -63,7 +63,7 @@ def test_a_new_run_from_our_checkpoint_gets_its_weights_exactly_and_trains_longe
 
 def test_the_scaled_positions_are_the_asked_ones():
     """linear: positions / factor; ntk: theta x factor^(d/(d-2)); both against a direct computation."""
-    from cplm_dist.model.rotary import layer_rope
+    from cplm_dist.model.positions import layer_rope
 
     T, factor = 50, 4.0
     for kind in ("linear", "ntk"):

@@ -152,7 +152,7 @@ def _assert_follows(got_dir, want_dir, tolerance, steps=range(1, CP_STEPS + 1)):
 def test_cp2_dp2_training_follows_one_rank(cp_training, run):
     """Losses, LM-only losses, copy shares (each cp rank's part of a micro-batch's mean, summed over
     cp, averaged over dp) and the validation loss follow one rank."""
-    from cplm_dist.train.run_log import read_metrics
+    from cplm_dist.training.run_log import read_metrics
 
     _assert_follows(cp_training / run, cp_training / "one", 1e-4)
     got, want = (read_metrics(cp_training / d / "logs" / "metrics.jsonl") for d in (run, "one"))

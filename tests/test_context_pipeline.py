@@ -53,7 +53,7 @@ def _cp_pp_worker(variants):
 
     from cplm_dist.distributed import init_distributed
     from cplm_dist.model.parallel.context import context_of
-    from cplm_dist.train.step import build_train_step
+    from cplm_dist.training.step import build_train_step
 
     dims = init_distributed(1, pp_size=2, cp_size=2)
     alone = [dist.new_group([r]) for r in range(dims.world_size)][dims.rank]  # one process's model, on every rank
@@ -130,7 +130,7 @@ def cp_pp_training(small_data, tmp_path_factory):
 
 def test_cp2_pp2_training_follows_one_process(cp_pp_training):
     """Losses, LM-only losses, copy shares, gradient norms and the validation loss."""
-    from cplm_dist.train.run_log import read_metrics
+    from cplm_dist.training.run_log import read_metrics
 
     got, want = (read_metrics(cp_pp_training / d / "logs" / "metrics.jsonl") for d in ("cp2-pp2", "one"))
     assert sorted(got) == list(range(1, STEPS + 1))
@@ -164,7 +164,7 @@ def test_a_cp2_pp2_checkpoint_evaluates_as_a_whole_model(small_data, cp_pp_train
     are the validation loss the cp x pp run logged."""
     import os
 
-    from cplm_dist.train.run_log import read_metrics
+    from cplm_dist.training.run_log import read_metrics
     from tests.test_train import _valid_loss_of_checkpoint
 
     run = cp_pp_training / "cp2-pp2"

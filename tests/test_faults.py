@@ -172,7 +172,7 @@ def test_the_non_finite_guard_checks_the_parameters_too():
     break parameters whose gradients were finite); ZeRO-3 partitions are checked the same way."""
     import torch
 
-    from cplm_dist.train.optim import parameters_finite
+    from cplm_dist.training.optim import parameters_finite
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
     assert parameters_finite(model)

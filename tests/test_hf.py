@@ -45,7 +45,7 @@ def _random_hf(directory: Path, overrides: list[str], **hf) -> None:
     default), of the tiny shapes (`hf`: config keys to change), saved with save_pretrained."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from cplm_dist.model.backbones import backbone
+    from cplm_dist.config.backbones import backbone
 
     cfg = load_config("tiny", ["copy.enabled=false", *overrides])
     adapter = backbone(cfg.model).hf
@@ -167,7 +167,7 @@ def test_a_tp_that_does_not_divide_the_heads_is_one_line(from_llama):
 def test_init_from_starts_a_run_from_a_hf_directory(from_llama, loaded):
     from safetensors.torch import load_file
 
-    from cplm_dist.model.backbones import backbone
+    from cplm_dist.config.backbones import backbone
 
     llama, m = from_llama[1], loaded[1]["cfg"].model
     saved = {k: v for k, v in backbone(m).hf.to_hf(loaded[1]["full"], m).items() if not k.startswith("copy_head.")}

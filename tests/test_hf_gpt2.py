@@ -42,7 +42,7 @@ def _random_gpt2(directory: Path, overrides: list[str], **hf) -> None:
     """A random transformers GPT2LMHeadModel of the tiny shapes (`hf`: config keys to change)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from cplm_dist.model.backbones import backbone
+    from cplm_dist.config.backbones import backbone
 
     cfg = load_config("tiny", [*GPT2, "copy.enabled=false", *overrides])
     fields = {k: v for k, v in backbone(cfg.model).hf.stock_config(cfg.model).items() if k != "torch_dtype"}
@@ -204,7 +204,7 @@ def test_bad_gpt2_directories_give_one_line(small_data, tmp_path):
     from cplm_dist.checkpoint import init_source
     from cplm_dist.errors import UsageError
     from cplm_dist.interop.hf.directory import HFImportError, check_hf_dir, read_hf
-    from cplm_dist.model.backbones import backbone
+    from cplm_dist.config.backbones import backbone
 
     _random_gpt2(tmp_path / "gpt2", MHA)
     _random_hf(tmp_path / "llama", [])

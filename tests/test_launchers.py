@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from cplm_dist.train.run_log import read_metrics
+from cplm_dist.training.run_log import read_metrics
 from tests.spawn import run_ranks
 from tests.test_train import argv, losses
 

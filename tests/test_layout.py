@@ -9,25 +9,15 @@ REPO = Path(__file__).resolve().parent.parent
 LIBRARY = REPO / "cplm_dist"
 MAX_FUNCTION_LINES = 80
 MAX_MODULE_LINES = 500
-MAX_TOP_LEVEL_MODULES = 5  # cplm_dist/*.py: the package's own __init__ and what every stage uses
+MAX_TOP_LEVEL_MODULES = 5  # cplm_dist/*.py: the package's own __init__ and what every package may use
 
-# The stages of a run, bottom to top: a module may import modules of its own stage or of a stage
-# below it, never above (a module's stage is that of its longest prefix here; EXACT first).
-STAGES = [
-    ("foundation", ()),  # cplm_dist/__init__, errors, files, megatron_compat (EXACT)
-    ("config", ("cplm_dist.config", "cplm_dist.model.backbones")),  # a backbone's record is config data
-    ("distributed", ("cplm_dist.distributed",)),
-    ("model", ("cplm_dist.model",)),
-    ("data", ("cplm_dist.data",)),
-    ("train", ("cplm_dist.train",)),  # the step, engine, optimizer, validation, logging
-    ("checkpoint", ("cplm_dist.checkpoint",)),
-    ("interop", ("cplm_dist.interop",)),
-    ("side", ("cplm_dist.evaluation", "cplm_dist.profiling", "cplm_dist.experiments")),
-    ("driver", ()),  # the training driver and the entry points on it (EXACT); tools/ sit above the library
-]
-EXACT = {"cplm_dist": "foundation", "cplm_dist.errors": "foundation", "cplm_dist.files": "foundation",
-         "cplm_dist.megatron_compat": "foundation", "cplm_dist.train": "driver", "cplm_dist.train.driver": "driver",
-         "cplm_dist.train.__main__": "driver", "cplm_dist.train.preflight": "driver"}
+# The packages in the order a run's data flows through them, bottom to top: a module may import
+# modules of its own package or of a package below it, never above. The modules directly in
+# cplm_dist/ (its __init__, errors, files, plotting, megatron_compat: what every package may use)
+# sit below them all. That is the whole rule: no module has a place of its own.
+PACKAGE_ORDER = ["config", "distributed", "data", "model", "training", "checkpoint", "interop", "evaluation",
+                 "profiling", "experiments", "train"]
+FOUNDATION = "top level"
 
 
 def modules(package_dir: Path = LIBRARY) -> dict[str, tuple[ast.Module, bool]]:
@@ -89,33 +79,36 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
-def stage_of(name: str) -> int:
-    """The index in STAGES of module `name`'s stage (KeyError: a module no stage claims)."""
-    ranks = {stage: i for i, (stage, _) in enumerate(STAGES)}
-    if name in EXACT:
-        return ranks[EXACT[name]]
-    matches = [(len(prefix), i) for i, (_, prefixes) in enumerate(STAGES) for prefix in prefixes
-               if name == prefix or name.startswith(prefix + ".")]
-    if not matches:
-        raise KeyError(f"{name}: no stage in tests/test_layout.py's STAGES claims it")
-    return max(matches)[1]
+def rank_of(name: str) -> int:
+    """Module `name`'s rank in the order: 0 for a module directly in cplm_dist/, else 1 + its
+    top-level package's index in PACKAGE_ORDER (KeyError: a package PACKAGE_ORDER does not list)."""
+    parts = name.split(".")
+    if len(parts) == 1 or (len(parts) == 2 and parts[1] not in PACKAGE_ORDER and (LIBRARY / f"{parts[1]}.py").is_file()):
+        return 0
+    if parts[1] not in PACKAGE_ORDER:
+        raise KeyError(f"{name}: its package is not in tests/test_layout.py's PACKAGE_ORDER")
+    return 1 + PACKAGE_ORDER.index(parts[1])
+
+
+def place_of(name: str) -> str:
+    return ([FOUNDATION] + PACKAGE_ORDER)[rank_of(name)]
 
 
 def upward_imports(graph: dict[str, set[str]]) -> list[str]:
-    """'a (stage) -> b (stage)' for every import of a module from a later stage."""
-    return sorted(f"{a} ({STAGES[stage_of(a)][0]}) -> {b} ({STAGES[stage_of(b)][0]})"
-                  for a, targets in graph.items() for b in targets if stage_of(b) > stage_of(a))
+    """'a (package) -> b (package)' for every import of a module from a later package."""
+    return sorted(f"{a} ({place_of(a)}) -> {b} ({place_of(b)})"
+                  for a, targets in graph.items() for b in targets if rank_of(b) > rank_of(a))
 
 
-def test_imports_run_one_way_down_the_stages():
+def test_imports_run_one_way_down_the_packages():
     graph = import_graph(modules())
-    assert all(stage_of(name) >= 0 for name in graph), "every module has a stage"
+    assert all(rank_of(name) >= 0 for name in graph), "every module has a place in the order"
     assert upward_imports(graph) == []
 
 
-def test_the_stage_guard_sees_an_upward_import(tmp_path):
-    """A copy of the library with one planted import of the training driver from the config
-    stage, inside a function (the guard reads every import, not only the module's top)."""
+def test_the_order_guard_sees_an_upward_import(tmp_path):
+    """A copy of the library with planted upward imports, inside functions (the guard reads every
+    import, not only the module's top): the training step from the config, the model from the data."""
     import shutil
 
     copy = tmp_path / "cplm_dist"
@@ -123,16 +116,19 @@ def test_the_stage_guard_sees_an_upward_import(tmp_path):
     graph = import_graph(modules(copy))
     assert upward_imports(graph) == []
     tree = copy / "config" / "tree.py"
-    tree.write_text(tree.read_text() + "\n\ndef planted():\n    from cplm_dist.train.step import TrainStep\n    return TrainStep\n")
-    assert upward_imports(import_graph(modules(copy))) == ["cplm_dist.config.tree (config) -> cplm_dist.train.step (train)"]
+    tree.write_text(tree.read_text() + "\n\ndef planted():\n    from cplm_dist.training.step import TrainStep\n    return TrainStep\n")
+    assert upward_imports(import_graph(modules(copy))) == ["cplm_dist.config.tree (config) -> cplm_dist.training.step (training)"]
+    loader = copy / "data" / "loader.py"
+    loader.write_text(loader.read_text() + "\n\ndef planted():\n    from cplm_dist.model.loss import TokenLoss\n    return TokenLoss\n")
+    assert upward_imports(import_graph(modules(copy))) == ["cplm_dist.config.tree (config) -> cplm_dist.training.step (training)",
+                                                            "cplm_dist.data.loader (data) -> cplm_dist.model.loss (model)"]
 
 
 def test_the_top_level_holds_a_handful_of_modules():
     top = sorted(p.name for p in LIBRARY.glob("*.py"))
     assert len(top) <= MAX_TOP_LEVEL_MODULES, top
-    stages = {prefix.split(".")[1] for _, prefixes in STAGES for prefix in prefixes}
     packages = {p.name for p in LIBRARY.iterdir() if (p / "__init__.py").is_file()}
-    assert packages == stages, "every package is a stage (or inside one)"
+    assert packages == set(PACKAGE_ORDER) and len(PACKAGE_ORDER) == len(set(PACKAGE_ORDER)), "every package is a stage, listed once"
 
 
 def test_no_function_is_longer_than_a_screen():
@@ -183,11 +179,11 @@ def test_backbones_and_mixes_are_records_named_once():
     import typing
 
     from cplm_dist.config import tree
-    from cplm_dist.model.backbones import BACKBONES
+    from cplm_dist.config.backbones import BACKBONES
     from cplm_dist.model.mixes import MIXES
 
     assert set(BACKBONES) == set(typing.get_args(tree.Arch)) and set(MIXES) == set(typing.get_args(tree.MixMode))
-    records = {*(LIBRARY / "model" / "backbones").glob("*.py"), LIBRARY / "config" / "tree.py"}
+    records = {*(LIBRARY / "config" / "backbones").glob("*.py"), LIBRARY / "config" / "tree.py"}
     spelled = [f"{p.relative_to(REPO)}:{node.lineno}" for p in sorted(LIBRARY.rglob("*.py")) if p not in records
                for node in ast.walk(ast.parse(p.read_text())) if isinstance(node, ast.Constant) and node.value == "gpt2"]
     assert spelled == []

@@ -36,8 +36,8 @@ def _reference_muon(weight, grads, lr, momentum, decay, scale=0.2, steps=5):
 @pytest.mark.parametrize("shape", [(48, 32), (32, 48)], ids=["tall", "wide"])
 def test_a_muon_step_equals_the_published_algorithm(shape):
     from cplm_dist.model.parallel.sharding import REPLICATED
-    from cplm_dist.train.muon import Matrix, Orthogonaliser
-    from cplm_dist.train.optim import GuardedMuon
+    from cplm_dist.training.muon import Matrix, Orthogonaliser
+    from cplm_dist.training.optim import GuardedMuon
 
     torch.manual_seed(0)
     weight = torch.nn.Parameter(torch.randn(*shape))
@@ -56,7 +56,7 @@ def test_a_muon_step_equals_the_published_algorithm(shape):
 
 
 def test_the_qkv_row_sets_are_the_attentions_queries_keys_and_values():
-    from cplm_dist.train.muon import qkv_row_sets
+    from cplm_dist.training.muon import qkv_row_sets
 
     heads, kv, hd = 6, 2, 4
     rows = torch.arange((heads + 2 * kv) * hd)
@@ -81,7 +81,7 @@ def test_layouts_muon_cannot_make_exact_are_one_line():
 def _groups_worker(overrides):
     from cplm_dist.distributed import init_distributed
     from cplm_dist.model import build_model
-    from cplm_dist.train.optim import parameter_groups
+    from cplm_dist.training.optim import parameter_groups
 
     init_distributed(1)
     cfg = load_config("tiny", overrides)
@@ -130,7 +130,7 @@ def muon_runs(small_data, tmp_path_factory):
 
 
 def _follows(got_dir, want_dir, tolerance, keys=("loss",)):
-    from cplm_dist.train.run_log import read_metrics
+    from cplm_dist.training.run_log import read_metrics
 
     got, want = (read_metrics(d / "logs" / "metrics.jsonl") for d in (got_dir, want_dir))
     assert sorted(got) == list(range(1, STEPS + 1))
@@ -206,8 +206,8 @@ def _state_bytes_worker(overrides):
     from cplm_dist.distributed import init_distributed
     from cplm_dist.model import build_model
     from cplm_dist.profiling.memory import estimate
-    from cplm_dist.train.engine import build_engine
-    from cplm_dist.train.step import TrainStep
+    from cplm_dist.training.engine import build_engine
+    from cplm_dist.training.step import TrainStep
 
     cfg = load_config("tiny", ["train.precision=fp32", "data.seq_length=64", "train.global_batch_size=4", "train.micro_batch_size=2", *overrides])
     dims = init_distributed(cfg.parallel.tp)
@@ -244,7 +244,7 @@ def test_newton_schulz_flops_are_torchs_count_of_the_iteration(shape):
     from torch.utils.flop_counter import FlopCounterMode
 
     from cplm_dist.profiling.muon_cost import newton_schulz_flops
-    from cplm_dist.train.muon import newton_schulz
+    from cplm_dist.training.muon import newton_schulz
 
     with FlopCounterMode(display=False) as counter:
         newton_schulz(torch.randn(*shape), steps=3)
@@ -259,7 +259,7 @@ def _step_flops_worker(overrides):
     from cplm_dist.model import build_model
     from cplm_dist.model.parallel.stages import pipeline_stages
     from cplm_dist.profiling.muon_cost import muon_step_cost
-    from cplm_dist.train.optim import build_optimizer
+    from cplm_dist.training.optim import build_optimizer
 
     init_distributed(1)
     cfg = load_config("tiny", ["optim.name=muon", *overrides])
@@ -305,7 +305,7 @@ def test_the_planner_prices_muon_and_proposes_only_layouts_it_runs():
 def test_a_nonfinite_muon_step_is_skipped_leaving_the_weights(small_data, tmp_path, zero):
     """One guard decision for both halves (ours at ZeRO-0, on DeepSpeed's partitions at ZeRO-1):
     the skipped step's weights are the step before's, and training goes on."""
-    from cplm_dist.train.run_log import read_metrics
+    from cplm_dist.training.run_log import read_metrics
     from tests.test_train import argv, train
 
     out = tmp_path / "nan"

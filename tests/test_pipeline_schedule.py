@@ -23,7 +23,7 @@ def _dualpipev_gradient_worker(extra):
 
     from cplm_dist.distributed import init_distributed
     from cplm_dist.model.parallel.context import context_of
-    from cplm_dist.train.step import build_train_step
+    from cplm_dist.training.step import build_train_step
     from tests.test_context_pipeline import _micro_batches, _reference
     from tests.test_model import batch
 
@@ -89,7 +89,7 @@ def schedules(small_data, tmp_path_factory):
 
 def test_dualpipev_training_follows_1f1b(schedules):
     """Losses, LM-only losses, copy shares, gradient norms and the validation loss, step by step."""
-    from cplm_dist.train.run_log import read_metrics
+    from cplm_dist.training.run_log import read_metrics
 
     got, want = (read_metrics(schedules / s / "logs" / "metrics.jsonl") for s in ("dualpipev", "1f1b"))
     assert sorted(got) == list(range(1, STEPS + 1)) and got[1]["loss"] != got[STEPS]["loss"]
@@ -119,7 +119,7 @@ def test_a_resumed_dualpipev_run_equals_the_straight_one(small_data, schedules, 
 def test_a_dualpipev_checkpoint_has_1f1b_layer_files_and_evaluates_as_a_whole_model(small_data, schedules):
     import os
 
-    from cplm_dist.train.run_log import read_metrics
+    from cplm_dist.training.run_log import read_metrics
     from tests.test_train import _valid_loss_of_checkpoint
 
     step = {s: schedules / s / "checkpoints" / f"step-{STEPS:08d}" for s in ("dualpipev", "1f1b")}

@@ -20,7 +20,7 @@ from cplm_dist.profiling.communication import step_bytes, tp_bytes_per_micro_bat
 from cplm_dist.profiling.memory import (Stage, bubble, estimate, layer_activation_bytes_per_token, pipeline_stages,
                                         stage_estimates, state_bytes_per_parameter)
 from cplm_dist.profiling.planner import Cluster, layouts, pipeline_links, plan, predict, stage_flops_per_token
-from cplm_dist.train.throughput import flops_per_token
+from cplm_dist.training.throughput import flops_per_token
 from tests.spawn import run_ranks
 
 REPO = Path(__file__).resolve().parent.parent
@@ -46,7 +46,7 @@ def _config(overrides):
 def _measured_volumes_worker():
     from cplm_dist.distributed import default_device, init_distributed
     from cplm_dist.profiling.measure import measure
-    from cplm_dist.train.step import build_train_step as build
+    from cplm_dist.training.step import build_train_step as build
 
     dims = init_distributed(2)
     device = default_device()
@@ -123,7 +123,7 @@ def _measured_pipeline_volumes_worker():
     from cplm_dist.distributed import default_device, init_distributed
     from cplm_dist.megatron_compat import parallel_state
     from cplm_dist.profiling.measure import measure
-    from cplm_dist.train.step import build_train_step as build
+    from cplm_dist.training.step import build_train_step as build
 
     out = []
     for tp, pp, dp, overrides in [c[:4] for c in PP_CASES]:

@@ -133,7 +133,7 @@ ARCH = {"llama": [], "gpt2": [], "qwen3": ["model.head_dim=24"]}
 def _saved_bytes_worker(precision, arch):
     from cplm_dist.distributed import init_distributed
     from cplm_dist.model import build_model
-    from cplm_dist.model.rotary import layer_rope
+    from cplm_dist.model.positions import layer_rope
 
     dims = init_distributed(2 if precision.startswith("fp32-tp2") else 1)
     sp = precision.endswith("-sp")
@@ -212,7 +212,7 @@ def _cp_saved_bytes_worker():
     from cplm_dist.megatron_compat import parallel_state
     from cplm_dist.model import build_model
     from cplm_dist.model.parallel.context import ContextShard, context_inputs
-    from cplm_dist.model.rotary import layer_rope
+    from cplm_dist.model.positions import layer_rope
 
     out, whole = {}, None
     for tp in (1, 2):

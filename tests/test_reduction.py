@@ -1,4 +1,4 @@
-"""The one reduction of a batch's figures (cplm_dist.model.parallel.reduction) on 8 gloo ranks,
+"""The one reduction of a batch's figures (cplm_dist.training.reduction) on 8 gloo ranks,
 dp 2 x cp 2 x pp 2 (the layout the pipeline x context-parallel work will train with), against the
 same figures computed densely in one process: the mean of the micro-batches' per-token means
 (loss, LM-only loss, copy share), and the per-token mean and count over the whole batch, on
@@ -26,7 +26,7 @@ def _terms(replica: int, micro: int) -> tuple[torch.Tensor, ...]:
 def _reduce_worker():
     from cplm_dist.distributed import init_distributed
     from cplm_dist.model.parallel.context import ContextShard
-    from cplm_dist.model.parallel.reduction import BatchSums, ReduceGroups
+    from cplm_dist.training.reduction import BatchSums, ReduceGroups
 
     dims = init_distributed(1, pp_size=PP, cp_size=CP)
     shard = ContextShard(dims.cp_rank, CP, dims.cp_group)

@@ -79,9 +79,9 @@ def _optimizer_state(source, out_dir, tp, pp, zero):
     from cplm_dist.checkpoint.parameter_record import canonical_names
     from cplm_dist.distributed import init_distributed
     from cplm_dist.model import build_model
-    from cplm_dist.model.parallel.pipeline import build_pipeline_model
+    from cplm_dist.training.pipeline import build_pipeline_model
     from cplm_dist.model.parallel.sharding import gather_full, spec_of
-    from cplm_dist.train.engine import build_engine
+    from cplm_dist.training.engine import build_engine
 
     cfg, manifest = read_checkpoint(source)
     cfg.parallel.tp, cfg.parallel.pp, cfg.train.zero_stage, cfg.train.out_dir = tp, pp, zero, str(out_dir)

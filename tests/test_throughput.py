@@ -4,7 +4,7 @@ import pytest
 
 from cplm_dist.config import load_config
 from cplm_dist.model.counting import matmul_parameters, parameter_count
-from cplm_dist.train.throughput import PEAK_FLOPS, flops_per_token, peak_for_name
+from cplm_dist.training.throughput import PEAK_FLOPS, flops_per_token, peak_for_name
 
 
 def test_flops_per_token_tiny_by_hand():
@@ -44,7 +44,7 @@ def test_the_peak_follows_the_precision_and_there_is_none_on_cpu():
     """Vendor datasheet figures (dense): H100 SXM 989 TFLOP/s bf16, 494.5 TF32; A100 312 / 156."""
     import torch
 
-    from cplm_dist.train.throughput import device_peak_flops
+    from cplm_dist.training.throughput import device_peak_flops
 
     assert peak_for_name("NVIDIA H100 80GB HBM3", "bf16") == 989e12
     assert peak_for_name("NVIDIA H100 80GB HBM3", "fp32") == 494.5e12

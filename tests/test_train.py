@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from cplm_dist.config import load_config
-from cplm_dist.train.optim import lr_factor
-from cplm_dist.train.run_log import read_metrics
+from cplm_dist.training.optim import lr_factor
+from cplm_dist.training.run_log import read_metrics
 from tests.spawn import run_ranks
 
 REPO = Path(__file__).resolve().parent.parent
@@ -100,8 +100,8 @@ def _accumulated_gradients():
     from cplm_dist.config import load_config
     from cplm_dist.distributed import init_distributed
     from cplm_dist.model.cplm import build_model
-    from cplm_dist.train.engine import build_engine
-    from cplm_dist.train.step import TrainStep
+    from cplm_dist.training.engine import build_engine
+    from cplm_dist.training.step import TrainStep
 
     dims = init_distributed(1)
     g = torch.Generator().manual_seed(0)
@@ -299,7 +299,7 @@ def _valid_loss_of_checkpoint(path, args):
     from cplm_dist.data.gpt_data import build_datasets
     from cplm_dist.distributed import default_device, init_distributed
     from cplm_dist.evaluation.perplexity import validation_perplexity
-    from cplm_dist.train.validation import evaluate
+    from cplm_dist.training.validation_loss import evaluate
 
     dims = init_distributed(1)
     cfg = load_from_args(config_parser("").parse_intermixed_args(args))
@@ -333,7 +333,7 @@ def _profiler_step_losses(args, steps):
     from cplm_dist.data.gpt_data import build_datasets
     from cplm_dist.data.loader import ResumableLoader
     from cplm_dist.distributed import default_device, init_distributed
-    from cplm_dist.train.step import build_train_step as build
+    from cplm_dist.training.step import build_train_step as build
 
     cfg = load_from_args(config_parser("").parse_intermixed_args(args))
     t = cfg.train
@@ -572,7 +572,7 @@ def test_lr_schedules():
 def _groups_worker(decay_embeddings):
     from cplm_dist.distributed import init_distributed
     from cplm_dist.model import build_model
-    from cplm_dist.train.optim import parameter_groups
+    from cplm_dist.training.optim import parameter_groups
 
     init_distributed(1)
     cfg = load_config("tiny", ["model.tie_embeddings=false", f"optim.decay_embeddings={decay_embeddings}"])
@@ -597,7 +597,7 @@ def test_weight_decay_groups():
 def test_fused_adamw_steps_like_foreach_and_keeps_the_guard():
     """optim.impl=fused (CUDA's default) makes the same updates as foreach, and a non-finite
     gradient still leaves every parameter untouched."""
-    from cplm_dist.train.optim import GuardedAdamW, adamw_kernels
+    from cplm_dist.training.optim import GuardedAdamW, adamw_kernels
 
     assert adamw_kernels("auto", torch.device("cuda")) == {"fused": True}
     assert adamw_kernels("auto", torch.device("cpu")) == {"foreach": True}
@@ -626,7 +626,7 @@ def test_fused_adamw_steps_like_foreach_and_keeps_the_guard():
 
 def test_zero_settings_reach_deepspeed():
     from cplm_dist.distributed import ParallelDims
-    from cplm_dist.train.engine import deepspeed_config
+    from cplm_dist.training.engine import deepspeed_config
 
     dims = ParallelDims(rank=0, world_size=1, tp_rank=0, tp_size=1, tp_group=None, dp_rank=0, dp_size=1, dp_group=None)
     cfg = load_config(REPO / "configs/quickstart.yaml", ["train.zero_stage=3", "train.reduce_bucket_size=1000",

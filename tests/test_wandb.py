@@ -6,7 +6,7 @@ import json
 import struct
 from pathlib import Path
 
-from cplm_dist.train.run_log import read_metrics
+from cplm_dist.training.run_log import read_metrics
 from tests.spawn import run_ranks
 from tests.test_train import argv, train
 

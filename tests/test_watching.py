@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from cplm_dist.config import ConfigError, load_config
-from cplm_dist.train.run_log import read_metrics
+from cplm_dist.training.run_log import read_metrics
 from tests.spawn import run_ranks
 from tests.test_train import argv, losses, train
 
@@ -223,7 +223,7 @@ def test_data_blend_and_stages_together_are_refused():
 def test_the_spike_monitor_finds_a_planted_spike_and_restores_its_window():
     from types import SimpleNamespace
 
-    from cplm_dist.train.stability import SpikeMonitor
+    from cplm_dist.training.stability import SpikeMonitor
 
     cfg = SimpleNamespace(spike_window=5, spike_zscore=4.0, skip_spikes=True)
     values = [3.0, 2.9, 3.1, 3.0, 2.95, 2.9, 3.05, 9.0, 3.0]

@@ -22,7 +22,7 @@ def main(argv=None) -> int:
     from cplm_dist.data.staged_loader import build_train_data
     from cplm_dist.distributed import default_device, destroy_distributed, init_distributed
     from cplm_dist.train.diagnostics import diagnose
-    from cplm_dist.train.step import build_train_step
+    from cplm_dist.training.step import build_train_step
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default="configs/quickstart.yaml")

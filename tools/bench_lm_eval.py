@@ -23,13 +23,13 @@ from cplm_dist.errors import UsageError
 
 
 def requests(docs: int) -> dict[str, list]:
-    from cplm_dist.evaluation.harness_tasks import utils
+    from cplm_dist.evaluation.harness_tasks import local_datasets
 
     req = lambda *a: SimpleNamespace(args=a)  # noqa: E731
-    mc = [req(d["context"], " " + c) for task in (utils.kv_retrieval, utils.list_copy)
+    mc = [req(d["context"], " " + c) for task in (local_datasets.kv_retrieval, local_datasets.list_copy)
           for d in task(n=docs)["test"] for c in d["choices"]]
-    rolling = [req(d["text"]) for d in utils.corpus(n=max(2, docs // 5))["test"]]
-    gen = [req(d["context"], {"until": ["\n", "."], "max_gen_toks": 12}) for d in utils.phonebook(n=max(1, docs // 2))["test"]]
+    rolling = [req(d["text"]) for d in local_datasets.corpus(n=max(2, docs // 5))["test"]]
+    gen = [req(d["context"], {"until": ["\n", "."], "max_gen_toks": 12}) for d in local_datasets.phonebook(n=max(1, docs // 2))["test"]]
     return {"loglikelihood": mc, "loglikelihood_rolling": rolling, "generate_until": gen}
 
 

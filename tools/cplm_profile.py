@@ -13,11 +13,11 @@
 
 Reports tokens/s (global, per device), the step-time breakdown (forward, backward, optimizer and
 its share of the step: AdamW's elementwise step, or Muon's Newton-Schulz and gathers;
-tensor-parallel, data-parallel / ZeRO, context-parallel (parallel.cp) and pipeline communication), TFLOP/s and MFU (cplm_dist.train.throughput),
+tensor-parallel, data-parallel / ZeRO, context-parallel (parallel.cp) and pipeline communication), TFLOP/s and MFU (cplm_dist.training.throughput),
 peak memory and the estimate of cplm_dist.profiling.memory, as a console table, a JSON file (--json) and one
 row appended to a CSV (--csv). --trace FILE writes a torch.profiler Chrome trace of one step.
 
-The step measured is training's own, built as cplm-train builds it (cplm_dist.train.step.build_train_step);
+The step measured is training's own, built as cplm-train builds it (cplm_dist.training.step.build_train_step);
 the timing is cplm_dist.profiling.measure's, the sweep cplm_dist.profiling.sweep's.
 """
 
@@ -36,7 +36,7 @@ from cplm_dist.errors import UsageError
 from cplm_dist.profiling.memory import estimate, stage_estimates
 from cplm_dist.profiling.records import append_csv, report, table
 from cplm_dist.profiling.sweep import SWEEPABLE, parse_sweep, run_sweep, sweep_points
-from cplm_dist.train.step import build_train_step as build
+from cplm_dist.training.step import build_train_step as build
 
 
 def parser():

@@ -83,7 +83,7 @@ def print_table(results: dict, valid: dict | None) -> None:
 
 def plot(results: dict, out: Path) -> list[Path]:
     """Per task: accuracy (or exact match) against its first setting key, a line per other setting."""
-    from cplm_dist.profiling.plotting import figure, lines
+    from cplm_dist.plotting import figure, lines
 
     paths = []
     for task, rows in results.items():
@@ -196,7 +196,7 @@ def write_by_length(out: Path, results: dict, cfg, info: dict, args, valid: dict
 
 def plot_by_length(reports: dict[str, dict], path: Path) -> None:
     """One panel per task: accuracy (or exact match) against context length, a line per report."""
-    from cplm_dist.profiling.plotting import figure, lines
+    from cplm_dist.plotting import figure, lines
 
     tasks = sorted({t for r in reports.values() for t in r["tasks"]})
     with figure(path, ncols=max(1, len(tasks)), size=(3.4 * max(1, len(tasks)), 3.2)) as axes:

@@ -3,7 +3,7 @@
     python tools/export_hf.py --checkpoint runs/my-run --out hf/my-run [--dtype bf16]
 
 From any saved tp (the shards are joined) and ZeRO stage 0-2 (ZeRO-3 at tp = 1), any backbone
-(through its record's HF adapter, cplm_dist.model.backbones: `backbone(m).hf`):
+(through its record's HF adapter, cplm_dist.config.backbones: `backbone(m).hf`):
 
 | model.arch | copy off (no remote code) | copy on (trust_remote_code=True) |
 |---|---|---|

@@ -1,5 +1,5 @@
 """The card's own ceilings, measured: dense bf16 matrix products and device-to-device copy bandwidth,
-so MFU can be read against the datasheet peak (cplm_dist.train.throughput) and against what the
+so MFU can be read against the datasheet peak (cplm_dist.training.throughput) and against what the
 card delivers. Needs a CUDA device.
 
     python tools/gpu_ceiling.py            # e.g. 'bf16 matmul 8192^3: 780.1 TFLOP/s; copy: 4290 GB/s (read + write)'

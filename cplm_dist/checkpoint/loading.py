@@ -13,7 +13,7 @@ import torch.distributed as dist
 from cplm_dist.checkpoint.manifest import CARRIED_TOKENIZER, COMPLETE, Manifest, check_intact, read_manifest, resolve_checkpoint
 from cplm_dist.checkpoint.safe_io import layer_states_name, load_states, model_states_file, weights_only_torch_load
 from cplm_dist.config import Config, check_tp_divides, from_dict
-from cplm_dist.config.stages import all_entries
+from cplm_dist.config.curriculum import all_entries
 from cplm_dist.errors import CheckpointError, ConfigError
 from cplm_dist.files import sha256_file
 from cplm_dist.megatron_compat import import_deepspeed, parallel_state
@@ -34,7 +34,7 @@ def _self_contained(cfg: Config, manifest: Manifest) -> Config:
         cfg.data.tokenizer = str(step_dir / main)  # a Hugging Face tokenizer.json reads its config beside it
     elif cfg.data.tokenizer:
         cfg.data.tokenizer = _found_from(cfg.data.tokenizer, bases, "")
-    for entry in all_entries(cfg):  # every stage's blend (cplm_dist.config.stages)
+    for entry in all_entries(cfg):  # every stage's blend (cplm_dist.config.curriculum)
         entry.path = _found_from(entry.path, bases, ".idx")
     return cfg
 

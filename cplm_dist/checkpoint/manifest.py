@@ -36,8 +36,8 @@ from importlib import metadata
 from pathlib import Path
 
 from cplm_dist.config import RESUMABLE_CHANGES, Config, check_tp_divides, to_dict
+from cplm_dist.config.curriculum import all_entries, check_begun_stages, uses_stages
 from cplm_dist.data.indexed_data import content_fingerprint
-from cplm_dist.config.stages import all_entries, check_begun_stages, uses_stages
 from cplm_dist.distributed.launch_env import LaunchEnv
 from cplm_dist.errors import CheckpointError, ConfigError, DataError, UsageError
 from cplm_dist.files import sha256_file, write_text_atomic

@@ -13,7 +13,7 @@ global index of their pipeline layer (`3.self_attention.linear_qkv.weight`,
 `tied_modules.embedding.embedding.weight`) and every stage holds only its own: the names, specs and
 universal layout are gathered over the pipeline once a run (`ParameterRecord.of`), so any rank's
 model states describe the whole model. "order" is what a ZeRO-0 checkpoint's torch AdamW state is
-indexed by (cplm_dist.train.optim.parameter_groups: the decay group, then the rest).
+indexed by (cplm_dist.training.optim.parameter_groups: the decay group, then the rest).
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ class ParameterRecord:
     @classmethod
     def of(cls, model: torch.nn.Module, cfg, tp_rank: int, pp_size: int) -> "ParameterRecord":
         """Gathered over every rank where the model is split into stages (a collective then)."""
-        from cplm_dist.train.optim import parameter_groups
+        from cplm_dist.training.optim import parameter_groups
 
         names = canonical_names(model)
         by_id = {id(p): names[n] for n, p in model.named_parameters()}

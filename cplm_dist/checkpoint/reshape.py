@@ -21,7 +21,7 @@ engine's stages give them before loading (`link_names`): any pp (and schedule) r
    `_zero0_to_universal` writes the same files from them (a pipeline's weights from its layer
    files) with our shard layout (cplm_dist.model.parallel.sharding).
 2. **From universal** (`load_reshaped`, every rank). ZeRO 1-3 engines load it themselves
-   (`checkpoint.load_universal` in their DeepSpeed config, cplm_dist.train.engine): every rank cuts its
+   (`checkpoint.load_universal` in their DeepSpeed config, cplm_dist.training.engine): every rank cuts its
    tp shard and its ZeRO partition.
    A ZeRO-0 engine has no such loader (its optimizer is our AdamW), so `load_zero0` takes each
    parameter's shard with our layout and sets the weights, moments and step itself.
@@ -56,8 +56,8 @@ from cplm_dist.config import Config
 from cplm_dist.errors import CheckpointError
 from cplm_dist.megatron_compat import import_deepspeed
 from cplm_dist.model.parallel.sharding import full_shape, join_shards, spec_of, take_shard
-from cplm_dist.train.muon import is_muon_parameter
-from cplm_dist.train.optim import parameter_groups
+from cplm_dist.training.muon import is_muon_parameter
+from cplm_dist.training.optim import parameter_groups
 
 log = logging.getLogger(__name__)
 

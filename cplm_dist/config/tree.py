@@ -26,7 +26,7 @@ Schedule = Literal["cosine", "wsd", "constant"]
 Precision = Literal["fp32", "bf16"]
 PipeSchedule = Literal["1f1b", "dualpipev"]
 GradAccumDtype = Literal["fp32", "bf16"]
-Arch = Literal["llama", "gpt2", "qwen3"]  # the backbones: cplm_dist.model.backbones's records
+Arch = Literal["llama", "gpt2", "qwen3"]  # the backbones: cplm_dist.config.backbones's records
 RopeScalingType = Literal["linear", "ntk"]
 
 
@@ -55,7 +55,7 @@ class RopeScaling:
 
 @dataclass
 class ModelConfig:
-    """The decoder: its backbone (cplm_dist.model.backbones) and shapes (the size table in docs/copy_head.md)."""
+    """The decoder: its backbone (cplm_dist.config.backbones) and shapes (the size table in docs/copy_head.md)."""
 
     name: str = "tiny"
     # the backbone: llama (RMSNorm, SwiGLU, RoPE, no biases), gpt2 (LayerNorm with bias, GELU MLP,
@@ -142,7 +142,7 @@ class DataConfig:
 
     blend: list[BlendEntry] = field(default_factory=list)
     # a staged mixture (SmolLM2's): [{from_step, blend}, ...], the first from_step 0, instead of data.blend
-    # (its one-stage form); future stages may change on resume, begun ones may not (cplm_dist.config.stages)
+    # (its one-stage form); future stages may change on resume, begun ones may not (cplm_dist.config.curriculum)
     stages: list[DataStage] = resumable(default_factory=list)
     tokenizer: str | None = None  # a SentencePiece .model, or a Hugging Face tokenizer directory
     tokenizer_backend: TokenizerBackend = "sentencepiece"
@@ -178,7 +178,7 @@ class ParallelConfig:
 
 @dataclass
 class MuonConfig:
-    """Muon for the transformer layers' matrices (cplm_dist.train.muon, docs/training.md "Muon"):
+    """Muon for the transformer layers' matrices (cplm_dist.training.muon, docs/training.md "Muon"):
     Nesterov momentum orthogonalised by a quintic Newton-Schulz iteration on the whole matrix
     (gathered over tp and the ZeRO partition), scaled by rms_scale x sqrt(max(rows, cols)) so
     AdamW's learning rates transfer (Moonlight); AdamW keeps the rest."""
@@ -198,7 +198,7 @@ class MuonConfig:
 @dataclass
 class OptimConfig:
     """The optimizer (AdamW, or Muon with AdamW beside it) and its learning-rate schedule
-    (cplm_dist.train.optim)."""
+    (cplm_dist.training.optim)."""
 
     name: OptimName = "adamw"  # adamw | muon (not resumable: a resume keeps its optimizer's states)
     muon: MuonConfig = field(default_factory=MuonConfig)
@@ -254,7 +254,7 @@ class TrainConfig:
     exit_at_step: int | None = resumable(None)  # save and exit once this step is done (a time-sliced job; Megatron's --exit-interval)
     inject_nonfinite_at: list[int] = resumable(default_factory=list)  # fault injection (tests): NaN loss at these steps
     inject_spike_at: list[int] = resumable(default_factory=list)  # fault injection: the loss (and gradients) x 10 at these steps
-    # spikes (cplm_dist.train.stability): a loss or grad norm above mean + spike_zscore x std of the last
+    # spikes (cplm_dist.training.stability): a loss or grad norm above mean + spike_zscore x std of the last
     # spike_window good steps is logged with its batch's sources; 0 = off
     spike_window: int = resumable(128)
     spike_zscore: float = resumable(6.0)

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cplm_dist.config.backbones import backbone, backbones_with
 from cplm_dist.config.tree import Config, ModelConfig
 from cplm_dist.errors import ConfigError
-from cplm_dist.model.backbones import backbone, backbones_with
 
 
 def divisors(n: int) -> list[int]:

@@ -17,9 +17,9 @@ from pathlib import Path
 import torch.distributed as dist
 
 from cplm_dist.config import Config, parse_split
+from cplm_dist.config.curriculum import all_entries, stages_of
 from cplm_dist.data.indexed_data import check_indexed_dataset, content_fingerprint, split_token_counts
 from cplm_dist.data.node_local import copy_from_rank0, copy_plan
-from cplm_dist.config.stages import all_entries, stages_of
 from cplm_dist.data.tokenizer import Tokenizer, check_tokenizer_fits_model, load_tokenizer
 from cplm_dist.errors import DataError
 from cplm_dist.megatron_compat import (BlendedMegatronDatasetBuilder, GPTDataset, GPTDatasetConfig,
@@ -55,7 +55,7 @@ def check_data(cfg: Config, samples: tuple[int, int, int] = (0, 0, 0)) -> Tokeni
         if n > 0 and frac == 0:
             raise DataError(f"{n} {name} samples requested but data.split={d.split!r} gives the {name} split no documents")
     bookends = convert_split_vector_to_split_matrix(fractions)
-    for entry in {e.path: e for e in all_entries(cfg)}.values():  # every stage's (cplm_dist.config.stages)
+    for entry in {e.path: e for e in all_entries(cfg)}.values():  # every stage's (cplm_dist.config.curriculum)
         summary = check_indexed_dataset(entry.path, vocab_size=cfg.model.vocab_size, tokenizer_sha256=tokenizer.fingerprint)
         if d.document_mask and summary.append_eod is False:
             raise DataError(f"data.document_mask=true but dataset {entry.path} was made without end-of-document ids "
@@ -93,7 +93,7 @@ def check_index_cache(cache: Path) -> None:
 def build_datasets(cfg: Config, samples: tuple[int, int, int], tokenizer: Tokenizer | None = None,
                    stage: int | None = None) -> Datasets:
     """(train, valid, test) with exactly `samples` samples each (0 -> that split is None), from
-    the blend of data stage `stage` (cplm_dist.config.stages; default the last, whose blend validation
+    the blend of data stage `stage` (cplm_dist.config.curriculum; default the last, whose blend validation
     reads; data.blend is the one stage), shuffled by data.seed + the stage's index.
 
     Call on every rank after the process group exists; rank 0 builds megatron's index cache

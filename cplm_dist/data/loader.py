@@ -16,7 +16,7 @@ import functools
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from cplm_dist.model.loss import IGNORE_INDEX
+IGNORE_INDEX = -100  # a label that is not trained on (Megatron's and torch's convention): the loss skips it
 
 
 class PretrainingBatchSampler(Sampler[list[int]]):
@@ -47,7 +47,7 @@ def collate(samples: list[dict], positions: bool = False, sources: list[int] | N
     """GPTDataset samples -> input_ids (B, T) and labels (B, T), -100 where the loss is masked,
     and source (B,): the run's source id of each row's blend entry (megatron's BlendedDataset
     gives its `dataset_id`, a one-entry blend is entry 0; `sources` maps entry -> source id,
-    cplm_dist.config.stages; default the entry itself); with `positions` (data.document_mask: the
+    cplm_dist.config.curriculum; default the entry itself); with `positions` (data.document_mask: the
     dataset resets its position_ids after each end-of-document id) also position_ids (B, T)."""
     input_ids = torch.stack([s["tokens"] for s in samples])
     labels = torch.stack([s["labels"] for s in samples])
@@ -69,7 +69,7 @@ def model_inputs(batch: dict[str, torch.Tensor], device=None) -> tuple[torch.Ten
 
 def label_inputs(batch: dict[str, torch.Tensor]):
     """What a pipeline's loss stage takes of a micro-batch: the labels, with the rows' sources
-    where the batch has them ((labels, source): the per-source sums, cplm_dist.model.parallel.reduction)."""
+    where the batch has them ((labels, source): the per-source sums, cplm_dist.training.reduction)."""
     return (batch["labels"], batch["source"]) if "source" in batch else batch["labels"]
 
 

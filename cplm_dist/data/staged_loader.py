@@ -1,5 +1,5 @@
 """The train loader of a (staged) data mixture: one ResumableLoader per stage of data.stages
-(cplm_dist.config.stages; data.blend is one stage), each over its own megatron dataset and with its own
+(cplm_dist.config.curriculum; data.blend is one stage), each over its own megatron dataset and with its own
 position, and the step that says which one reads.
 
     data, loader = build_train_data(cfg, dims, tokenizer, valid_samples, saved=client_state, step=step)
@@ -17,9 +17,9 @@ built from the config as it is now (they may change on resume).
 from __future__ import annotations
 
 from cplm_dist.config import Config
+from cplm_dist.config.curriculum import source_ids, stage_for_step, stage_steps, stages_of
 from cplm_dist.data.gpt_data import Datasets, build_datasets
 from cplm_dist.data.loader import ResumableLoader
-from cplm_dist.config.stages import source_ids, stage_for_step, stage_steps, stages_of
 
 
 class StagedLoader:

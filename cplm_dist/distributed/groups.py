@@ -11,7 +11,7 @@ Ranks are laid out Megatron's way, which is also DeepSpeed's pipeline topology (
 model): the tp ranks of one group are consecutive, then cp, then dp, and the pipeline stage varies
 slowest, rank = ((pp_rank x dp + dp_rank) x cp + cp_rank) x tp + tp_rank (megatron's order
 tp-cp-ep-dp-pp; DeepSpeed's pipeline grid sees tp x cp as its model axis, the same order:
-cplm_dist.model.parallel.pipeline_grid).
+cplm_dist.training.mpu).
 """
 
 from __future__ import annotations

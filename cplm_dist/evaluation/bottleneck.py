@@ -99,7 +99,7 @@ def bottleneck_rows(model, cfg, label: str, data) -> list[dict]:
 
 def plot_across_steps(rows: list[dict], path) -> None:
     """Suppression and the gradient norms against the step, rows of several checkpoints (a PNG)."""
-    from cplm_dist.profiling.plotting import figure, lines
+    from cplm_dist.plotting import figure, lines
 
     suppression = {}
     for r in rows:

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
+from cplm_dist.data.loader import IGNORE_INDEX
 from cplm_dist.evaluation.generation import device_of, generate
-from cplm_dist.model.loss import IGNORE_INDEX
 
 
 @dataclass

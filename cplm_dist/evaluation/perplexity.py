@@ -1,6 +1,6 @@
 """A checkpoint's validation perplexity (tools/evaluate.py): the mean per-token loss over a
-validation split, summed and reduced as training's validation does (cplm_dist.train.validation
-`token_loss`, cplm_dist.model.parallel.reduction), with the documents decoded for the needle
+validation split, summed and reduced as training's validation does (cplm_dist.training.validation_loss
+`token_loss`, cplm_dist.training.reduction), with the documents decoded for the needle
 task's filler.
 
     data = build_datasets(cfg, (0, batches * cfg.train.micro_batch_size, 0))
@@ -16,8 +16,8 @@ import math
 
 from cplm_dist.data.loader import ResumableLoader
 from cplm_dist.evaluation.generation import device_of
-from cplm_dist.model.parallel.reduction import ReduceGroups
-from cplm_dist.train.validation import token_loss
+from cplm_dist.training.reduction import ReduceGroups
+from cplm_dist.training.validation_loss import token_loss
 
 
 def validation_perplexity(model, data, micro_batch_size: int) -> tuple[dict, list[str]]:

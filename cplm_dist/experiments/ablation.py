@@ -74,7 +74,7 @@ def pick_learning_rates(ablation: Ablation, grid: dict[str, list[float]], train:
     first size and seed, the ablation's steps, lowest final validation loss wins (the baseline is
     tuned, the copy head takes its optimizer's rate). {optimizer: {"picked": lr, "valid_loss": {lr: loss}}};
     the runs go in <out>/lr-grid and are reused as the ablation's are."""
-    from cplm_dist.train.run_log import read_metrics
+    from cplm_dist.training.run_log import read_metrics
 
     size, seed, picked = ablation.sizes[0], ablation.seeds[0], {}
     for optimizer, rates in grid.items():
@@ -132,7 +132,7 @@ def run_ablation(ablation: Ablation, train: list[str], evaluate: list[str], bott
 def summarise(name, size, variant, seed, run_dir: Path, evaluation: Path, bottleneck: Path) -> dict:
     """One run's record (`size`: its arm's label, the size and optimizer): its final validation
     loss and curve, perplexity, suite means and the gradient bottleneck of its mixed (or LM-only) loss."""
-    from cplm_dist.train.run_log import read_metrics
+    from cplm_dist.training.run_log import read_metrics
 
     ev = json.loads(evaluation.read_text())
     bn = json.loads(bottleneck.read_text())
@@ -257,7 +257,7 @@ def optimizer_effect(runs: list[dict], ablation: Ablation, tasks: list[str]) -> 
 
 
 def plots(runs: list[dict], tasks: list[str], out: Path) -> None:
-    from cplm_dist.profiling.plotting import figure, lines
+    from cplm_dist.plotting import figure, lines
 
     with figure(out / "loss.png", size=(6, 4)) as ax:
         curves = {r["name"]: [(t, v) for t, v in r["valid_curve"] if t is not None] for r in runs}

@@ -234,7 +234,7 @@ def straight_run(plan: ChaosPlan, ref: Path, steps: int) -> tuple[Path, float]:
 def report(chaos: Chaos, finished: bool, weights: tuple[bool, int], wall: float, ref_wall, command: list[str]) -> dict:
     """The run's record (the JSON report): ok only when every fault was injected and survived and
     the weights are equal."""
-    from cplm_dist.train.run_log import lost_steps
+    from cplm_dist.training.run_log import lost_steps
 
     injected, survived = len(chaos.done), sum(f.survived for f in chaos.done)
     return {"ok": finished and weights[0] and injected == chaos.plan.faults and survived == injected,

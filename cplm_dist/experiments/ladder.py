@@ -114,7 +114,7 @@ def evaluate_points(points: list[dict], evaluate: list[str], tasks: list[str], s
 
 def collect(points: list[dict]) -> list[dict]:
     """One row a finished point: the plan's figures, its final validation loss, suite scores."""
-    from cplm_dist.train.run_log import read_metrics
+    from cplm_dist.training.run_log import read_metrics
 
     rows = []
     for p in points:

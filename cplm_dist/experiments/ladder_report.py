@@ -85,7 +85,7 @@ def write_outputs(rows: list[dict], fits: dict, gain: dict, ladder: Ladder, out:
 
 
 def plots(rows: list[dict], fits: dict, gain: dict, out: Path) -> None:
-    from cplm_dist.profiling.plotting import figure
+    from cplm_dist.plotting import figure
 
     if not rows:
         return

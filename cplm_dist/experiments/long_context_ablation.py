@@ -92,7 +92,7 @@ def run_all(runs: list[dict], ablation: LongContextAblation, evaluate: list[str]
 
 def summarise(run_dir: Path, result: Path) -> dict:
     """The run's final validation loss and its accuracy per task and context length."""
-    from cplm_dist.train.run_log import read_metrics
+    from cplm_dist.training.run_log import read_metrics
 
     valid = read_metrics(run_dir / "logs" / "metrics.jsonl", "valid")
     by_length = json.loads(result.read_text())["tasks"]
@@ -146,7 +146,7 @@ def write_report(runs: list[dict], ablation: LongContextAblation, out: Path) -> 
 def plot(runs: list[dict], ablation: LongContextAblation, tasks: list[str], out: Path) -> None:
     """One panel per corpus and task: accuracy against context length, a line per variant and mask
     (copy off dashed), the training length marked."""
-    from cplm_dist.profiling.plotting import figure
+    from cplm_dist.plotting import figure
 
     panels = [(corpus, task) for corpus in ablation.corpora for task in tasks]
     with figure(out / "by_length.png", ncols=len(panels), size=(3 * len(panels), 3.2)) as axes:

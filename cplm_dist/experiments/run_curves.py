@@ -55,7 +55,7 @@ def run_curves(runs: dict[str, str | Path]) -> dict[str, dict[str, list[tuple]]]
 
 def plot_curves(curves: dict[str, dict[str, list[tuple]]], path: str | Path) -> list[str]:
     """The panels that have data, side by side in one PNG; returns their names."""
-    from cplm_dist.profiling.plotting import figure, lines
+    from cplm_dist.plotting import figure, lines
 
     panels = [p for p in PANELS if any(curves[p].values())]
     if not panels:

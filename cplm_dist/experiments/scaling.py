@@ -7,12 +7,12 @@ of loss against compute (tools/scaling.py drives the runs).
     fits = bootstrap(points, seeds)                     # intervals over seeds
 
 Shapes: depth L and width D from a fixed aspect ratio D / L, heads of `head_dim` (D a multiple of
-it), the MLP width the backbone's rule (cplm_dist.model.backbones: 4 D for a GELU MLP; 8/3 D rounded
+it), the MLP width the backbone's rule (cplm_dist.config.backbones: 4 D for a GELU MLP; 8/3 D rounded
 up to a multiple of 64 for SwiGLU, its usual), kv heads = heads. Among the (L, D) whose exact parameter count
 (cplm_dist.model.counting) is within `tolerance` of the target, the one closest to the aspect
 ratio; else the closest count.
 
-Compute is training FLOPs by the stack's convention (cplm_dist.train.throughput:
+Compute is training FLOPs by the stack's convention (cplm_dist.training.throughput:
 flops_per_token x tokens, LM head and attention included), so fits and the profiler's MFU speak
 of the same FLOPs.
 
@@ -32,9 +32,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from cplm_dist.config import Config, apply_overrides, from_dict, to_dict
-from cplm_dist.model.backbones import BACKBONES
+from cplm_dist.config.backbones import BACKBONES
 from cplm_dist.model.counting import parameter_count
-from cplm_dist.train.throughput import flops_per_token
+from cplm_dist.training.throughput import flops_per_token
 
 
 def shape_fields(arch: str, layers: int, hidden: int, head_dim: int) -> dict[str, int]:

@@ -40,8 +40,8 @@ import torch
 from cplm_dist.checkpoint.loading import _saved_shards, read_checkpoint
 from cplm_dist.checkpoint.manifest import COMPLETE, Manifest
 from cplm_dist.config import Config
+from cplm_dist.config.backbones import backbone, backbones_with
 from cplm_dist.errors import CheckpointError, ConfigError, UsageError
-from cplm_dist.model.backbones import backbone, backbones_with
 
 log = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ from cplm_dist.model.layer_shapes import attention_shapes, by_name
 from cplm_dist.model.norm import make_qk_norms
 from cplm_dist.model.parallel.sequence import sum_grad_over
 from cplm_dist.model.parallel.sharding import mark_split
-from cplm_dist.model.rotary import apply_rope
+from cplm_dist.model.positions import apply_rope
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """One pre-norm transformer layer: x + attn(norm(x)), then x + mlp(norm(x)); the norm and MLP
-are the backbone's (its record's `norm` and `mlp`, cplm_dist.model.backbones), the attention's
+are the backbone's (its record's `norm` and `mlp`, cplm_dist.config.backbones), the attention's
 kernel the model's (`PartSpec.core_attention`: SDPA, FlexAttention or context-parallel), its
 parameters' shapes cplm_dist.model.layer_shapes.
 

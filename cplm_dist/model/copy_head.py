@@ -59,7 +59,7 @@ from cplm_dist.model.copy_lse import (FLEX_BLOCK, candidate_mask, chunked_copy_l
 from cplm_dist.model.loss import NEG_INF, CopyTerms
 from cplm_dist.model.mixes import MIXES
 from cplm_dist.model.parallel.sequence import ReplicatedLinear, active, gather_sequence, sum_grad_over
-from cplm_dist.model.rotary import apply_rope, rope_angles
+from cplm_dist.model.positions import apply_rope, rope_angles
 
 log = logging.getLogger(__name__)
 

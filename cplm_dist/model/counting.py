@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 
 from cplm_dist.config import Config
-from cplm_dist.model.backbones import backbone
+from cplm_dist.config.backbones import backbone
 from cplm_dist.model.layer_shapes import layer_shapes, norm_shapes
 from cplm_dist.model.loss import padded_vocab_size
 from cplm_dist.model.mixes import MIXES

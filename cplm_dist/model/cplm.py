@@ -47,8 +47,8 @@ from cplm_dist.model.documents import check_positions, continued_positions, docu
 from cplm_dist.model.initialization import init_parameters
 from cplm_dist.model.parallel.context import ContextInputs, ContextShard, context_inputs
 from cplm_dist.model.parts import Embedding, Head, PartSpec
+from cplm_dist.model.positions import layer_rope
 from cplm_dist.model.recompute_compile import parallelize
-from cplm_dist.model.rotary import layer_rope
 
 log = logging.getLogger(__name__)
 

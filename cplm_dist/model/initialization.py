@@ -55,7 +55,7 @@ def _generator(seed: int, name: str, device: torch.device) -> torch.Generator:
 def init_parameters(model: torch.nn.Module | list, model_cfg: ModelConfig, copy_cfg: CopyConfig, seed: int,
                     tp_rank: int, tp_size: int) -> None:
     """Fill every parameter of `model` (already sharded for tp_size) from `seed`; or of a list of
-    (name in CPLM, parameter), a pipeline stage's (cplm_dist.model.parallel.pipeline)."""
+    (name in CPLM, parameter), a pipeline stage's (cplm_dist.training.pipeline)."""
     named = model.named_parameters() if isinstance(model, torch.nn.Module) else model
     for name, param in named:
         kind, value = _rule(name, model_cfg, copy_cfg)

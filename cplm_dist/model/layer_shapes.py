@@ -1,6 +1,6 @@
 """A transformer layer's parameters as data, megatron-core's layer spec for shapes: each slot's
 tensors (name, full shape, how it is laid out over tp) as a function of the model config and its
-backbone's record (cplm_dist.model.backbones). The modules build themselves from these (attention,
+backbone's record (cplm_dist.config.backbones). The modules build themselves from these (attention,
 its qk-norm slot, the MLP, the norms); counting (cplm_dist.model.counting) and the memory estimator
 (cplm_dist.profiling.memory) read the same entries, so a new slot is counted where it is defined.
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from cplm_dist.config import ModelConfig
-from cplm_dist.model.backbones import backbone
+from cplm_dist.config.backbones import backbone
 
 # when a replicated tensor's gradient is summed over the tp ranks
 UNDER_SEQUENCE_PARALLEL = "sequence_parallel"  # a rank applies it to its T/tp positions only then (norms, row biases)

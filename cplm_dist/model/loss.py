@@ -36,9 +36,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from cplm_dist.data.loader import IGNORE_INDEX  # the label a batch holds where no loss is taken
 from cplm_dist.model.mixes import MIXES, NEG_INF, MixWeights
-
-IGNORE_INDEX = -100  # a label that is not trained on (Megatron's and torch's convention)
 
 
 class CopyTerms(NamedTuple):

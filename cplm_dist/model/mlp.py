@@ -8,9 +8,9 @@ import torch
 import torch.nn.functional as F
 
 from cplm_dist.config import ModelConfig
+from cplm_dist.config.backbones import backbone
 from cplm_dist.megatron_compat import ModelParallelConfig, tensor_parallel
 from cplm_dist.model.attention import OutputLinear
-from cplm_dist.model.backbones import backbone
 from cplm_dist.model.initialization import deferred_init
 from cplm_dist.model.layer_shapes import by_name, mlp_shapes
 from cplm_dist.model.parallel.sharding import mark_split

@@ -10,7 +10,7 @@ Shapes: cplm_dist.model.layer_shapes.
 
 import torch
 
-from cplm_dist.model.backbones import backbone
+from cplm_dist.config.backbones import backbone
 from cplm_dist.model.layer_shapes import norm_shapes, qk_norm_shapes
 from cplm_dist.model.parallel.sequence import sum_grad_over
 

@@ -1,7 +1,7 @@
 """The model's parts, each built by one class: the embedding (`Embedding`), the transformer layers
 (cplm_dist.model.block) and the head (`Head`: final norm, LM head, copy head, mixed loss). The
 whole model is these parts in a row (cplm_dist.model.cplm.CPLM); a pipeline stage is one of them
-with DeepSpeed's tuple interface (cplm_dist.model.parallel.pipeline). What is applied to the parts after
+with DeepSpeed's tuple interface (cplm_dist.training.pipeline). What is applied to the parts after
 they are built (activation checkpointing, compile) is cplm_dist.model.recompute_compile.
 
     spec = PartSpec.of(cfg, tp_group, device, dtype)      # what every part is built from
@@ -22,8 +22,8 @@ import torch
 
 import cplm_dist.model.loss as vocab_parallel
 from cplm_dist.config import Config, CopyConfig, LossConfig, ModelConfig
+from cplm_dist.config.backbones import backbone
 from cplm_dist.megatron_compat import ModelParallelConfig, tensor_parallel
-from cplm_dist.model.backbones import backbone
 from cplm_dist.model.copy_head import CopyHead
 from cplm_dist.model.core_attention import local_attention
 from cplm_dist.model.documents import document_index
@@ -32,7 +32,7 @@ from cplm_dist.model.norm import make_norm
 from cplm_dist.model.parallel.context import ContextParallelAttention, ContextShard
 from cplm_dist.model.parallel.sequence import gather_sequence
 from cplm_dist.model.parallel.sharding import mark_split
-from cplm_dist.model.rotary import LearnedPositions
+from cplm_dist.model.positions import LearnedPositions
 
 
 def megatron_config(tp_size: int, device: torch.device, dtype: torch.dtype,

@@ -3,7 +3,7 @@ Megatron default), or learned absolute positions added to the embedding (GPT-2's
 
 import torch
 
-from cplm_dist.model.backbones import backbone
+from cplm_dist.config.backbones import backbone
 
 
 def scaled_theta(dim: int, theta: float, scaling=None) -> float:

@@ -36,7 +36,7 @@ from cplm_dist.model.compiled import unavailable_reason
 from cplm_dist.model.core_attention import Masks
 from cplm_dist.model.documents import check_positions, document_index
 from cplm_dist.model.next_token import full_log_probs, greedy
-from cplm_dist.model.rotary import layer_rope
+from cplm_dist.model.positions import layer_rope
 from cplm_dist.model.static_cache import PAD_DOC, StaticCache, bucket
 
 log = logging.getLogger(__name__)

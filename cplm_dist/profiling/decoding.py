@@ -29,7 +29,7 @@ def peer_model(model, cfg, device: torch.device):
     from transformers import AutoModelForCausalLM
 
     from cplm_dist.interop.hf.directory import transformers_config
-    from cplm_dist.model.backbones import backbone
+    from cplm_dist.config.backbones import backbone
     from cplm_dist.model.parallel.sharding import full_state_dict
 
     hf = AutoModelForCausalLM.from_config(transformers_config(cfg.model, attn_implementation="sdpa"))

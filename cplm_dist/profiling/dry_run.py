@@ -72,8 +72,8 @@ from cplm_dist.model.counting import parameter_count, replicated_parameters
 from cplm_dist.model.loss import padded_vocab_size
 from cplm_dist.model.parallel.stages import loss_stage, pipeline_stages
 from cplm_dist.profiling import communication
-from cplm_dist.profiling.fake_world import fake_rank, rank_of
 from cplm_dist.profiling.dry_run_schedule import RoleSchedule
+from cplm_dist.profiling.fake_world import fake_rank, rank_of
 from cplm_dist.profiling.memory import bubble, bucket_bytes, optimizer_bytes, stage_estimates, state_bytes_per_parameter
 from cplm_dist.profiling.muon_cost import muon_step_cost
 from cplm_dist.profiling.planner import Cluster, predict
@@ -198,7 +198,7 @@ class DryRun:
     def replica_flops(self) -> tuple[float, float]:
         """(FLOPs of one dp replica's step as traced: every role's micro-batch x accumulation, the
         recomputed forward included; the same from throughput.flops_per_token, the FLOPs MFU counts)."""
-        from cplm_dist.train.throughput import flops_per_token
+        from cplm_dist.training.throughput import flops_per_token
 
         L = self.layout
         traced = sum(r.trace.flops for r in self.roles) * L.accumulation
@@ -222,7 +222,7 @@ class DryRun:
 
 def _build(cfg: Config, dims: ParallelDims, layout: Layout, device):
     from cplm_dist.model.cplm import build_model
-    from cplm_dist.model.parallel.pipeline import build_pipeline_model
+    from cplm_dist.training.pipeline import build_pipeline_model
 
     dtype = torch.bfloat16 if layout.precision == "bf16" else torch.float32  # DeepSpeed's bf16 copy of the model
     if layout.pp > 1:

@@ -1,7 +1,7 @@
 """Measuring training steps: throughput from clean steps, a breakdown from instrumented ones,
 several steps alternated on the same shapes (`alternate`), and the memory meters.
 
-Every step measured is training's own (cplm_dist.train.step.TrainStep) on synthetic tokens.
+Every step measured is training's own (cplm_dist.training.step.TrainStep) on synthetic tokens.
 `measure(step, ...)` runs warm-up steps, then `steps` clean steps (nothing added: no
 synchronisation inside the step, no wrapped collectives) for tokens/s, TFLOP/s and MFU, then
 `breakdown_steps` instrumented steps that time forward, backward and the optimizer step
@@ -27,7 +27,7 @@ import torch.distributed as dist
 from cplm_dist.config import Config
 from cplm_dist.distributed import ParallelDims, synchronize
 from cplm_dist.megatron_compat import collective_holders
-from cplm_dist.train.throughput import device_peak_flops, flops_per_token
+from cplm_dist.training.throughput import device_peak_flops, flops_per_token
 
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
                "broadcast", "all_to_all_single", "reduce", "_all_gather_base", "_reduce_scatter_base",

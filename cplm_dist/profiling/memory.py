@@ -22,7 +22,7 @@ group ZeRO partitions over: dp x cp under context parallelism (DeepSpeed's seque
 group), dp alone otherwise.
 
 Activations saved for backward, per token, per transformer layer, counted from what our block's
-autograd graph keeps, by the backbone's features (cplm_dist.model.backbones; b = bytes per
+autograd graph keeps, by the backbone's features (cplm_dist.config.backbones; b = bytes per
 activation element; a test measures each shipped backbone with saved-tensor hooks and must agree
 exactly):
 
@@ -86,7 +86,7 @@ gradient buckets:
 On CPU the measured figure is the process's peak resident set above its size before the model
 was built, with glibc told to return freed blocks at once (cplm_dist.profiling.measure).
 
-Pipeline parallelism (parallel.pp = p > 1; DeepSpeed's 1F1B schedule, cplm_dist.model.parallel.pipeline):
+Pipeline parallelism (parallel.pp = p > 1; DeepSpeed's 1F1B schedule, cplm_dist.training.pipeline):
 the layers are split as CPLMPipe splits them, `partition(layer_parameters(cfg), p)` (pipeline
 layer 0 the embedding, 1..L the transformer layers, L+1 the head), and the figure is the heaviest
 stage's, each stage counted as above for its own part, with m = accumulation micro-batches a step:
@@ -149,7 +149,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from cplm_dist.config import Config
-from cplm_dist.model.backbones import backbone
+from cplm_dist.config.backbones import backbone
 from cplm_dist.model.copy_lse import FLEX_VALUE_DIM
 from cplm_dist.model.layer_shapes import by_name, layer_shapes
 from cplm_dist.model.loss import padded_vocab_size

@@ -77,7 +77,7 @@ from cplm_dist.model.counting import _copy_head, _layer_matrices
 from cplm_dist.profiling.communication import ring_factor, step_bytes
 from cplm_dist.profiling.memory import GIB, Stage, bubble, estimate, pipeline_stages
 from cplm_dist.profiling.muon_cost import muon_step_cost
-from cplm_dist.train.throughput import flops_per_token
+from cplm_dist.training.throughput import flops_per_token
 
 # Layouts whose predicted steps differ by less than this fraction rank as equal; among them the
 # smaller pp (no pipeline engine, whose schedule the model simplifies), the smaller cp, the lower ZeRO stage (fewer,

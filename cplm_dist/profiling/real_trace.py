@@ -1,6 +1,6 @@
 """The dry run held to the real thing: in a real job (torchrun, gloo on CPU), each rank runs what
 the dry run traces for its role with real tensors (cplm_dist.profiling.dry_run.trace_rank), and a
-real training step (cplm_dist.train.step: DeepSpeed's engine, its ZeRO optimizer, the dp
+real training step (cplm_dist.training.step: DeepSpeed's engine, its ZeRO optimizer, the dp
 collectives), measured the same way: torch's MemTracker, tensors only, no allocator caches.
 
     torchrun --nproc-per-node 2 tools/dry_run.py --config tiny --gpus 2 --real --json real.json
@@ -28,7 +28,7 @@ def step_peak(cfg: Config, dims: ParallelDims, device: torch.device) -> dict[str
     `STEPS` real training steps on random tokens."""
     from cplm_dist.profiling.live_tensors import StepTracker, peak_by_kind
     from cplm_dist.profiling.measure import synthetic_batches
-    from cplm_dist.train.step import build_train_step
+    from cplm_dist.training.step import build_train_step
 
     batches = synthetic_batches(cfg, cfg.train.micro_batch_size, cfg.data.seq_length, device,
                                 torch.Generator().manual_seed(cfg.seed))

@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
-from cplm_dist.train.throughput import PEAK_FLOPS
+from cplm_dist.training.throughput import PEAK_FLOPS
 
 GIB = 1024**3
 

@@ -102,7 +102,7 @@ def run_sweep(points: list[tuple[dict, list[str], Config]], grid: dict, out: Pat
 
 def plot_sweep(results: list[dict], grid: dict, out: Path) -> list[Path]:
     """One PNG per swept variable: tokens/s and step memory against it, a line per other setting."""
-    from cplm_dist.profiling.plotting import figure, lines
+    from cplm_dist.plotting import figure, lines
 
     paths = []
     for var in grid:

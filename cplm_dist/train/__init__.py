@@ -1,16 +1,10 @@
-"""Training: the driver (`cplm-train`, `python -m cplm_dist.train`) and what it runs, in the order
-it uses them:
+"""The training driver: `cplm-train`, `python -m cplm_dist.train` (what it runs is cplm_dist.training):
 
-    driver.py      config -> checks -> groups -> model -> engine -> data -> resume -> loop -> summary
-    engine.py      the DeepSpeed engine from the typed config, the mpu adapter
-    optim.py       AdamW groups, the schedules, the non-finite guard
-    step.py        the one optimizer step (training runs it, the profiler measures it)
-    validation.py  the validation loss (pipeline or not)
-    run_log.py     console, metrics.jsonl, TensorBoard; wandb_log.py Weights & Biases
-    throughput.py  FLOPs per token, MFU, peak memory
-    preflight.py   what a job submission checks before it queues
+    driver.py       config -> checks -> groups -> model -> engine -> data -> resume -> loop -> summary
+    preflight.py    what a job submission checks before it queues (`python -m cplm_dist.train.preflight`)
+    diagnostics.py  every train.diagnostics_interval steps, the copy head's gradient path (a metrics record)
 
-`main` and `train_parser` load the driver on first use: the pieces below it import without it.
+`main` and `train_parser` load the driver on first use: `cplm_dist.train.preflight` imports without it.
 """
 
 __all__ = ["main", "train_parser"]

@@ -18,9 +18,9 @@ with one line and exit code 2. SIGTERM or SIGUSR1 saves a checkpoint at the next
 and exits 0, for a requeue to continue with --resume auto.
 
 The pieces, in the order `main` uses them: config (cplm_dist.config) -> checks -> parallel groups
-(cplm_dist.distributed) -> model (cplm_dist.model) -> DeepSpeed engine (cplm_dist.train.engine) -> resume
-(cplm_dist.checkpoint) -> data at the resumed position, per data stage (cplm_dist.data) -> the step (cplm_dist.train.step, the one
-the profiler measures too) and its log (cplm_dist.train.run_log) -> checkpoints.
+(cplm_dist.distributed) -> model (cplm_dist.model) -> DeepSpeed engine (cplm_dist.training.engine) -> resume
+(cplm_dist.checkpoint) -> data at the resumed position, per data stage (cplm_dist.data) -> the step (cplm_dist.training.step, the one
+the profiler measures too) and its log (cplm_dist.training.run_log) -> checkpoints.
 """
 
 from __future__ import annotations
@@ -48,12 +48,12 @@ from cplm_dist.model.copy_head import check_copy_impl
 from cplm_dist.model.counting import parameter_count
 from cplm_dist.model.parallel.context import context_of
 from cplm_dist.model.parallel.stages import stage_summary
-from cplm_dist.train.optim import parameters_finite
-from cplm_dist.train.run_log import RunLog
-from cplm_dist.train.step import build_train_step, build_training_model
 from cplm_dist.train.diagnostics import diagnose, due
-from cplm_dist.train.validation import validation_figures
-from cplm_dist.train.wandb_log import check_wandb
+from cplm_dist.training.optim import parameters_finite
+from cplm_dist.training.run_log import RunLog
+from cplm_dist.training.step import build_train_step, build_training_model
+from cplm_dist.training.validation_loss import validation_figures
+from cplm_dist.training.wandb_log import check_wandb
 
 EXIT_BAD_STEPS = 3
 EXIT_LOST_RANK = 4
@@ -192,7 +192,7 @@ def train(cfg: Config, dims: ParallelDims, accumulation: int, resume: Manifest |
     skipped_in_a_row = 0
     log = RunLog(cfg, dims, device, step)
     log.load_state_dict(state.get("log"))  # each source's cumulative tokens
-    train_step.monitor.load_state_dict(state.get("spikes"))  # the spike windows (cplm_dist.train.stability)
+    train_step.monitor.load_state_dict(state.get("spikes"))  # the spike windows (cplm_dist.training.stability)
     log.info(banner(cfg, dims, accumulation, resume.tag if resume is not None else None))
     log.resumed(step if resume is not None else None)  # a resume records the steps it recomputes
 
@@ -210,7 +210,7 @@ def train(cfg: Config, dims: ParallelDims, accumulation: int, resume: Manifest |
                 log.info(f"stopped at step {step} on request; continue with --resume auto")
                 return 0
             step_start = time.perf_counter()
-            loader.at_step(step)  # the data stage of step + 1 (cplm_dist.config.stages)
+            loader.at_step(step)  # the data stage of step + 1 (cplm_dist.config.curriculum)
             result = train_step(loader, inject_nonfinite=step + 1 in t.inject_nonfinite_at,
                                 inject_scale=SPIKE_FACTOR if step + 1 in t.inject_spike_at else 1.0)
             step += 1
@@ -256,7 +256,7 @@ def count_bad(log: RunLog, step: int, result, in_a_row: int, total: int) -> tupl
 
 
 def watch_step(log: RunLog, step: int, result, train_step, cfg: Config, device) -> None:
-    """The step's spikes (cplm_dist.train.stability) and, every train.diagnostics_interval steps,
+    """The step's spikes (cplm_dist.training.stability) and, every train.diagnostics_interval steps,
     the live bottleneck on its last micro-batch (cplm_dist.train.diagnostics)."""
     for spike in result.spikes:
         log.spike(step, spike, result.spike_skipped and spike.metric == "loss", result.source_sums)

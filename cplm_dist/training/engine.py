@@ -14,11 +14,11 @@ our parallel groups, and `deepspeed.initialize` with our optimizer and schedule.
 | train.grad_accum_dtype (null: unset) | data_types.grad_accum_dtype (fp32 with bf16 at ZeRO-1: DeepSpeed's BF16_Optimizer) |
 | `--reshape` to another layout, ZeRO > 0 | checkpoint.load_universal (cplm_dist.checkpoint.reshape) |
 | parallel.pp > 1, sequence_parallel | pipeline.pipe_partitioned, grad_partitioned (off under sp: activations already sharded; off under DualPipeV) |
-| parallel.pp_schedule | the PipelineModule class: DeepSpeed's DualPipeVEngine runs a DualPipeVModule (cplm_dist.model.parallel.pipeline) |
+| parallel.pp_schedule | the PipelineModule class: DeepSpeed's DualPipeVEngine runs a DualPipeVModule (cplm_dist.training.pipeline) |
 
-At parallel.pp > 1 the model is a `PipelineModule` (cplm_dist.model.parallel.pipeline) and DeepSpeed builds
+At parallel.pp > 1 the model is a `PipelineModule` (cplm_dist.training.pipeline) and DeepSpeed builds
 its pipeline engine, whose process grid (axes pipe, data, model) is the same rank layout as ours
-(the model axis tp x cp wide under context parallelism: cplm_dist.model.parallel.pipeline_grid).
+(the model axis tp x cp wide under context parallelism: cplm_dist.training.mpu).
 At ZeRO-0 there DeepSpeed's fp32 clipping would count each later stage's tp-replicated parameters
 out and the tied embedding twice, so the optimizer clips itself (`clip_before_step`).
 
@@ -34,8 +34,8 @@ import torch.distributed as dist
 from cplm_dist.config import Config, batch_layout
 from cplm_dist.distributed import ParallelDims
 from cplm_dist.megatron_compat import import_deepspeed
-from cplm_dist.train.optim import build_optimizer, build_scheduler, grad_norm
-from cplm_dist.train.zero_partitions import bind_partitions
+from cplm_dist.training.optim import build_optimizer, build_scheduler, grad_norm
+from cplm_dist.training.zero_partitions import bind_partitions
 
 
 class DeepSpeedMPU:
@@ -181,7 +181,7 @@ def build_engine(model: torch.nn.Module, cfg: Config, dims: ParallelDims, load_u
 def reduce_over_dp_cp(engine) -> None:
     """A pipeline engine under context parallelism reduces its gradients over dp x cp, summed over
     cp and averaged over dp, at every ZeRO stage. DeepSpeed 0.19's ZeRO-1 optimizer does so through
-    the grid's sequence hooks (cplm_dist.model.parallel.pipeline_grid); the engine's own reduction
+    the grid's sequence hooks (cplm_dist.training.mpu); the engine's own reduction
     (ZeRO-0, and the bf16 optimizer's) takes the grid's dp group alone at a pipeline, so it runs its
     other branch here (dp x cp, divided by dp), the one it takes without a pipeline."""
     import deepspeed

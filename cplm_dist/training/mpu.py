@@ -8,7 +8,7 @@ point-to-point sends of activations and gradients) joins the stages of one (dp, 
 each tied-embedding group the first and last stage of one (dp, cp, tp) rank.
 
 What the grid answers as the engine's `mpu` is not, and `ContextPipelineGrid` answers it instead
-(the same answers `DeepSpeedMPU` gives at pp = 1, cplm_dist.train.engine):
+(the same answers `DeepSpeedMPU` gives at pp = 1, cplm_dist.training.engine):
 
 | asked | DeepSpeed's grid would say | here |
 |---|---|---|
@@ -18,7 +18,7 @@ What the grid answers as the engine's `mpu` is not, and `ContextPipelineGrid` an
 | sequence parallel (DeepSpeed's Ulysses hooks) | none | cp: ZeRO partitions over dp x cp, gradients summed over cp and averaged over dp |
 
 The engine's own gradient reduction at a pipeline (ZeRO-0, and the bf16 optimizer) ignores the
-sequence hooks; cplm_dist.train.engine adapts it (`reduce_over_dp_cp`).
+sequence hooks; cplm_dist.training.engine adapts it (`reduce_over_dp_cp`).
 """
 
 from __future__ import annotations

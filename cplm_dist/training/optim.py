@@ -24,14 +24,14 @@ import torch
 import torch.distributed as dist
 
 from cplm_dist.config import Config
-from cplm_dist.train.muon import Orthogonaliser, mark_matrices
+from cplm_dist.training.muon import Orthogonaliser, mark_matrices
 
 
 def parameter_groups(model: torch.nn.Module, cfg: Config) -> list[dict]:
     """Weight decay for matrices, not for norms, biases and (unless optim.decay_embeddings) the
     vocabulary tensors; by the parameters' CPLM names (a pipeline stage maps its own to them).
     optim.name=muon puts the transformer layers' matrices first, in a group of their own marked
-    `orthogonal` (cplm_dist.train.muon), with optim.muon.lr."""
+    `orthogonal` (cplm_dist.training.muon), with optim.muon.lr."""
     decay, no_decay = [], []
     named = list(model.canonical_named_parameters() if hasattr(model, "canonical_named_parameters")
                  else model.named_parameters())
@@ -94,7 +94,7 @@ class GuardedAdamW(torch.optim.AdamW):
         self.skipped_last = False
         self.before_step = None  # a callable run first in each step (pipeline ZeRO-0: the norm and clipping)
         # a callable every rank runs after the guard, True to skip this update too (train.skip_spikes:
-        # cplm_dist.train.stability); `skipped_spike` says it did
+        # cplm_dist.training.stability); `skipped_spike` says it did
         self.skip_check = None
         self.skipped_spike = False
 
@@ -136,7 +136,7 @@ def adamw_kernels(impl: str, device: torch.device) -> dict:
 
 
 class GuardedMuon(GuardedAdamW):
-    """Muon for the parameter groups marked `orthogonal` (cplm_dist.train.muon.Orthogonaliser),
+    """Muon for the parameter groups marked `orthogonal` (cplm_dist.training.muon.Orthogonaliser),
     AdamW (the parent) for the others: one optimizer for DeepSpeed to step and save, the
     non-finite guard over both, the raw gradient's norm and clipping left to DeepSpeed."""
 

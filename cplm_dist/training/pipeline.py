@@ -36,20 +36,20 @@ from __future__ import annotations
 import torch
 
 from cplm_dist.config import Config
-from cplm_dist.config.stages import source_names
+from cplm_dist.config.curriculum import source_names
+from cplm_dist.data.loader import IGNORE_INDEX
 from cplm_dist.distributed import ParallelDims
 from cplm_dist.megatron_compat import import_deepspeed
 from cplm_dist.model.block import TransformerLayer
 from cplm_dist.model.initialization import init_parameters
-from cplm_dist.model.loss import IGNORE_INDEX
 from cplm_dist.model.parallel.context import context_of
-from cplm_dist.model.parallel.pipeline_grid import context_grid_class
-from cplm_dist.model.parallel.reduction import BatchSums, ReduceGroups, injected
 from cplm_dist.model.parallel.stage_inputs import StageInputs
 from cplm_dist.model.parallel.stages import loss_stage, pipeline_layers, schedule_bounds, stages_per_rank
 from cplm_dist.model.parts import Embedding, Head, PartSpec
+from cplm_dist.model.positions import layer_rope
 from cplm_dist.model.recompute_compile import parallelize
-from cplm_dist.model.rotary import layer_rope
+from cplm_dist.training.mpu import context_grid_class
+from cplm_dist.training.reduction import BatchSums, ReduceGroups, injected
 
 
 class EmbeddingStage(Embedding):
@@ -132,16 +132,16 @@ def layer_specs(cfg: Config, dims: ParallelDims, device, dtype) -> list:
 class PipelineStages:
     """This rank's pipeline stage, mixed into DeepSpeed's PipelineModule (`pipeline_module_class`);
     `loss_fn` turns the head's per-token terms into the micro-batch loss and adds the micro-batch
-    to `sums` (cplm_dist.model.parallel.reduction), which the train step and validation zero,
+    to `sums` (cplm_dist.training.reduction), which the train step and validation zero,
     run the schedule, and reduce over `groups`."""
 
     def __init__(self, cfg: Config, dims: ParallelDims, device, dtype):
         from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
         self.cfg, self.dims = cfg, dims
-        self.inject_nonfinite, self.inject_scale = False, 1.0  # fault injection (cplm_dist.train.step)
+        self.inject_nonfinite, self.inject_scale = False, 1.0  # fault injection (cplm_dist.training.step)
         self.sums, self.groups = BatchSums(device, len(source_names(cfg))), ReduceGroups.of(dims, loss_stage(cfg))
-        # the model axis tp x cp wide: Megatron's rank order (cplm_dist.model.parallel.pipeline_grid)
+        # the model axis tp x cp wide: Megatron's rank order (cplm_dist.training.mpu)
         topology = PipeModelDataParallelTopology(num_pp=dims.pp_size, num_mp=dims.tp_size * dims.cp_size, num_dp=dims.dp_size)
         super().__init__(layer_specs(cfg, dims, device, dtype), topology=topology, loss_fn=self.micro_batch_loss,
                          partition_method="parameters")

@@ -20,7 +20,7 @@ equal tokens.
 A batch is `n` micro-batches on each of dp replicas. Under context parallelism the cp ranks of a
 replica hold parts of the same sequences (cplm_dist.model.parallel.context), so a micro-batch's
 token count is summed over cp and each cp rank's loss is its own tokens' share of the sequences'
-mean: the parts add up over cp, and DeepSpeed sums their gradients over cp (cplm_dist.train.engine).
+mean: the parts add up over cp, and DeepSpeed sums their gradients over cp (cplm_dist.training.engine).
 Over dp the micro-batches are different ones, and their means are averaged. Two figures follow:
 
     loss, lm_loss, copy_share   sum over dp x cp of the micro-batches' parts / (n x dp): the mean of the
@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from cplm_dist.model.loss import IGNORE_INDEX
+from cplm_dist.data.loader import IGNORE_INDEX
 
 PARTS, MICRO_BATCHES, NLL, TOKENS = slice(0, 3), 3, 4, 5  # BatchSums.values
 SOURCES = 6  # then per source: nll, LM-only nll, copy share, trained tokens (4 x sources)

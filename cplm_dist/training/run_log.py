@@ -22,12 +22,12 @@ import torch
 import torch.distributed as dist
 
 from cplm_dist.config import Config
-from cplm_dist.config.stages import source_names
+from cplm_dist.config.curriculum import source_names
 from cplm_dist.distributed import ParallelDims
-from cplm_dist.model.parallel.reduction import source_figures
-from cplm_dist.train.step import StepResult
-from cplm_dist.train.throughput import device_peak_flops, flops_per_token, peak_memory_bytes
-from cplm_dist.train.wandb_log import flat_values, start_wandb, wandb_values
+from cplm_dist.training.reduction import source_figures
+from cplm_dist.training.step import StepResult
+from cplm_dist.training.throughput import device_peak_flops, flops_per_token, peak_memory_bytes
+from cplm_dist.training.wandb_log import flat_values, start_wandb, wandb_values
 
 
 def _mean(xs: list[float]) -> float:
@@ -52,7 +52,7 @@ class RunLog:
         self._new_window()
         if self.enabled:
             self.dir.mkdir(parents=True, exist_ok=True)
-        if cfg.train.wandb:  # every rank calls it: rank 0 starts the run, a failure is one line on all (cplm_dist.train.wandb_log)
+        if cfg.train.wandb:  # every rank calls it: rank 0 starts the run, a failure is one line on all (cplm_dist.training.wandb_log)
             self.wandb = start_wandb(cfg, self.dir, dims.rank, dims.world_size)
         if not self.enabled:
             return
@@ -138,7 +138,7 @@ class RunLog:
         self._new_window()
 
     def spike(self, step: int, spike, skipped: bool, source_sums) -> None:
-        """A loss or grad-norm spike (cplm_dist.train.stability): its record and one line, with the
+        """A loss or grad-norm spike (cplm_dist.training.stability): its record and one line, with the
         sources of its batch (their trained tokens)."""
         sources = {name: f["tokens"] for name, f in source_figures(source_sums, self.source_names).items()}
         self.record("spike", {"step": step, **spike.as_record(), "skipped": skipped, "sources": sources})

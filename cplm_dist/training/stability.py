@@ -5,7 +5,7 @@ standard deviations above the mean of the last train.spike_window good steps' va
 a falling loss is never one; the window must be full first). A spike is logged with its step and
 the sources of its batch (their tokens); it does not enter the window, so a run of spikes is
 measured against the steps before them. With train.skip_spikes the update of a step whose *loss*
-spikes is skipped beside the non-finite guard (cplm_dist.train.optim.GuardedAdamW.skip_check): the
+spikes is skipped beside the non-finite guard (cplm_dist.training.optim.GuardedAdamW.skip_check): the
 loss is reduced over dp x cp and sent over pp before the optimizer step, so every rank and every
 pipeline stage decides alike; the gradient norm is only known inside DeepSpeed's step, so its
 spikes are logged, never skipped.

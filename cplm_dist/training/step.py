@@ -7,9 +7,9 @@ profiler cannot time something training does not do; and how both build it.
 A step reads `accumulation` micro-batches. Each micro-batch's loss is its summed per-token loss
 over its trained tokens (labels != -100); DeepSpeed averages the micro-batches and the dp ranks.
 Under context parallelism a rank's loss is its own tokens' share of the sequence's mean (the
-token count summed over cp), and DeepSpeed sums the gradients over cp (cplm_dist.train.engine).
+token count summed over cp), and DeepSpeed sums the gradients over cp (cplm_dist.training.engine).
 The figures returned (loss, the LM head's own loss, the copy share) are the batch's, the same on
-every rank: cplm_dist.model.parallel.reduction adds the micro-batches and reduces them over dp x cp,
+every rank: cplm_dist.training.reduction adds the micro-batches and reduces them over dp x cp,
 as it does for validation and evaluation. `phases` (a dict) adds forward, backward and
 optimizer seconds to it, synchronising the device between them (the profiler's breakdown steps;
 a clean step passes none and is not synchronised inside).
@@ -17,7 +17,7 @@ a clean step passes none and is not synchronised inside).
 At parallel.pp > 1 DeepSpeed's pipeline engine runs the step's micro-batches through the 1F1B
 schedule itself (`train_batch`): the first and last stage read the micro-batches (ids and labels
 enter at the first, labels are counted at the last), the middle stages only count them. The last
-stage's loss function adds each micro-batch to the same sums (cplm_dist.model.parallel.pipeline),
+stage's loss function adds each micro-batch to the same sums (cplm_dist.training.pipeline),
 which are reduced the same way and sent to every stage. Its phases are one ("pipeline"): forward
 and backward interleave.
 """
@@ -33,16 +33,16 @@ from typing import Iterator
 import torch
 
 from cplm_dist.config import Config
-from cplm_dist.config.stages import source_names
+from cplm_dist.config.curriculum import source_names
 from cplm_dist.data.loader import label_inputs, model_inputs
 from cplm_dist.distributed import ParallelDims, synchronize
 from cplm_dist.model.cplm import build_model
-from cplm_dist.model.parallel.pipeline import build_pipeline_model
-from cplm_dist.model.parallel.reduction import BatchSums, ReduceGroups, injected
 from cplm_dist.model.parallel.stages import loss_stage
-from cplm_dist.train.engine import build_engine
-from cplm_dist.train.optim import grad_norm
-from cplm_dist.train.stability import SpikeMonitor
+from cplm_dist.training.engine import build_engine
+from cplm_dist.training.optim import grad_norm
+from cplm_dist.training.pipeline import build_pipeline_model
+from cplm_dist.training.reduction import BatchSums, ReduceGroups, injected
+from cplm_dist.training.stability import SpikeMonitor
 
 
 @dataclass
@@ -56,7 +56,7 @@ class StepResult:
     data_wait_s: float = 0.0  # this rank's time blocked on its micro-batches (not synchronised: shows stragglers)
     # per source: summed nll, LM-only nll, copy share, trained tokens over dp x cp (BatchFigures.source_sums)
     source_sums: tuple[float, ...] = ()
-    spikes: tuple = ()  # the step's loss / grad-norm spikes (cplm_dist.train.stability.Spike)
+    spikes: tuple = ()  # the step's loss / grad-norm spikes (cplm_dist.training.stability.Spike)
     spike_skipped: bool = False  # train.skip_spikes skipped this update (its loss spiked)
 
     @property

@@ -6,10 +6,10 @@ the first train.eval_batches micro-batches of each dp rank's share of the valida
     figures = token_loss(model, batches, device, ReduceGroups.of(dims))   # any model and micro-batches
 
 Both sum each micro-batch's nll and trained tokens and reduce them over dp x cp the way the train
-step reduces its figures (cplm_dist.model.parallel.reduction); evaluation's perplexity
+step reduces its figures (cplm_dist.training.reduction); evaluation's perplexity
 (cplm_dist.evaluation.perplexity) is `token_loss` on one rank's whole split. At parallel.pp > 1
 DeepSpeed's pipeline engine runs the micro-batches (`eval_batch`) and the last stage adds them
-(cplm_dist.model.parallel.pipeline); the figure reaches every stage.
+(cplm_dist.training.pipeline); the figure reaches every stage.
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ from typing import Iterable
 import torch
 
 from cplm_dist.config import Config
-from cplm_dist.config.stages import source_ids, source_names, stages_of
+from cplm_dist.config.curriculum import source_ids, source_names, stages_of
 from cplm_dist.data.loader import ResumableLoader, label_inputs, model_inputs
 from cplm_dist.distributed import ParallelDims
 from cplm_dist.model.parallel.context import context_of
-from cplm_dist.model.parallel.reduction import BatchFigures, BatchSums, ReduceGroups
+from cplm_dist.training.reduction import BatchFigures, BatchSums, ReduceGroups
 
 
 @torch.no_grad()
@@ -64,7 +64,7 @@ def token_loss(model, batches: Iterable[dict], device, groups: ReduceGroups, sou
 @torch.no_grad()
 def evaluate_pipeline(engine, loader: ResumableLoader, cfg: Config, dims: ParallelDims, device) -> BatchFigures:
     """`evaluate` through the pipeline: the last stage adds nll and tokens over its micro-batches
-    (cplm_dist.model.parallel.pipeline), the sums are reduced over dp x cp, and the ratio goes to every stage."""
+    (cplm_dist.training.pipeline), the sums are reduced over dp x cp, and the ratio goes to every stage."""
     batches = ((model_inputs(b), label_inputs(b)) for b in loader)
     module = engine.module
     module.sums.zero_()

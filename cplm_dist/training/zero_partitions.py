@@ -20,7 +20,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from cplm_dist.train.muon import Matrix
+from cplm_dist.training.muon import Matrix
 
 ADAPTED = "0.19."
 
@@ -81,7 +81,7 @@ def bind_partitions(wrapper, optimizer) -> None:
         params, offsets, start, size, group = _layout(wrapper, i)
         if base_group["params"][0] is not flat or any(hasattr(p, "use_muon") for p in params):
             raise RuntimeError("optim.name=muon: DeepSpeed's ZeRO partition is not laid out as "
-                               "cplm_dist.train.zero_partitions expects: use optim.name=adamw")
+                               "cplm_dist.training.zero_partitions expects: use optim.name=adamw")
         if base_group.get("orthogonal"):
             matrices = [(p._cplm_matrix, offset, tuple(p.shape)) for p, offset in zip(params, offsets)]
             flat._cplm_partition = FlatPartition(matrices, start, size, group)

@@ -13,11 +13,11 @@ they import the config, the errors and torch, never the model.
 
 from __future__ import annotations
 
-from cplm_dist.model.backbones.gpt2 import GPT2
-from cplm_dist.model.backbones.hf_adapter import HFAdapter
-from cplm_dist.model.backbones.llama import LLAMA
-from cplm_dist.model.backbones.qwen3 import QWEN3
-from cplm_dist.model.backbones.record import Backbone
+from cplm_dist.config.backbones.gpt2 import GPT2
+from cplm_dist.config.backbones.hf_adapter import HFAdapter
+from cplm_dist.config.backbones.llama import LLAMA
+from cplm_dist.config.backbones.qwen3 import QWEN3
+from cplm_dist.config.backbones.record import Backbone
 
 __all__ = ["BACKBONES", "Backbone", "HFAdapter", "backbone", "backbones_with"]
 

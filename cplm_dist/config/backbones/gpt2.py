@@ -1,6 +1,6 @@
 """The gpt2 backbone (LayerNorm with bias, GELU MLP, learned absolute positions, biases on every
 linear) and its HF adapter onto transformers' `GPT2LMHeadModel`, used both ways
-(cplm_dist.model.backbones.hf_adapter).
+(cplm_dist.config.backbones.hf_adapter).
 
 Import (`model.init_from: <local HF GPT-2 directory>`): a transformers `GPT2LMHeadModel` saved
 with `save_pretrained` (config.json and *.safetensors) initialises the backbone at any tp; the
@@ -32,9 +32,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from cplm_dist.config.backbones.hf_adapter import HFAdapter, RemoteClass, Weights, check_shapes, check_tied
+from cplm_dist.config.backbones.record import Backbone
 from cplm_dist.errors import HFImportError, UsageError
-from cplm_dist.model.backbones.hf_adapter import HFAdapter, RemoteClass, Weights, check_shapes, check_tied
-from cplm_dist.model.backbones.record import Backbone
 
 if TYPE_CHECKING:  # the config package imports the records (config.validation): types only here
     from cplm_dist.config.tree import ModelConfig

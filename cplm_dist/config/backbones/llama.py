@@ -1,5 +1,5 @@
 """The llama backbone (RMSNorm, SwiGLU, RoPE, no biases; the default) and its HF adapter onto
-transformers' `LlamaForCausalLM`, used both ways (cplm_dist.model.backbones.hf_adapter):
+transformers' `LlamaForCausalLM`, used both ways (cplm_dist.config.backbones.hf_adapter):
 `model.init_from: <local HF Llama directory>` imports at any tp (the copy head starts fresh);
 tools/export_hf.py writes a stock `LlamaForCausalLM` (copy off, no remote code) or our
 `CPLMForCausalLM` (copy on: cplm_dist/interop/hf/remote/modeling_cplm.py, named in auto_map), whose
@@ -25,9 +25,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from cplm_dist.config.backbones.hf_adapter import HFAdapter, RemoteClass, Weights, check_shapes, check_tied
+from cplm_dist.config.backbones.record import Backbone
 from cplm_dist.errors import HFImportError
-from cplm_dist.model.backbones.hf_adapter import HFAdapter, RemoteClass, Weights, check_shapes, check_tied
-from cplm_dist.model.backbones.record import Backbone
 
 if TYPE_CHECKING:  # the config package imports the records (config.validation): types only here
     from cplm_dist.config.tree import ModelConfig

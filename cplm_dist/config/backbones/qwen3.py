@@ -1,6 +1,6 @@
 """The qwen3 backbone (Llama's: RMSNorm, SwiGLU, RoPE, GQA, no biases; plus queries and keys
 RMS-normalised per head before RoPE, and its own head width model.head_dim) and its HF adapter onto
-transformers' `Qwen3ForCausalLM`, used both ways (cplm_dist.model.backbones.hf_adapter): Llama's map
+transformers' `Qwen3ForCausalLM`, used both ways (cplm_dist.config.backbones.hf_adapter): Llama's map
 (llama.py) plus the q/k norms. `model.init_from: <local HF Qwen3 directory>` imports at any tp (the
 copy head starts fresh); tools/export_hf.py writes a stock `Qwen3ForCausalLM` (copy off, no remote
 code) or our `CPLMQwen3ForCausalLM` (copy on: cplm_dist/interop/hf/remote/modeling_cplm_qwen3.py).
@@ -18,10 +18,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import cplm_dist.model.backbones.llama as llama
+import cplm_dist.config.backbones.llama as llama
+from cplm_dist.config.backbones.hf_adapter import HFAdapter, RemoteClass, Weights
+from cplm_dist.config.backbones.record import Backbone
 from cplm_dist.errors import HFImportError
-from cplm_dist.model.backbones.hf_adapter import HFAdapter, RemoteClass, Weights
-from cplm_dist.model.backbones.record import Backbone
 
 if TYPE_CHECKING:  # the config package imports the records (config.validation): types only here
     from cplm_dist.config.tree import ModelConfig

@@ -1,6 +1,6 @@
 """What a backbone record holds: its features, each read by the parts of the stack that need it
 (never the backbone's name), and its HF adapter. The records themselves are in the families'
-files (llama.py, gpt2.py, qwen3.py), each beside its adapter; cplm_dist.model.backbones gathers them.
+files (llama.py, gpt2.py, qwen3.py), each beside its adapter; cplm_dist.config.backbones gathers them.
 
 | feature | read by |
 |---|---|
@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from cplm_dist.model.backbones.hf_adapter import HFAdapter
+from cplm_dist.config.backbones.hf_adapter import HFAdapter
 
 
 @dataclass(frozen=True)

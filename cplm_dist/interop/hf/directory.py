@@ -2,7 +2,7 @@
 (`model.init_from`: check_hf_dir, read_hf, initialise_from_hf) and writing an export
 (tools/export_hf.py: write_hf_dir, with its generation_config.json and, copy on, the remote-code
 files). What maps a family's config and weights is its record's adapter (`backbone(m).hf`,
-cplm_dist.model.backbones.hf_adapter); nothing here names a family.
+cplm_dist.config.backbones.hf_adapter); nothing here names a family.
 
 Import: a transformers model saved with `save_pretrained` (config.json and *.safetensors) whose
 model_type is the run's backbone's initialises the backbone at any tp; the copy head starts fresh.
@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 
 from cplm_dist.config import CopyConfig, ModelConfig
+from cplm_dist.config.backbones import BACKBONES, backbone
 from cplm_dist.errors import HFImportError
-from cplm_dist.model.backbones import BACKBONES, backbone
 
 __all__ = ["HFImportError", "REMOTE_CODE", "REMOTE_FILES", "check_hf_dir", "families", "generation_config",
            "initialise_from_hf", "read_hf", "transformers_config", "write_hf_dir"]

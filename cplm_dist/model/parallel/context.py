@@ -23,8 +23,8 @@ every mix and paste mode (M_t's match mask needs the candidates' source ids next
 anyway) and costs the keys once a step: B x T x H_c x d_c floats, less than one layer's K.
 
 Gradients: each rank's parameters see its own tokens only, so their gradients are partial sums
-that DeepSpeed reduces over dp x cp (summed over cp, averaged over dp: cplm_dist.train.engine); a
-step's token count is summed over dp x cp (cplm_dist.train.step).
+that DeepSpeed reduces over dp x cp (summed over cp, averaged over dp: cplm_dist.training.engine); a
+step's token count is summed over dp x cp (cplm_dist.training.step).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """What the parts of a pipeline stage read of a micro-batch besides its activations, worked out
-once a micro-batch for every part on this rank (cplm_dist.model.parallel.pipeline).
+once a micro-batch for every part on this rank (cplm_dist.training.pipeline).
 
     micro = inputs(ids, position_ids)      # the same MicroBatch for every layer of this stage
     micro.positions                        # what RoPE and learned positions read (None: 0 .. T - 1)

@@ -1,6 +1,6 @@
 """Pipeline stage arithmetic: which layers each stage of parallel.pp holds, what they weigh and
 what they are called, from the config alone (no DeepSpeed, no allocation). The stages themselves
-(DeepSpeed's PipelineModule) are cplm_dist.model.parallel.pipeline; the memory estimator, the
+(DeepSpeed's PipelineModule) are cplm_dist.training.pipeline; the memory estimator, the
 communication model, the planner and checkpoint loading read the split from here.
 
 The layers, in order (`pipeline_layers`):

@@ -1,6 +1,6 @@
 """The configs of a copy-on export: a backbone's transformers config plus the copy head's fields
 (docs/copy_head.md of cplm_dist), the same copy_* keys for every backbone (config.json as
-cplm_dist.model.backbones.hf_adapter.copy_fields writes them).
+cplm_dist.config.backbones.hf_adapter.copy_fields writes them).
 
     CPLMConfig        LlamaConfig + copy_*   model_type "cplm"        (modeling_cplm.CPLMForCausalLM)
     CPLMGPT2Config    GPT2Config + copy_*    model_type "cplm_gpt2"   (modeling_cplm_gpt2.CPLMGPT2ForCausalLM)
