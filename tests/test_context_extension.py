@@ -92,7 +92,8 @@ def _fake_step(tmp_path, trained, **model):
 
 
 def test_what_cannot_start_is_one_line(small_data, trained, tmp_path):
-    from cplm_dist.checkpoint import CheckpointError, init_source
+    from cplm_dist.checkpoint import CheckpointError
+    from cplm_dist.interop.init_from import init_source
     from cplm_dist.errors import UsageError
 
     base = ["model.vocab_size=512", "model.max_seq_len=128", "data.seq_length=64"]

@@ -82,7 +82,7 @@ def _ids(vocab: int) -> torch.Tensor:
 def _import_worker(tp, cases):
     """For each (directory, overrides): the model built at this tp, initialised from the directory
     as training does (model.init_from: the map its backbone's record names)."""
-    from cplm_dist.checkpoint import initialise_from
+    from cplm_dist.interop.init_from import initialise_from
     from cplm_dist.distributed import init_distributed
     from cplm_dist.model import build_model
 

@@ -201,7 +201,7 @@ def test_a_gpt2_run_from_a_hf_gpt2_exports_the_same_gpt2(from_gpt2):
 
 
 def test_bad_gpt2_directories_give_one_line(small_data, tmp_path):
-    from cplm_dist.checkpoint import init_source
+    from cplm_dist.interop.init_from import init_source
     from cplm_dist.errors import UsageError
     from cplm_dist.interop.hf.directory import HFImportError, check_hf_dir, read_hf
     from cplm_dist.config.backbones import backbone

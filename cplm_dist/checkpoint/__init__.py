@@ -17,7 +17,6 @@ it for evaluation.
     model, cfg, info = load_model("runs/quickstart-<time>")   # after init_distributed, at any tp
 """
 
-from cplm_dist import moved_attribute
 from cplm_dist.checkpoint.loading import load_checkpoint_config, load_model, read_checkpoint
 from cplm_dist.checkpoint.manifest import (CARRIED_TOKENIZER, COMPLETE, FORMAT, LATEST, Layout, Manifest, ReshapeError,
                                            carry_tokenizer, check_config_change, check_intact, check_layout, check_reshape,
@@ -42,7 +41,3 @@ __all__ = [
     "read_holder", "read_manifest", "resolve_checkpoint", "rng_state", "safe_load", "same_weights", "set_rng_state", "tag_for", "tokenizer_files",
     "upgrade", "use_safe_loading", "versions", "weights_only_torch_load", "write_manifest",
 ]
-
-
-def __getattr__(name: str):  # model.init_from's names, in cplm_dist.interop.init_from since 2026-12
-    return moved_attribute(__name__, name)
