@@ -1,5 +1,5 @@
-"""The DeepSpeed engine: its JSON config generated from the typed config, the mpu adapter over
-our parallel groups, and `deepspeed.initialize` with our optimizer and schedule.
+"""The DeepSpeed engine: its JSON config generated from the typed config, and `deepspeed.initialize`
+with our optimizer and schedule and the mpu over our parallel groups (cplm_dist.training.mpu).
 
 | typed field | DeepSpeed key |
 |---|---|
@@ -29,72 +29,13 @@ DeepSpeed, which steps them at accumulation boundaries and saves them in its che
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from cplm_dist.config import Config, batch_layout
 from cplm_dist.distributed import ParallelDims
 from cplm_dist.megatron_compat import import_deepspeed
+from cplm_dist.training.mpu import DeepSpeedMPU
 from cplm_dist.training.optim import build_optimizer, build_scheduler, grad_norm
 from cplm_dist.training.zero_partitions import bind_partitions
-
-
-class DeepSpeedMPU:
-    """What DeepSpeed asks of an `mpu` (model-parallel unit), answered from our groups (PP = 1:
-    model parallel = tensor parallel; context parallel = DeepSpeed's sequence parallel)."""
-
-    def __init__(self, dims: ParallelDims):
-        self.dims = dims
-
-    def get_model_parallel_rank(self):
-        return self.dims.tp_rank
-
-    def get_model_parallel_world_size(self):
-        return self.dims.tp_size
-
-    def get_model_parallel_group(self):
-        return self.dims.tp_group
-
-    get_tensor_model_parallel_rank = get_model_parallel_rank
-    get_tensor_model_parallel_world_size = get_model_parallel_world_size
-    get_tensor_model_parallel_group = get_model_parallel_group
-
-    def get_tensor_model_parallel_src_rank(self):
-        return self.dims.rank - self.dims.tp_rank  # tp ranks are consecutive
-
-    def get_data_parallel_rank(self):
-        return self.dims.dp_rank
-
-    def get_data_parallel_world_size(self):
-        return self.dims.dp_size
-
-    def get_data_parallel_group(self):
-        return self.dims.dp_group
-
-    def get_pipeline_model_parallel_world_size(self):
-        return 1
-
-    # Context parallelism answered through the hooks DeepSpeed's Ulysses sequence parallelism reads
-    # (deepspeed.utils.groups): gradients all-reduced over dp x cp and divided by dp x cp / cp = dp
-    # (summed over cp, averaged over dp), ZeRO partitioned over dp x cp, while the batch
-    # arithmetic counts dp alone (get_data_parallel_world_size). At cp = 1 they are dp's.
-    def get_sequence_parallel_world_size(self):
-        return self.dims.cp_size
-
-    def get_sequence_parallel_rank(self):
-        return self.dims.cp_rank
-
-    def get_sequence_parallel_group(self):
-        return self.dims.cp_group
-
-    def get_sequence_data_parallel_world_size(self):
-        return self.dims.dp_size * self.dims.cp_size
-
-    def get_sequence_data_parallel_rank(self):
-        # the rank inside the group itself (DeepSpeed picks the ranks that save ZeRO files by it)
-        return dist.get_rank(self.dims.grad_group)
-
-    def get_sequence_data_parallel_group(self):
-        return self.dims.grad_group
 
 
 def deepspeed_config(cfg: Config, dims: ParallelDims, load_universal: bool = False) -> dict:
