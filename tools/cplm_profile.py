@@ -160,7 +160,7 @@ def copy_overhead(cfg: Config, args) -> dict:
             "estimated_memory_difference_gb": (est_on.total - est_off.total) / 1e9}
 
 
-class HFAdapter(torch.nn.Module):
+class TransformersPeer(torch.nn.Module):
     """transformers' own class of our backbone and shapes (LlamaForCausalLM for llama:
     cplm_dist.interop.hf.directory.transformers_config) behind our forward signature, with its own
     (standard) cross-entropy loss."""
@@ -192,7 +192,7 @@ def peer(cfg: Config, args) -> dict:
     off = copy_off(cfg)
     res, fields = alternated(cfg, args, dims, device, seq, {
         "ours_copy_on": lambda: build(cfg, dims, device), "ours_copy_off": lambda: build(off, dims, device),
-        "hf_llama": lambda: build(off, dims, device, HFAdapter(cfg, device))})
+        "hf_llama": lambda: build(off, dims, device, TransformersPeer(cfg, device))})
     return {**describe(cfg, dims, seq, accumulation, args, "peer"), **fields,
             "speedup_copy_off_vs_hf": res["ours_copy_off"]["tokens_per_s"] / res["hf_llama"]["tokens_per_s"],
             "speedup_copy_on_vs_hf": res["ours_copy_on"]["tokens_per_s"] / res["hf_llama"]["tokens_per_s"]}

@@ -96,7 +96,7 @@ def _pipeline_shards(manifest: Manifest, cfg: Config) -> list[dict]:
     return shards
 
 
-def _saved_shards(manifest: Manifest, cfg: Config) -> list[dict]:
+def saved_shards(manifest: Manifest, cfg: Config) -> list[dict]:
     """Each saved tp rank's weights (pipeline layer files joined; ZeRO-3's optimizer shards merged)."""
     step_dir, saved_tp = manifest.step_dir, manifest.layout.tp
     if manifest.layout.pp > 1:
@@ -137,7 +137,7 @@ def load_model(path: str | Path, device=None, dtype=torch.float32):
     cfg.parallel.tp, cfg.parallel.cp = tp, 1  # a cp run's weights are whole on every cp rank: evaluated without cp
     model = build_model(cfg, device=device, dtype=dtype, activation_checkpointing=False, compile_layers=False,
                         sequence_parallel=False)
-    shards = _saved_shards(manifest, cfg)
+    shards = saved_shards(manifest, cfg)
     params = dict(model.named_parameters())
     unexpected = [k for k in shards[0] if k not in params and not k.endswith("_extra_state")]
     try:

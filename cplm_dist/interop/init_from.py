@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from cplm_dist.checkpoint.loading import _saved_shards, read_checkpoint
+from cplm_dist.checkpoint.loading import read_checkpoint, saved_shards
 from cplm_dist.checkpoint.manifest import COMPLETE, Manifest
 from cplm_dist.config import Config
 from cplm_dist.config.backbones import backbone, backbones_with
@@ -136,7 +136,7 @@ def load_checkpoint_weights(model: torch.nn.Module, manifest: Manifest, saved: C
     (cplm_dist.model.parallel.sharding: the tp-independent tensors, then this rank's part)."""
     from cplm_dist.model.parallel.sharding import full_state_dict, load_full_state_dict
 
-    full = full_state_dict(_saved_shards(manifest, saved), model)
+    full = full_state_dict(saved_shards(manifest, saved), model)
     params = [n for n, _ in model.named_parameters()]
     missing = [n for n in params if n not in full and (require_copy_head or not n.startswith("copy_head."))]
     try:

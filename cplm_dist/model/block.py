@@ -32,8 +32,8 @@ class TransformerLayer(torch.nn.Module):
         self.attention = Attention(m, mp, spec.tp_group, spec.tp_size, spec.core_attention, device=spec.device)
         self.mlp_norm = make_norm(m, device=spec.device, dtype=mp.params_dtype, grad_group=spec.sp_group)
         self.mlp = make_mlp(m, mp, spec.tp_group, spec.tp_size)
-        self.recompute = False  # activation checkpointing in training (parallelize)
-        self.compiled = None  # torch.compile'd `block`, run in training and evaluation without a cache (parallelize)
+        self.recompute = False  # activation checkpointing in training (recompute_compile)
+        self.compiled = None  # torch.compile'd `block`, run in training and evaluation without a cache (recompute_compile)
 
     def block(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, masks,
               cache: KVCache | None = None) -> torch.Tensor:

@@ -48,7 +48,7 @@ from cplm_dist.model.initialization import init_parameters
 from cplm_dist.model.parallel.context import ContextInputs, ContextShard, context_inputs
 from cplm_dist.model.parts import Embedding, Head, PartSpec
 from cplm_dist.model.positions import layer_rope
-from cplm_dist.model.recompute_compile import parallelize
+from cplm_dist.model.recompute_compile import recompute_and_compile as parallelize  # build_model's call keeps the old name
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-import cplm_dist.model.loss as vocab_parallel
+import cplm_dist.model.loss as loss
 from cplm_dist.config import Config, CopyConfig, LossConfig, ModelConfig
 from cplm_dist.config.backbones import backbone
 from cplm_dist.megatron_compat import ModelParallelConfig, tensor_parallel
@@ -49,10 +49,10 @@ def megatron_config(tp_size: int, device: torch.device, dtype: torch.dtype,
 
 def vocabulary_shard(model_cfg: ModelConfig, tp_group) -> tuple[int, int, int]:
     """(padded vocabulary, this rank's shard width, its columns before Megatron's padding)."""
-    tp_rank, tp_size = vocab_parallel.tp_rank_size(tp_group)
-    padded = vocab_parallel.padded_vocab_size(model_cfg.vocab_size, model_cfg.make_vocab_size_divisible_by, tp_size)
+    tp_rank, tp_size = loss.tp_rank_size(tp_group)
+    padded = loss.padded_vocab_size(model_cfg.vocab_size, model_cfg.make_vocab_size_divisible_by, tp_size)
     v_local = padded // tp_size
-    start, _ = vocab_parallel.vocab_range(v_local, tp_group)
+    start, _ = loss.vocab_range(v_local, tp_group)
     return padded, v_local, max(0, min(v_local, model_cfg.vocab_size - start))
 
 
@@ -87,7 +87,7 @@ class PartSpec:
 
     @property
     def tp_size(self) -> int:
-        return vocab_parallel.tp_rank_size(self.tp_group)[1]
+        return loss.tp_rank_size(self.tp_group)[1]
 
     @functools.cached_property
     def megatron(self) -> ModelParallelConfig:
@@ -151,7 +151,7 @@ class Head(torch.nn.Module):
                           if spec.copy.enabled else None)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tensor,
-                tied: torch.Tensor | None = None, position_ids: torch.Tensor | None = None) -> vocab_parallel.TokenLoss:
+                tied: torch.Tensor | None = None, position_ids: torch.Tensor | None = None) -> loss.TokenLoss:
         return self.token_loss(self.final_norm(x), input_ids, labels, tied, position_ids)
 
     def lm_logits(self, h: torch.Tensor, tied: torch.Tensor | None = None) -> torch.Tensor:
@@ -163,7 +163,7 @@ class Head(torch.nn.Module):
 
     def token_loss(self, h: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tensor,
                    tied: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                   context=None) -> vocab_parallel.TokenLoss:
+                   context=None) -> loss.TokenLoss:
         """Per-token loss terms (B, T) of final-norm states h (sequence parallel: this rank's
         (T/tp, B, D) positions), input_ids and labels (B, T); position_ids (B, T) under document
         masking (the copy head's candidates stay in their document: cplm_dist.model.documents).
@@ -181,9 +181,9 @@ class Head(torch.nn.Module):
             weight = tied if tied is not None else self.lm_head.weight
             if sp:  # the whole sequence; backward reduce-scatters the partial dL/dh
                 h = gather_sequence(h, self.tp_group, sum_grad=True)
-            z_y, lse = vocab_parallel.chunked_target_logit_and_lse(h, weight, token_labels, self.tp_group, real_local=self.real_local,
+            z_y, lse = loss.chunked_target_logit_and_lse(h, weight, token_labels, self.tp_group, real_local=self.real_local,
                                                                    rows=self.loss_cfg.chunk_rows, sum_grad_h=not sp)
-            out = vocab_parallel.mixed_nll_from_lm(z_y, lse, token_labels, copy, self.copy_cfg.mix)
+            out = loss.mixed_nll_from_lm(z_y, lse, token_labels, copy, self.copy_cfg.mix)
         else:
-            out = vocab_parallel.mixed_nll(self.lm_logits(h, tied), token_labels, copy, self.copy_cfg.mix, self.tp_group, inplace=True)
-        return vocab_parallel.TokenLoss(*(t.t() for t in out)) if sp else out
+            out = loss.mixed_nll(self.lm_logits(h, tied), token_labels, copy, self.copy_cfg.mix, self.tp_group, inplace=True)
+        return loss.TokenLoss(*(t.t() for t in out)) if sp else out

@@ -24,8 +24,8 @@ from cplm_dist.model.copy_head import CopyHead
 log = logging.getLogger(__name__)
 
 
-def parallelize(model: torch.nn.Module, *, activation_checkpointing: bool, compile: bool,
-                device: torch.device) -> torch.nn.Module:
+def recompute_and_compile(model: torch.nn.Module, *, activation_checkpointing: bool, compile: bool,
+                          device: torch.device) -> torch.nn.Module:
     """Apply the training options to every transformer layer and copy head in `model` (a CPLM
     or a pipeline stage); returns `model`."""
     layers = [m for m in model.modules() if isinstance(m, TransformerLayer)]

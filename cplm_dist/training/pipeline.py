@@ -47,7 +47,7 @@ from cplm_dist.model.parallel.stage_inputs import StageInputs
 from cplm_dist.model.parallel.stages import loss_stage, pipeline_layers, schedule_bounds, stages_per_rank
 from cplm_dist.model.parts import Embedding, Head, PartSpec
 from cplm_dist.model.positions import layer_rope
-from cplm_dist.model.recompute_compile import parallelize
+from cplm_dist.model.recompute_compile import recompute_and_compile
 from cplm_dist.training.mpu import context_grid_class
 from cplm_dist.training.reduction import BatchSums, ReduceGroups, injected
 
@@ -233,5 +233,5 @@ def build_pipeline_model(cfg: Config, dims: ParallelDims, device=None, dtype=tor
     if dims.pp_size != cfg.parallel.pp:
         raise ValueError(f"parallel.pp={cfg.parallel.pp} but the pipeline group has {dims.pp_size} ranks")
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    return parallelize(pipeline_module_class(cfg.parallel.pp_schedule)(cfg, dims, device, dtype), device=device,
-                       activation_checkpointing=cfg.train.activation_checkpointing, compile=cfg.train.compile)
+    return recompute_and_compile(pipeline_module_class(cfg.parallel.pp_schedule)(cfg, dims, device, dtype), device=device,
+                                 activation_checkpointing=cfg.train.activation_checkpointing, compile=cfg.train.compile)

@@ -7,8 +7,9 @@ for a feature, never the backbone's name (litgpt's way: a new architecture is a 
 
 A new backbone is a file here holding its record and adapter, its record in BACKBONES (and its
 name in config.tree's `Arch`); a feature no record has yet is one more field of `Backbone` and the
-sites that read it. These files sit at the config stage (config.validation reads the records):
-they import the config, the errors and torch, never the model.
+sites that read it. The records are in the config package because config.validation reads them
+at load (model.rope_scaling needs rotary positions); with their adapters they import the config,
+the errors and torch, never the model.
 """
 
 from __future__ import annotations

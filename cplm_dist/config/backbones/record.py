@@ -8,7 +8,7 @@ files (llama.py, gpt2.py, qwen3.py), each beside its adapter; cplm_dist.config.b
 | mlp: swiglu ([gate; up] in one fc1), gelu | cplm_dist.model.mlp, counting, profiling.memory |
 | bias on every linear (QKV, attention out, MLP) | cplm_dist.model.attention and mlp, counting |
 | qk_norm: RMS-normalised queries and keys per head (one [head_dim] weight each, before RoPE) | cplm_dist.model.attention (its `qk_norm` slot), counting and profiling.memory through it |
-| positions: rope (in attention), learned (added to the embedding) | rotary, model.parts, counting, profiling.memory |
+| positions: rope (in attention), learned (added to the embedding) | model.positions, model.parts, counting, profiling.memory |
 | hf: the HF adapter (hf_adapter.HFAdapter: transformers' class, config and weight names, both ways) | model.init_from and the HF directories (cplm_dist.interop), tools/export_hf.py |
 | the MLP width rule of a scaling ladder | cplm_dist.experiments.scaling |
 """
