@@ -6,6 +6,8 @@
     loading.py     YAML + `base:` + dotted overrides -> the typed tree (`load_config`, `from_dict`)
     validation.py  cross-field checks at load, and the batch layout once the world is known (BatchLayout)
     editing.py     a run config's YAML edited as text, comments and order kept (plan --write)
+    curriculum.py  data.stages: the staged data mixture, which stage a step reads, the sources
+    backbones/     each backbone's record of features beside its HF adapter (validation reads the records)
 
 Every error is a `ConfigError`: one line naming the field, the value and what would be valid.
 """

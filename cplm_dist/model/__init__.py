@@ -1,7 +1,7 @@
 """The Copy-Paste LM: `build_model(cfg)` returns this rank's tensor-parallel module.
 
 CPLM and build_model load on first use, so that the arithmetic modules of this package
-(backbone, counting, stages) import without megatron-core.
+(counting, layer_shapes, parallel.stages) import without megatron-core.
 """
 
 __all__ = ["CPLM", "build_model"]
