@@ -1,10 +1,10 @@
-"""Watching the copy head learn (docs/training.md, "Watching the copy head learn"): the live
-gradient paths against tools/grad_bottleneck.py's measure at tp 1 and 2, in-loop evaluation at dp 2
-against one process, staged data mixtures stopped and resumed across a boundary (also with another
-global batch), a planted spike found and skipped alike by a straight and a resumed run, and the
-diagnostics and in-loop evaluation leaving training's losses as they were. The per-source figures
-are checked on the dp x cp and pipeline runs of test_context_parallel.py and test_train.py
-(tests/source_reference.py)."""
+"""Watching the copy head learn (docs/training.md, "Watching the copy head learn"): the live gradient
+paths against a dense QR reference and tools/grad_bottleneck.py's measure at tp 1 and 2, in-loop
+evaluation at dp 2 against one process, staged data mixtures stopped and resumed across a boundary
+(also with another global batch), a planted spike found and skipped alike by a straight and a
+resumed run, and the diagnostics and in-loop evaluation leaving training's losses as they were. The
+per-source figures are checked on the dp x cp and pipeline runs of test_context_parallel.py and
+test_train.py (tests/source_reference.py)."""
 
 import json
 import shutil
@@ -19,6 +19,24 @@ from tests.spawn import run_ranks
 from tests.test_train import argv, losses, train
 
 # --- the live bottleneck -------------------------------------------------------------------------------
+
+
+def _dense_suppressed(model, ids, labels) -> float:
+    """The dense reference: G = dL/dz and W gathered over the vocabulary (its padding rows cut),
+    Q from a QR of W (V x D), 1 - ||G Q||^2 / ||G||^2 in float64."""
+    import cplm_dist.model.loss as vp
+
+    with torch.no_grad():
+        h = model.hidden_states(ids)
+        copy = model.copy_head(h, ids, labels)
+    logits = model.lm_logits(h, model.tied).detach().requires_grad_(True)
+    nll = vp.mixed_nll(logits, labels, copy, model.copy_cfg.mix, model.tp_group).nll
+    (grad,) = torch.autograd.grad(nll.sum() / (labels != vp.IGNORE_INDEX).sum(), logits)
+    vocab = model.vocab_size
+    g = vp.gather_vocab(grad.flatten(0, 1), model.tp_group)[:, :vocab].double()
+    weight = model.embedding.weight if model.model_cfg.tie_embeddings else model.lm_head.weight
+    q, _ = torch.linalg.qr(vp.gather_vocab(weight.detach(), model.tp_group, dim=0)[:vocab].double(), mode="reduced")
+    return float(1 - (g @ q).pow(2).sum() / g.pow(2).sum())
 
 
 def _paths_worker(tp, sequence_parallel):
@@ -41,28 +59,32 @@ def _paths_worker(tp, sequence_parallel):
     live = gradient_paths(model, ids[:, :-1], labels)
     untouched = all(torch.equal(p.grad, planted[n]) for n, p in model.named_parameters())
     tool = measure(model, ids[:, :-1], labels) if not sequence_parallel else None
-    return live, tool, untouched
+    dense = _dense_suppressed(model, ids[:, :-1], labels) if not sequence_parallel else None
+    return live, tool, dense, untouched
 
 
 def test_live_gradient_paths_equal_the_tools_measure_at_tp1_and_tp2():
-    """tp 2 (and tp 2 with sequence parallelism) gives tp 1's figures, which are the tool's
-    (the suppressed fraction there from a QR of the gathered W); the parameters' .grad is left as it was."""
+    """tp 2 (and tp 2 with sequence parallelism) gives tp 1's figures, which are the tool's; the
+    suppressed fraction, from W^T W and G W summed over the vocabulary shards, is the dense QR
+    reference's (G and W gathered, the padding rows cut); the parameters' .grad is left as it was."""
     one = run_ranks(_paths_worker, 1, args=(1, False))[0]
     two = run_ranks(_paths_worker, 2, args=(2, False))
     two_sp = run_ranks(_paths_worker, 2, args=(2, True))
-    live, tool, untouched = one
+    live, tool, dense, untouched = one
     assert untouched
     for key in ("loss", "suppressed_fraction", "grad_norm_h_via_lm_head", "grad_norm_h_via_copy_head", "tokens"):
         assert live[key] == pytest.approx(tool[key], rel=1e-6), key
+    assert live["suppressed_fraction"] == pytest.approx(dense, rel=1e-6)
     assert 0 < live["suppressed_fraction"] < 1 and live["grad_norm_h_via_copy_head"] > 0
     assert live["copy_to_lm_ratio"] == pytest.approx(live["grad_norm_h_via_copy_head"] / live["grad_norm_h_via_lm_head"])
     assert 0 <= live["copy_dominates"] <= 1 and 0 < live["copy_share_mean"] < 1
-    for rank_live, rank_tool, rank_untouched in two + two_sp:
+    for rank_live, rank_tool, rank_dense, rank_untouched in two + two_sp:
         assert rank_untouched
         for key, value in live.items():
             assert rank_live[key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
         if rank_tool is not None:
             assert rank_tool["suppressed_fraction"] == pytest.approx(tool["suppressed_fraction"], rel=1e-5)
+            assert rank_dense == pytest.approx(dense, rel=1e-5)
 
 
 # --- in-loop evaluation --------------------------------------------------------------------------------

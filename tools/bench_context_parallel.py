@@ -7,11 +7,13 @@ the copy head's part apart. A benchmark: figures go to the console (and --json),
     python tools/bench_context_parallel.py                            # tiny, T = 4096 8192 16384, cp 1 2 4, CPU
     python tools/bench_context_parallel.py --seq-lens 16384 --cps 1 2 --copy-impl chunked
 
-Modelled bytes a rank receives a step (B sequences of T tokens, L layers, n_kv x d_h K and V,
-H_c x d_c copy keys, (cp-1)/cp of each all-gathered tensor comes from the other ranks; backward's
-reduce-scatter of the K, V and copy-key gradients moves as much again):
+Modelled bytes a rank receives a step: the planner's cp model
+(cplm_dist.profiling.communication.cp_bytes_per_micro_batch, at tp 1 without recomputation), of
+which (cp-1)/cp comes from the other ranks (B sequences of T tokens, L layers, n_kv x d_h K and V,
+H_c x d_c copy keys; backward's reduce-scatter of the K, V and copy-key gradients moves as much as
+the forward's all-gather):
     attention  2 (K, V) x L x B T n_kv d_h x act bytes x 2 (fwd + bwd) x (cp-1)/cp
-    copy head  B T H_c d_c x 4 x 2 x (cp-1)/cp  +  B T x 8 (the ids) x (cp-1)/cp
+    copy head  B T H_c d_c x 4 x 2 x (cp-1)/cp  +  B T x 8 (the ids; twice under document masking) x (cp-1)/cp
 """
 
 from __future__ import annotations
@@ -30,14 +32,17 @@ from cplm_dist.errors import UsageError
 
 
 def modelled_bytes(cfg, batch: int, T: int, cp: int, act: int) -> dict:
-    """{"attention", "copy"}: the bytes one rank receives over cp in a step (module docstring),
-    K and V of `act` bytes an element (4 in fp32, 2 in bf16)."""
-    if cp == 1:
-        return {"attention": 0, "copy": 0}
-    share, m, c = (cp - 1) / cp, cfg.model, cfg.copy
-    attention = 2 * m.num_layers * batch * T * m.num_kv_heads * m.head_dim * act * 2 * share
-    copy = (batch * T * c.num_heads * c.head_dim * 4 * 2 * share + batch * T * 8 * share) if c.enabled else 0
-    return {"attention": int(attention), "copy": int(copy)}
+    """{"attention", "copy"}: the bytes one rank receives over cp in a step (module docstring), K
+    and V of `act` bytes an element (4 in fp32, 2 in bf16): (cp-1)/cp of what the planner's cp
+    model (cplm_dist.profiling.communication.cp_bytes_per_micro_batch) moves, its copy-head keys
+    and ids together as "copy"."""
+    from cplm_dist.profiling.communication import cp_bytes_per_micro_batch
+
+    parts = cp_bytes_per_micro_batch(cfg, tp=1, cp=cp, micro_batch=batch, seq_len=T, act_bytes=act,
+                                     activation_checkpointing=False)
+    whole = {part: sum(sizes.values()) for part, sizes in parts.items()}
+    copy = whole.get("copy_head", 0) + whole.get("ids", 0)
+    return {"attention": whole.get("attention", 0) * (cp - 1) // cp, "copy": copy * (cp - 1) // cp}
 
 
 def traced_bytes(timer, cp: int) -> dict:

@@ -31,11 +31,11 @@ from __future__ import annotations
 import json
 import logging
 import shutil
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 
-from cplm_dist.config import RESUMABLE_CHANGES, Config, check_tp_divides, to_dict
+from cplm_dist.config import RESUMABLE_CHANGES, Config, Layout, check_tp_divides, to_dict
 from cplm_dist.config.curriculum import all_entries, check_begun_stages, uses_stages
 from cplm_dist.data.indexed_data import content_fingerprint
 from cplm_dist.distributed.launch_env import LaunchEnv
@@ -131,32 +131,6 @@ def carry_tokenizer(cfg: Config, step_dir: Path) -> None:
 
 
 # --- the manifest -------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Layout:
-    tp: int
-    pp: int
-    dp: int
-    zero_stage: int
-    cp: int = 1  # an optional field of format 2: a checkpoint saved without it is cp 1
-    pp_schedule: str = "1f1b"  # optional too: which stages a pipeline rank holds (DualPipeV: two)
-
-    @classmethod
-    def of(cls, cfg: Config, tp: int, dp: int) -> "Layout":
-        p = cfg.parallel
-        return cls(tp=tp, pp=p.pp, dp=dp, zero_stage=cfg.train.zero_stage, cp=p.cp,
-                   pp_schedule=p.pp_schedule if p.pp > 1 else "1f1b")
-
-    def as_json(self) -> dict:
-        """The manifest's layout: cp only where it is > 1, pp_schedule only where it is not 1F1B
-        (what earlier readers know stays as it was)."""
-        return {k: v for k, v in asdict(self).items() if (k != "cp" or v > 1) and (k != "pp_schedule" or v != "1f1b")}
-
-    def __str__(self) -> str:
-        schedule = f" {self.pp_schedule}" if self.pp_schedule != "1f1b" else ""
-        return (f"tp={self.tp} pp={self.pp}{schedule}" + (f" cp={self.cp}" if self.cp > 1 else "")
-                + f" dp={self.dp} ZeRO-{self.zero_stage}")
 
 
 @dataclass(frozen=True)

@@ -55,8 +55,8 @@ from cplm_dist.checkpoint.safe_io import (load_states, model_states_file, model_
 from cplm_dist.config import Config
 from cplm_dist.errors import CheckpointError
 from cplm_dist.megatron_compat import import_deepspeed
+from cplm_dist.model.layer_shapes import muon_shape, muon_shapes
 from cplm_dist.model.parallel.sharding import full_shape, join_shards, spec_of, take_shard
-from cplm_dist.training.muon import is_muon_parameter
 from cplm_dist.training.optim import parameter_groups
 
 log = logging.getLogger(__name__)
@@ -181,10 +181,11 @@ def _momentum_folders(out: Path, model: torch.nn.Module, cfg: Config) -> None:
     if cfg.optim.name != "muon":
         return
     canonical = canonical_names(model)
-    for own_name, param in model.named_parameters():
+    shapes = muon_shapes(cfg.model, cfg.copy if cfg.optim.muon.copy_head else None)
+    for own_name, _ in model.named_parameters():
         name = canonical[own_name]
         folder = out / "zero" / name
-        if is_muon_parameter(name, param, cfg.optim.muon.copy_head) and (folder / "exp_avg.pt").is_file():
+        if muon_shape(name, shapes) is not None and (folder / "exp_avg.pt").is_file():
             (folder / "exp_avg.pt").rename(folder / "momentum_buffer.pt")
             (folder / "exp_avg_sq.pt").unlink(missing_ok=True)
 

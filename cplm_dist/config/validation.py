@@ -321,6 +321,44 @@ def validate_muon(cfg: Config) -> None:
 
 
 @dataclass(frozen=True)
+class Layout:
+    """How a job's ranks split the model: tp x pp x cp x dp ranks, the ZeRO stage, the pipeline
+    schedule. The one record of a parallel layout: a checkpoint's manifest keeps it (`as_json`,
+    cplm_dist.checkpoint.manifest), the dry run traces it with its batch (RunLayout,
+    cplm_dist.profiling.dry_run)."""
+
+    tp: int
+    pp: int
+    dp: int
+    zero_stage: int
+    cp: int = 1  # an optional field of the manifest's format 2: a checkpoint saved without it is cp 1
+    pp_schedule: str = "1f1b"  # optional too: which stages a pipeline rank holds (DualPipeV: two)
+
+    @classmethod
+    def of(cls, cfg: Config, tp: int, dp: int) -> Layout:
+        p = cfg.parallel
+        return cls(tp=tp, pp=p.pp, dp=dp, zero_stage=cfg.train.zero_stage, cp=p.cp,
+                   pp_schedule=p.pp_schedule if p.pp > 1 else "1f1b")
+
+    @property
+    def grad_ranks(self) -> int:
+        """The ranks gradients are reduced over and ZeRO partitions over: dp x cp."""
+        return self.dp * self.cp
+
+    def as_json(self) -> dict:
+        """The manifest's layout: cp only where it is > 1, pp_schedule only where it is not 1F1B
+        (what earlier readers know stays as it was)."""
+        out = {"tp": self.tp, "pp": self.pp, "dp": self.dp, "zero_stage": self.zero_stage}
+        return {**out, **({"cp": self.cp} if self.cp > 1 else {}),
+                **({"pp_schedule": self.pp_schedule} if self.pp_schedule != "1f1b" else {})}
+
+    def __str__(self) -> str:
+        schedule = f" {self.pp_schedule}" if self.pp_schedule != "1f1b" else ""
+        return (f"tp={self.tp} pp={self.pp}{schedule}" + (f" cp={self.cp}" if self.cp > 1 else "")
+                + f" dp={self.dp} ZeRO-{self.zero_stage}")
+
+
+@dataclass(frozen=True)
 class BatchLayout:
     """How a global batch spreads over a job of `world` ranks: dp = world / (tp x cp x pp) replicas
     (cp ranks share a replica's sequences, pp stages its layers), each taking `accumulation`

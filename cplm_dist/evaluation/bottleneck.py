@@ -1,7 +1,7 @@
 """The LM head's gradient bottleneck (docs/copy_head.md, "Measuring the gradient bottleneck").
 
 For a batch, G = dL/dZ (tokens x V) and W_lm (V x D) with an orthonormal basis Q of its column
-space (thin QR, V x D). The backbone only ever sees G W, which depends on G Q Q^T alone, so
+space. The backbone only ever sees G W, which depends on G Q Q^T alone, so
 
     suppressed = 1 - ||G Q||_F^2 / ||G||_F^2
 
@@ -9,7 +9,9 @@ is the fraction of the logits' gradient the LM head throws away (95-99% in train
 Godey & Artzi 2026). With a copy head, G is the LM-head part of the mixed loss's gradient, and
 the gradient that reaches the final hidden states h is split into what arrives through the LM
 head (G W) and what arrives through the copy head (q, k, gate), which bypasses W_lm: h is fed to
-the two heads as two separate leaves, so autograd reports each path on its own.
+the two heads as two separate leaves, so autograd reports each path on its own. The figures are
+the live diagnostics' (cplm_dist.model.gradient_paths: ||G Q||^2 from W^T W and G W, summed over
+the vocabulary shards, so the vocabulary is never gathered).
 
 tools/grad_bottleneck.py measures models at initialisation or a run's checkpoints with
 `measurement_batches`, `bottleneck_rows` and `plot_across_steps`.
@@ -19,47 +21,15 @@ from __future__ import annotations
 
 import torch
 
-import cplm_dist.model.loss as vp
-
-
-def suppressed_fraction(grad_logits: torch.Tensor, lm_weight: torch.Tensor) -> float:
-    """1 - ||G Q||^2 / ||G||^2 for G (N, V) and W (V, D), in float64."""
-    q, _ = torch.linalg.qr(lm_weight.double(), mode="reduced")  # (V, D) orthonormal columns
-    g = grad_logits.double()
-    return float(1.0 - (g @ q).pow(2).sum() / g.pow(2).sum())
+from cplm_dist.model.gradient_paths import gradient_paths
 
 
 def measure(model, input_ids: torch.Tensor, labels: torch.Tensor, lm_only: bool = False) -> dict:
     """The bottleneck figures of one batch for `model` (a CPLM, any tp). lm_only=True measures
     the LM head's own loss (as if the copy head were off) on the same model."""
-    model.zero_grad(set_to_none=True)
-    with torch.no_grad():
-        h = model.hidden_states(input_ids)
-    h_lm, h_copy = h.clone().requires_grad_(True), h.clone().requires_grad_(True)
-    logits = model.lm_logits(h_lm, model.tied)  # (B, T, V/tp)
-    logits.retain_grad()
-    copy = None if model.copy_head is None or lm_only else model.copy_head(h_copy, input_ids, labels)
-    # the training loss itself (the model's forward, with h split into its two paths)
-    nll = vp.mixed_nll(logits, labels, copy, model.copy_cfg.mix, model.tp_group).nll
-    keep = labels != vp.IGNORE_INDEX
-    loss = nll.sum() / keep.sum()
-    loss.backward()
-    vocab = model.vocab_size
-    grad = vp.gather_vocab(logits.grad.flatten(0, 1), model.tp_group)[:, :vocab]  # (N, V)
-    weight = model.embedding.weight if model.model_cfg.tie_embeddings else model.lm_head.weight
-    weight = vp.gather_vocab(weight.detach(), model.tp_group, dim=0)[:vocab]  # (V, D)
-    via_copy = h_copy.grad.norm().item() if h_copy.grad is not None else 0.0
-    model.zero_grad(set_to_none=True)
-    return {
-        "loss": float(loss.detach()),
-        "suppressed_fraction": suppressed_fraction(grad[keep.flatten()], weight),
-        "grad_norm_logits": float(grad.norm()),
-        "grad_norm_h_via_lm_head": float(h_lm.grad.norm()),
-        "grad_norm_h_via_copy_head": via_copy,
-        "tokens": int(keep.sum()),
-        "vocab": vocab,
-        "hidden": weight.shape[1],
-    }
+    figures = gradient_paths(model, input_ids, labels, lm_only=lm_only)
+    keys = ("loss", "suppressed_fraction", "grad_norm_logits", "grad_norm_h_via_lm_head", "grad_norm_h_via_copy_head", "tokens")
+    return {**{k: figures[k] for k in keys}, "vocab": model.vocab_size, "hidden": model.model_cfg.hidden_size}
 
 
 def measurement_batches(cfg, n: int, micro: int, seq: int | None) -> tuple[list, str]:

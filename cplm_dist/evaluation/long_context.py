@@ -11,9 +11,10 @@ L tokens, and the by-length runner that prefills long prompts in chunks.
 The text tasks are built from `Facts` (pieces of text with where they go, a question, an answer)
 spliced into a window of a `Haystack`, a stream of filler units: token ids here (the run's
 validation documents or the standard-library corpus, tokenized), characters in the lm-eval
-group `cplm_local_long` (harness_tasks/long_tasks.py), so both share every generator. A text
-sample is exactly L tokens with its answer and the token generated after it; an mqar sample is
-L tokens. Each is deterministic in (seed, task, length, index).
+group `cplm_local_long` (harness_tasks/long_tasks.py), so both share every generator; the needle,
+the phone book, MQAR, the haystack and the scoring are the suite's (cplm_dist.evaluation.tasks). A
+text sample is exactly L tokens with its answer and the token generated after it; an mqar sample
+is L tokens. Each is deterministic in (seed, task, length, index).
 
 Scoring never makes a (T, V) tensor: prompts are fed `chunk` tokens at a time into one decode
 state (`generation.prefill`: the last position's (B, 1, V) only; `chunked_score`: CPLM.score,
@@ -25,13 +26,12 @@ from __future__ import annotations
 
 import random
 import string
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from cplm_dist.evaluation.generation import device_of, generate
-from cplm_dist.evaluation.tasks import EvalContext, Sample, _name, draw_pairs
+from cplm_dist.evaluation.tasks import (EvalContext, Facts, Haystack, Sample, compose, exact_matches, mqar_sample,
+                                        needle_facts, phone_book, position_totals, sample_rng, token_haystack, whole_score)
 
 LONG_TASKS = ("needle", "phonebook", "mqar", "vartrack")
 TEXT_TASKS = ("needle", "phonebook", "vartrack")
@@ -41,60 +41,16 @@ DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 PHONEBOOK_ENTRIES, MQAR_PAIRS, VAR_CHAINS, VAR_HOPS = 4, 8, 2, 2
 
 
-# --- filler ----------------------------------------------------------------------------------------
-
-
-class Haystack:
-    """A stream of filler units (a list of token ids, or a str of characters) to cut windows from."""
-
-    def __init__(self, stream):
-        if not stream:
-            raise ValueError("a haystack needs filler")
-        self.stream = stream
-
-    def window(self, n: int, rng: random.Random):
-        """n units from a random start, wrapping round the stream (repeated when shorter than n)."""
-        s, start = self.stream, rng.randrange(len(self.stream))
-        out = s[start:start + n]
-        while len(out) < n:
-            out += s[: n - len(out)]
-        return out
-
-
-def token_haystack(ctx: EvalContext, need: int) -> Haystack:
-    """The filler documents (ctx.filler, in order) tokenized until there are `need` tokens."""
-    ids: list[int] = []
-    for doc in ctx.filler:
-        ids += ctx.tokenizer.encode(doc + "\n")
-        if len(ids) >= need:
-            break
-    return Haystack(ids)
-
-
 # --- the text tasks' facts ------------------------------------------------------------------------
 
 
-@dataclass
-class Facts:
-    pieces: list[tuple[float, str]]  # (where in the filler, 0..1; the text), in the order they must come
-    question: str  # asked after the filler
-    answer: str  # what the generation must start with
-    choices: list[str] | None = None  # multiple choice (lm-eval): the answer among others
-
-
-def needle_facts(r: random.Random, i: int) -> Facts:
-    code = f"{r.randint(10000, 99999)}"
-    return Facts([(DEPTHS[i % len(DEPTHS)], f"\nThe secret code is {code}.\n")],
-                 "\nWhat is the secret code? The secret code is ", code)
+def needle_at_depth(r: random.Random, i: int) -> Facts:
+    """The needle at the depths in turn (DEPTHS[i % 5])."""
+    return needle_facts(r, DEPTHS[i % len(DEPTHS)])
 
 
 def phonebook_facts(r: random.Random, i: int, entries: int = PHONEBOOK_ENTRIES) -> Facts:
-    names: list[str] = []
-    while len(names) < entries:
-        name = _name(r)
-        if name not in names:
-            names.append(name)
-    numbers = [f"{r.randint(200, 999)}-{r.randint(0, 9999):04d}" for _ in names]
+    names, numbers = phone_book(r, entries)
     where = sorted(r.random() for _ in names)
     who = r.randrange(entries)
     return Facts([(w, f"\n{a}: {b}\n") for w, a, b in zip(where, names, numbers)],
@@ -124,37 +80,12 @@ def vartrack_facts(r: random.Random, i: int, chains: int = VAR_CHAINS, hops: int
     return Facts(pieces, f"\nWhat is the value of VAR {last}? The value of VAR {last} is ", f"{values[asked]}")
 
 
-FACTS: dict[str, Callable[[random.Random, int], Facts]] = {"needle": needle_facts, "phonebook": phonebook_facts,
+FACTS: dict[str, Callable[[random.Random, int], Facts]] = {"needle": needle_at_depth, "phonebook": phonebook_facts,
                                                            "vartrack": vartrack_facts}
 
 
 def _rng(seed: int, task: str, length: int, i: int) -> random.Random:
-    return random.Random(f"{seed}|long-{task}|{length}|{i}")
-
-
-def splice(hay, pieces: list[tuple[float, object]]):
-    """`hay` (a list or a str) with each piece inserted at its fraction of the way through, in
-    order; in text, at the start of the line there."""
-    out, last = hay[:0], 0
-    for frac, piece in pieces:
-        at = round(frac * len(hay))
-        if isinstance(hay, str):
-            at = hay.rfind("\n", 0, at) + 1
-        at = max(last, at)
-        out, last = out + hay[last:at] + piece, at
-    return out + hay[last:]
-
-
-def compose(facts: Facts, hay: Haystack, length: int, encode: Callable, r: random.Random, task: str):
-    """(prompt, answer) in units of `hay` (encode: text -> those units): the facts spliced into a
-    window of filler and the question after it, length units in all with the answer and one more
-    (the token generated after it)."""
-    pieces = [(frac, encode(text)) for frac, text in facts.pieces]
-    question, answer = encode(facts.question), encode(facts.answer)
-    room = length - sum(len(p) for _, p in pieces) - len(question) - len(answer) - 1
-    if room < 1:
-        raise ValueError(f"{task}: length {length} leaves no room for filler ({length - room} for the facts and question)")
-    return splice(hay.window(room, r), pieces) + question, answer
+    return sample_rng(seed, f"long-{task}", length, i)
 
 
 # below SHORT tokens the text tasks hold fewer facts (a 512-id tokenizer spends ~150 tokens on two chains)
@@ -180,31 +111,10 @@ def mqar_samples(ctx: EvalContext, hay: Haystack | None, length: int, n: int, se
                  pairs: int = MQAR_PAIRS) -> list[Sample]:
     """`length` tokens of filler (hay's tokens without the keys' ids; without a haystack, random
     non-key tokens), the pairs written over it at random slots of the first half, each key queried
-    once, in a random order, at random slots of the second half."""
-    half = length // 2
-    if half < 2 * pairs:
+    once, in a random order, at random slots of the second half (tasks.mqar_sample, spread)."""
+    if length // 2 < 2 * pairs:
         raise ValueError(f"mqar: length {length} too short for {pairs} pairs")
-    out = []
-    for i in range(n):
-        r = _rng(seed, "mqar", length, i)
-        pool, keys, values = draw_pairs(r, ctx, pairs)
-        if hay is not None:
-            taken = set(keys)
-            ids = [t for t in hay.window(2 * length, r) if t not in taken]
-            ids = (ids * (1 + length // max(1, len(ids))))[:length]
-        else:
-            ids = [r.choice(pool[pairs:]) for _ in range(length)]
-        order = list(range(pairs))
-        r.shuffle(order)
-        scored = []
-        for k, slot in enumerate(sorted(r.sample(range(half // 2), pairs))):
-            ids[2 * slot], ids[2 * slot + 1] = keys[k], values[k]
-        for k, slot in zip(order, sorted(r.sample(range((length - half) // 2), pairs))):
-            at = half + 2 * slot
-            ids[at], ids[at + 1] = keys[k], values[k]
-            scored.append(at)
-        out.append(Sample(ids, scored=scored))
-    return out
+    return [mqar_sample(_rng(seed, "mqar", length, i), ctx, pairs, length, spread=True, hay=hay) for i in range(n)]
 
 
 def long_samples(task: str, ctx: EvalContext, hay: Haystack | None, length: int, n: int, seed: int) -> list[Sample]:
@@ -227,45 +137,23 @@ def chunked_score(model, ids: torch.Tensor, targets: torch.Tensor, chunk: int = 
     below 0 (IGNORE_INDEX): 0, False. A model without `score` (the reference models in tests):
     from its full (B, T, V) distribution."""
     if not hasattr(model, "score"):
-        lp = model.next_token_logprobs(ids)
-        safe = targets.clamp(min=0)
-        logp = lp.gather(-1, safe[..., None]).squeeze(-1)
-        return logp.masked_fill(targets < 0, 0.0), (lp.argmax(-1) == safe) & (targets >= 0)
+        return whole_score(model, ids, targets)
     state = model.new_decode_state()
     parts = [model.score(ids[:, t:t + chunk], targets[:, t:t + chunk], state) for t in range(0, ids.shape[1], chunk)]
     return torch.cat([p[0] for p in parts], dim=1), torch.cat([p[1] for p in parts], dim=1)
 
 
-@torch.no_grad()
 def score_tokens(model, samples: list[Sample], chunk: int = PREFILL_CHUNK, batch_size: int = 4) -> dict:
     """Accuracy and loss of the value after each scored position; samples of equal length."""
-    nll, correct, count, device = 0.0, 0, 0, device_of(model)
-    for start in range(0, len(samples), batch_size):
-        batch = samples[start:start + batch_size]
-        ids = torch.tensor([s.ids for s in batch], device=device)
-        targets = torch.full_like(ids, -100)
-        for b, s in enumerate(batch):
-            pos = torch.tensor(s.scored, device=device)
-            targets[b, pos] = ids[b, pos + 1]
-        logp, greedy = chunked_score(model, ids, targets, chunk)
-        scored = targets >= 0
-        nll -= float(logp[scored].sum())
-        correct += int(greedy[scored].sum())
-        count += int(scored.sum())
+    nll, correct, count = position_totals(model, samples, batch_size, lambda m, ids, t: chunked_score(m, ids, t, chunk))
     return {"accuracy": correct / count, "loss": nll / count, "metric": "accuracy", "samples": len(samples),
             "queries": count, "tokens": max(len(s.ids) for s in samples)}
 
 
-@torch.no_grad()
 def score_text(model, samples: list[Sample], tokenizer, chunk: int = PREFILL_CHUNK) -> dict:
     """Exact match of the greedy generation (the prompt prefilled in chunks), one sample at a time."""
-    hits, device = 0, device_of(model)
-    for s in samples:
-        answer_len = len(s.ids) - s.prompt_len
-        out = generate(model, torch.tensor([s.ids[: s.prompt_len]], device=device), answer_len + 1, prefill_chunk=chunk)
-        hits += tokenizer.decode(out.tokens[0].tolist()).strip().startswith(s.answer)
-    return {"accuracy": hits / len(samples), "metric": "exact_match", "samples": len(samples),
-            "tokens": max(len(s.ids) + 1 for s in samples)}
+    return {"accuracy": exact_matches(model, samples, tokenizer, chunk) / len(samples), "metric": "exact_match",
+            "samples": len(samples), "tokens": max(len(s.ids) + 1 for s in samples)}
 
 
 def run_by_length(model, ctx: EvalContext, lengths: list[int], tasks=LONG_TASKS, samples: int = 16, seed: int = 0,

@@ -12,6 +12,11 @@ Token tasks draw ids from [first_id, vocab_size) (first_id skips the tokenizer's
 text tasks go through the tokenizer. Each generator is deterministic in (seed, setting). A model
 is anything with `vocab_size` and `next_token_logprobs(ids) -> (B, T, V)` (a CPLM, or the
 the oracle and uniform reference models in tests/reference_models.py).
+
+Each task is generated and scored here once, for the suite and for evaluation by context length
+(cplm_dist.evaluation.long_context, which lays the same facts out in about L tokens of filler):
+`mqar_sample`, `phone_book`, `needle_facts` spliced into a `Haystack` by `compose`, `sample_rng`;
+`position_totals` and `exact_matches` score them.
 """
 
 from __future__ import annotations
@@ -47,8 +52,14 @@ class EvalContext:
 # --- generators ----------------------------------------------------------------------------------
 
 
+def sample_rng(seed: int, task: str, key, i: int) -> random.Random:
+    """The generator of sample `i`: the suite keys it by its setting's items, evaluation by context
+    length by `long-<task>` and the length."""
+    return random.Random(f"{seed}|{task}|{key}|{i}")
+
+
 def _rng(seed: int, task: str, setting: dict, i: int) -> random.Random:
-    return random.Random(f"{seed}|{task}|{sorted(setting.items())}|{i}")
+    return sample_rng(seed, task, sorted(setting.items()), i)
 
 
 def induction(ctx: EvalContext, setting: dict, n: int, seed: int) -> list[Sample]:
@@ -62,39 +73,68 @@ def induction(ctx: EvalContext, setting: dict, n: int, seed: int) -> list[Sample
 
 
 def draw_pairs(r: random.Random, ctx: EvalContext, pairs: int) -> tuple[list[int], list[int], list[int]]:
-    """(the ids shuffled, `pairs` distinct keys: the pool's first, a random value for each): MQAR's
-    draw, here and at every context length (cplm_dist.evaluation.long_context)."""
+    """(the ids shuffled, `pairs` distinct keys: the pool's first, a random value for each)."""
     pool = list(range(ctx.first_id, ctx.vocab_size))
     r.shuffle(pool)
     return pool, pool[:pairs], [r.randrange(ctx.first_id, ctx.vocab_size) for _ in range(pairs)]
+
+
+def mqar_sample(r: random.Random, ctx: EvalContext, pairs: int, length: int, *, spread: bool = False,
+                hay: Haystack | None = None) -> Sample:
+    """`length` ids holding `pairs` (key, value) pairs, then each key queried once, in a random order,
+    its value after it (the scored positions). The suite's (spread=False): the pairs first, the
+    queries at random slots of the rest, among noise ids (never a key, so a query is unambiguous).
+    By context length (spread=True): filler over the whole length (hay's tokens without the keys'
+    ids; without a haystack, noise), the pairs written at random slots of the first half, the
+    queries at random slots of the second."""
+    pool, keys, values = draw_pairs(r, ctx, pairs)
+    noise, order = pool[pairs:], list(range(pairs))
+    if spread:
+        if hay is not None:
+            taken = set(keys)
+            ids = [t for t in hay.window(2 * length, r) if t not in taken]
+            ids = (ids * (1 + length // max(1, len(ids))))[:length]
+        else:
+            ids = [r.choice(noise) for _ in range(length)]
+        r.shuffle(order)
+        first = length // 2
+        key_slots = sorted(r.sample(range(first // 2), pairs))
+        query_slots = sorted(r.sample(range((length - first) // 2), pairs))
+    else:
+        first = 2 * pairs
+        query_slots = sorted(r.sample(range((length - first) // 2), pairs))  # non-overlapping (key, value) slots
+        r.shuffle(order)
+        ids, key_slots = [0] * first + [r.choice(noise) for _ in range(length - first)], range(pairs)
+    for k, slot in enumerate(key_slots):
+        ids[2 * slot], ids[2 * slot + 1] = keys[k], values[k]
+    scored = []
+    for k, slot in zip(order, query_slots):
+        at = first + 2 * slot
+        ids[at], ids[at + 1] = keys[k], values[k]
+        scored.append(at)
+    return Sample(ids, scored=scored)
 
 
 def mqar(ctx: EvalContext, setting: dict, n: int, seed: int) -> list[Sample]:
     pairs, length = setting["pairs"], setting["length"]
     if length < 4 * pairs:
         raise ValueError(f"mqar: length {length} too short for {pairs} pairs")
-    out = []
-    for i in range(n):
-        r = _rng(seed, "mqar", setting, i)
-        pool, keys, values = draw_pairs(r, ctx, pairs)
-        noise = pool[pairs:]  # never a key, so a query is unambiguous
-        ids = [t for kv in zip(keys, values) for t in kv]
-        region = length - 2 * pairs
-        slots = sorted(r.sample(range(region // 2), pairs))  # non-overlapping (key, value) slots
-        order = list(range(pairs))
-        r.shuffle(order)
-        tail = [r.choice(noise) for _ in range(region)]
-        scored = []
-        for slot, k in zip(slots, order):
-            tail[2 * slot], tail[2 * slot + 1] = keys[k], values[k]
-            scored.append(2 * pairs + 2 * slot)
-        out.append(Sample(ids + tail, scored=scored))
-    return out
+    return [mqar_sample(_rng(seed, "mqar", setting, i), ctx, pairs, length) for i in range(n)]
 
 
 def _name(r: random.Random) -> str:
     syllables = ["ka", "lo", "mi", "ren", "tas", "vo", "bel", "dor", "fin", "gar", "hul", "jen", "pra", "sol", "tir", "zu"]
     return "".join(r.choice(syllables) for _ in range(r.randint(2, 3))).capitalize()
+
+
+def phone_book(r: random.Random, entries: int) -> tuple[list[str], list[str]]:
+    """(`entries` distinct names, a ddd-dddd number for each)."""
+    names: list[str] = []
+    while len(names) < entries:
+        name = _name(r)
+        if name not in names:
+            names.append(name)
+    return names, [f"{r.randint(200, 999)}-{r.randint(0, 9999):04d}" for _ in names]
 
 
 def _encode(ctx: EvalContext, text: str) -> list[int]:
@@ -108,12 +148,7 @@ def phonebook(ctx: EvalContext, setting: dict, n: int, seed: int) -> list[Sample
     out = []
     for i in range(n):
         r = _rng(seed, "phonebook", setting, i)
-        names = []
-        while len(names) < entries:
-            name = _name(r)
-            if name not in names:
-                names.append(name)
-        numbers = [f"{r.randint(200, 999)}-{r.randint(0, 9999):04d}" for _ in names]
+        names, numbers = phone_book(r, entries)
         who = r.randrange(entries)
         prompt = "".join(f"{a}: {b}\n" for a, b in zip(names, numbers)) + f"The number of {names[who]} is "
         p, a = _encode(ctx, prompt), _encode(ctx, numbers[who])
@@ -121,29 +156,89 @@ def phonebook(ctx: EvalContext, setting: dict, n: int, seed: int) -> list[Sample
     return out
 
 
+# --- facts hidden in filler (the needle here; by context length every text task) -----------------
+
+
+class Haystack:
+    """A stream of filler units (a list of token ids, or a str of characters) to cut windows from."""
+
+    def __init__(self, stream, wrap: bool = True):
+        if not stream:
+            raise ValueError("a haystack needs filler")
+        self.stream, self.wrap = stream, wrap
+
+    def window(self, n: int, rng: random.Random):
+        """n units from a random start (anywhere, wrapping round the stream; wrap=False: one from
+        which n fit), the stream repeated when shorter than n."""
+        s = self.stream
+        start = rng.randrange(len(s)) if self.wrap else rng.randrange(max(1, len(s) - n))
+        out = s[start:start + n]
+        while len(out) < n:
+            out += s[: n - len(out)]
+        return out
+
+
+def token_haystack(ctx: EvalContext, need: int, wrap: bool = True) -> Haystack:
+    """The filler documents (ctx.filler, in order) tokenized until there are `need` tokens."""
+    ids: list[int] = []
+    for doc in ctx.filler:
+        ids += _encode(ctx, doc + "\n")
+        if len(ids) >= need:
+            break
+    return Haystack(ids, wrap)
+
+
+@dataclass
+class Facts:
+    pieces: list[tuple[float, str]]  # (where in the filler, 0..1; the text), in the order they must come
+    question: str  # asked after the filler
+    answer: str  # what the generation must start with
+    choices: list[str] | None = None  # multiple choice (lm-eval): the answer among others
+
+
+def needle_facts(r: random.Random, depth: float, around: str = "\n") -> Facts:
+    """A secret code's sentence (between two `around`) at `depth` of the filler, and the question."""
+    code = f"{r.randint(10000, 99999)}"
+    return Facts([(depth, f"{around}The secret code is {code}.{around}")],
+                 "\nWhat is the secret code? The secret code is ", code)
+
+
+def splice(hay, pieces: list[tuple[float, object]]):
+    """`hay` (a list or a str) with each piece inserted at its fraction of the way through, in
+    order; in text, at the start of the line there."""
+    out, last = hay[:0], 0
+    for frac, piece in pieces:
+        at = round(frac * len(hay))
+        if isinstance(hay, str):
+            at = hay.rfind("\n", 0, at) + 1
+        at = max(last, at)
+        out, last = out + hay[last:at] + piece, at
+    return out + hay[last:]
+
+
+def compose(facts: Facts, hay: Haystack, length: int, encode: Callable, r: random.Random, task: str):
+    """(prompt, answer) in units of `hay` (encode: text -> those units): the facts spliced into a
+    window of filler and the question after it, length units in all with the answer and one more
+    (the token generated after it)."""
+    pieces = [(frac, encode(text)) for frac, text in facts.pieces]
+    question, answer = encode(facts.question), encode(facts.answer)
+    room = length - sum(len(p) for _, p in pieces) - len(question) - len(answer) - 1
+    if room < 1:
+        raise ValueError(f"{task}: length {length} leaves no room for filler ({length - room} for the facts and question)")
+    return splice(hay.window(room, r), pieces) + question, answer
+
+
 def needle(ctx: EvalContext, setting: dict, n: int, seed: int) -> list[Sample]:
     length, depth = setting["length"], setting["depth"]
     if not ctx.filler:
         raise ValueError("needle needs filler documents")
-    filler_ids = []
-    for doc in ctx.filler:
-        filler_ids += _encode(ctx, doc + "\n")
-        if len(filler_ids) > 4 * length:
-            break
+    hay = token_haystack(ctx, 4 * length + 1, wrap=False)
     out = []
     for i in range(n):
         r = _rng(seed, "needle", setting, i)
-        code = f"{r.randint(10000, 99999)}"
-        fact, question = _encode(ctx, f" The secret code is {code}. "), _encode(ctx, "\nWhat is the secret code? The secret code is ")
-        answer = _encode(ctx, code)
-        room = length - len(fact) - len(question) - len(answer) - 1  # +1: the token generated after the answer
-        if room < 1:
-            raise ValueError(f"needle: length {length} leaves no room for filler")
-        start = r.randrange(0, max(1, len(filler_ids) - room))
-        hay = (filler_ids * (1 + room // max(1, len(filler_ids))))[start:start + room]
-        at = round(depth * len(hay))
-        p = hay[:at] + fact + hay[at:] + question
-        out.append(Sample(p + answer, prompt_len=len(p), answer=code))
+        facts = needle_facts(r, depth, around=" ")
+        prompt, answer = compose(facts, hay, length, lambda text: _encode(ctx, text), r, "needle")
+        out.append(Sample(prompt + answer, prompt_len=len(prompt), answer=facts.answer))
     return out
 
 
@@ -177,31 +272,54 @@ def default_settings(task: str, max_len: int) -> list[dict]:
 
 
 @torch.no_grad()
-def score_positions(model, samples: list[Sample], batch_size: int = 16) -> dict:
+def whole_score(model, ids: torch.Tensor, targets: torch.Tensor):
+    """(log p(targets), whether each is the most likely id), each (B, T), from the model's full
+    (B, T, V) distribution. Targets below 0 (IGNORE_INDEX): 0, False."""
+    lp = model.next_token_logprobs(ids)
+    safe = targets.clamp(min=0)
+    logp = lp.gather(-1, safe[..., None]).squeeze(-1)
+    return logp.masked_fill(targets < 0, 0.0), (lp.argmax(-1) == safe) & (targets >= 0)
+
+
+@torch.no_grad()
+def position_totals(model, samples: list[Sample], batch_size: int, score: Callable = whole_score) -> tuple[float, int, int]:
+    """(negative log-likelihood, correct, count) summed over every sample's scored positions'
+    next ids, `batch_size` samples (of one length) a batch through `score(model, ids, targets)`:
+    whole_score, or the by-length prefill in chunks (long_context.chunked_score)."""
     nll, correct, count, device = 0.0, 0, 0, device_of(model)
     for start in range(0, len(samples), batch_size):
         batch = samples[start:start + batch_size]
         ids = torch.tensor([s.ids for s in batch], device=device)
-        logprobs = model.next_token_logprobs(ids)  # (B, T, V)
-        for b, s in enumerate(batch):
-            pos = torch.tensor(s.scored, device=device)
-            target = ids[b, pos + 1]
-            lp = logprobs[b, pos]
-            nll -= float(lp.gather(-1, target[:, None]).sum())
-            correct += int((lp.argmax(-1) == target).sum())
-            count += len(s.scored)
+        targets, positions = torch.full_like(ids, -100), [torch.tensor(s.scored, device=device) for s in batch]
+        for b, pos in enumerate(positions):
+            targets[b, pos] = ids[b, pos + 1]
+        logp, greedy = score(model, ids, targets)
+        for b, pos in enumerate(positions):
+            nll -= float(logp[b, pos].sum())
+            correct += int(greedy[b, pos].sum())
+            count += len(pos)
+    return nll, correct, count
+
+
+def score_positions(model, samples: list[Sample], batch_size: int = 16) -> dict:
+    nll, correct, count = position_totals(model, samples, batch_size)
     return {"loss": nll / count, "accuracy": correct / count, "n": count}
 
 
 @torch.no_grad()
-def score_generation(model, samples: list[Sample], tokenizer) -> dict:
+def exact_matches(model, samples: list[Sample], tokenizer, chunk: int | None = None) -> int:
+    """How many greedy generations (the prompt prefilled `chunk` tokens at a time; None: whole),
+    one sample at a time, start with their sample's answer."""
     hits, device = 0, device_of(model)
     for s in samples:
         answer_len = len(s.ids) - s.prompt_len
-        out = generate(model, torch.tensor([s.ids[: s.prompt_len]], device=device), answer_len + 1)
-        text = tokenizer.decode(out.tokens[0].tolist())
-        hits += text.strip().startswith(s.answer)
-    return {"exact_match": hits / len(samples), "n": len(samples)}
+        out = generate(model, torch.tensor([s.ids[: s.prompt_len]], device=device), answer_len + 1, prefill_chunk=chunk)
+        hits += tokenizer.decode(out.tokens[0].tolist()).strip().startswith(s.answer)
+    return hits
+
+
+def score_generation(model, samples: list[Sample], tokenizer) -> dict:
+    return {"exact_match": exact_matches(model, samples, tokenizer) / len(samples), "n": len(samples)}
 
 
 def run_suite(model, ctx: EvalContext, tasks=TASKS, samples: int = 32, seed: int = 0, settings: dict | None = None,

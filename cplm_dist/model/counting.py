@@ -94,12 +94,13 @@ def replicated_parameters(cfg: Config) -> int:
     return cfg.model.num_layers * per_layer + sum(_norm_tensors(cfg)) + _positions(cfg) + sum(_copy_head(cfg))
 
 
-def matmul_parameters(cfg: Config) -> int:
+def matmul_parameters(cfg: Config, *, layers: int | None = None, heads: bool = True) -> int:
     """Parameters that multiply an activation once per token (docs/performance.md): every weight
-    matrix of the layers, the LM head (V x D, tied or not), the copy head's q, k and gate; not
-    the embedding lookup, the norms or biases."""
+    matrix of `layers` transformer layers (default all) and, with `heads`, the LM head (V x D, tied
+    or not) and the copy head's q, k and gate; not the embedding lookup, the norms or biases."""
     m = cfg.model
-    return m.num_layers * _layer_matrices(cfg) + m.vocab_size * m.hidden_size + _copy_head(cfg)[0]
+    n = (m.num_layers if layers is None else layers) * _layer_matrices(cfg)
+    return n + (m.vocab_size * m.hidden_size + _copy_head(cfg)[0] if heads else 0)
 
 
 def tensor_sizes_per_device(cfg: Config, tp: int, *, layers: int | None = None, first: bool = True,

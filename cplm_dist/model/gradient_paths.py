@@ -16,6 +16,7 @@ needs only W^T W (D x D) and G W (N x D), both sums over the vocabulary shards (
 tp): the (N, V) gradient is never gathered. Padded vocabulary rows are left out. Figures:
 
     suppressed_fraction         1 - ||G Q||^2 / ||G||^2 (the LM head's part of the mixed loss)
+    grad_norm_logits            ||G||
     grad_norm_h_via_lm_head     ||dL/dh|| through the LM head
     grad_norm_h_via_copy_head   ||dL/dh|| through the copy head (0 without one)
     copy_to_lm_ratio            their ratio
@@ -39,9 +40,11 @@ def _tp_sum(x: torch.Tensor, group) -> torch.Tensor:
     return x
 
 
-def gradient_paths(model, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None = None) -> dict:
+def gradient_paths(model, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None = None,
+                   *, lm_only: bool = False) -> dict:
     """The figures of the module docstring for one micro-batch through `model` (a CPLM, any tp,
-    sequence parallel or not; not context parallel)."""
+    sequence parallel or not; not context parallel). lm_only=True measures the LM head's own loss
+    (as if the copy head were off) on the same model."""
     head, group = model.parts.head, model.tp_group
     sp = model.sequence_parallel
     with torch.no_grad():
@@ -49,7 +52,7 @@ def gradient_paths(model, input_ids: torch.Tensor, labels: torch.Tensor, positio
     h_lm, h_copy = h.detach().clone().requires_grad_(True), h.detach().clone().requires_grad_(True)
     logits = model.lm_logits(h_lm, model.tied)  # (B, T, V/tp); sequence parallel: (T, B, V/tp), the whole sequence
     copy = None
-    if model.copy_head is not None:
+    if model.copy_head is not None and not lm_only:
         docs = None if position_ids is None else document_index(position_ids)
         copy = model.copy_head(h_copy, input_ids, labels, docs, position_ids)
     token_labels = labels.t().contiguous() if sp else labels
@@ -71,6 +74,7 @@ def gradient_paths(model, input_ids: torch.Tensor, labels: torch.Tensor, positio
     return {
         "loss": float(loss.detach()),
         "suppressed_fraction": float(1.0 - seen / g_sq),
+        "grad_norm_logits": float(g_sq.sqrt()),
         "grad_norm_h_via_lm_head": via_lm,
         "grad_norm_h_via_copy_head": via_copy,
         "copy_to_lm_ratio": via_copy / via_lm if via_lm > 0 else float("nan"),

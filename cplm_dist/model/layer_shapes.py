@@ -8,6 +8,7 @@ its qk-norm slot, the MLP, the norms); counting (cplm_dist.model.counting) and t
     attention_shapes(m)  qkv, [q_norm, k_norm], proj           (biases where the backbone has them)
     mlp_shapes(m)        fc1 ([gate; up] for a gated MLP), fc2
     norm_shapes(m, dim)  weight [, bias]
+    muon_shapes(m, copy) what Muon orthogonalises (a layer's 2-D weights, the copy head's q and k), by name
 
 A test ties every entry to the built module's parameters (name, full shape, split) at tp 1 and 2
 (tests/test_model.py). No megatron-core here: the arithmetic modules import without it.
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from cplm_dist.config import ModelConfig
+from cplm_dist.config import CopyConfig, ModelConfig
 from cplm_dist.config.backbones import backbone
 
 # when a replicated tensor's gradient is summed over the tp ranks
@@ -111,3 +112,27 @@ def layer_shapes(m: ModelConfig) -> list[ParameterShape]:
     """Every parameter of one transformer layer (cplm_dist.model.block), in module order."""
     return (_under("attn_norm", norm_shapes(m)) + _under("attention", attention_shapes(m))
             + _under("mlp_norm", norm_shapes(m)) + _under("mlp", mlp_shapes(m)))
+
+
+# a layer's QKV weight: orthogonalised per projection (queries, keys, values) under optim.muon.split_qkv
+QKV_WEIGHT = "attention.qkv.weight"
+
+
+def muon_shapes(m: ModelConfig, copy: CopyConfig | None = None) -> dict[str, ParameterShape]:
+    """Muon's matrices (optim.name=muon: cplm_dist.train.muon steps them, cplm_dist.profiling.muon_cost
+    prices them) by name: a layer's 2-D weights under their name in the layer (QKV, attention out,
+    MLP fc1 and fc2) and, given `copy` (optim.muon.copy_head) with the copy head on, its query and
+    key projections. Norms, the qk-norm slot, biases, the embedding and the LM head are AdamW's."""
+    out = {s.name: s for s in layer_shapes(m) if len(s.shape) == 2}
+    if copy is not None and copy.enabled:
+        width = copy.num_heads * copy.head_dim
+        for name in ("copy_head.q.weight", "copy_head.k.weight"):
+            out[name] = ParameterShape(name, (width, m.hidden_size), matrix=True)
+    return out
+
+
+def muon_shape(name: str, shapes: dict[str, ParameterShape]) -> ParameterShape | None:
+    """The entry of `shapes` (muon_shapes) for the model's parameter `name` (a layer's as
+    `layers.<i>.<its name in the layer>`), or None: an AdamW parameter."""
+    parts = name.split(".", 2)
+    return shapes.get(parts[2] if parts[0] == "layers" and len(parts) == 3 else name)

@@ -62,11 +62,11 @@ from __future__ import annotations
 import contextlib
 import io
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-from cplm_dist.config import BatchLayout, Config
+from cplm_dist.config import BatchLayout, Config, Layout
 from cplm_dist.distributed import ParallelDims
 from cplm_dist.model.counting import parameter_count, replicated_parameters
 from cplm_dist.model.loss import padded_vocab_size
@@ -82,40 +82,33 @@ from cplm_dist.profiling.roofline import Device, Roofline
 HEADROOM = 0.9  # the share of a device's memory a layout may fill (the planner's Cluster.headroom)
 
 
-@dataclass(frozen=True)
-class Layout:
+@dataclass(frozen=True, kw_only=True)
+class RunLayout(Layout):
+    """A parallel layout (cplm_dist.config.Layout) with the batch and sequence it trains on: what
+    the dry run traces."""
+
     world: int
-    tp: int
-    pp: int
-    dp: int
-    zero_stage: int
     micro_batch: int
     accumulation: int
     seq_len: int
     precision: str
-    cp: int = 1
 
     @property
     def act_bytes(self) -> int:
         return 2 if self.precision == "bf16" else 4
 
-    @property
-    def grad_ranks(self) -> int:
-        """The ranks gradients are reduced over and ZeRO partitions over: dp x cp."""
-        return self.dp * self.cp
-
     def as_json(self) -> dict:
+        """The dry run's report: cp always (not the manifest's form)."""
         return {"tp": self.tp, "pp": self.pp, "cp": self.cp, "dp": self.dp, "zero_stage": self.zero_stage}
 
 
-def layout_of(cfg: Config, gpus: int) -> Layout:
+def layout_of(cfg: Config, gpus: int) -> RunLayout:
     """The layout cfg trains with on `gpus` ranks, or the ConfigError training would raise (a tp x
     cp x pp that does not divide the world, batch arithmetic that does not work; the heads and pp
     bounds are checked when the config loads)."""
-    p, t = cfg.parallel, cfg.train
     batch = BatchLayout.of(cfg, gpus)
-    return Layout(world=gpus, tp=p.tp, pp=p.pp, dp=batch.dp, zero_stage=t.zero_stage, micro_batch=batch.micro,
-                  accumulation=batch.accumulation, seq_len=cfg.data.seq_length, precision=t.precision, cp=p.cp)
+    return RunLayout(**asdict(Layout.of(cfg, cfg.parallel.tp, batch.dp)), world=gpus, micro_batch=batch.micro,
+                     accumulation=batch.accumulation, seq_len=cfg.data.seq_length, precision=cfg.train.precision)
 
 
 def alike_ranks(cfg: Config, tp: int, last_stage: bool) -> dict[int, list[int]]:
@@ -183,7 +176,7 @@ class Role:
 @dataclass
 class DryRun:
     cfg: Config
-    layout: Layout
+    layout: RunLayout
     device: Device
     roles: list[Role]
     roofline_step_s: float
@@ -220,7 +213,7 @@ class DryRun:
                 "seconds": self.seconds, "roles": [r.as_json() for r in self.roles]}
 
 
-def _build(cfg: Config, dims: ParallelDims, layout: Layout, device):
+def _build(cfg: Config, dims: ParallelDims, layout: RunLayout, device):
     from cplm_dist.model.cplm import build_model
     from cplm_dist.training.pipeline import build_pipeline_model
 
@@ -230,7 +223,7 @@ def _build(cfg: Config, dims: ParallelDims, layout: Layout, device):
     return build_model(cfg, tp_group=dims.tp_group, device=device, dtype=dtype, compile_layers=False, cp_group=dims.cp_group)
 
 
-def trace_rank(cfg: Config, dims: ParallelDims, layout: Layout, device: torch.device | str = "cpu",
+def trace_rank(cfg: Config, dims: ParallelDims, layout: RunLayout, device: torch.device | str = "cpu",
                roofline_device: Device | None = None) -> RoleTrace:
     """Build this rank's modules and run its micro-batches (module docstring), in whatever world
     and tensor mode is active: a fake rank under FakeTensorMode (`dry_run`), or a real job of
@@ -267,7 +260,7 @@ def trace_rank(cfg: Config, dims: ParallelDims, layout: Layout, device: torch.de
                      roofline_s=roof.seconds / n, flops=roof.flops / n, seconds=time.perf_counter() - start)
 
 
-def trace_role(cfg: Config, layout: Layout, *, tp_rank: int, pp_stage: int, device: Device, cp_rank: int = 0) -> RoleTrace:
+def trace_role(cfg: Config, layout: RunLayout, *, tp_rank: int, pp_stage: int, device: Device, cp_rank: int = 0) -> RoleTrace:
     """`trace_rank` of one role in a fake job of layout.world ranks, under FakeTensorMode."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -277,7 +270,7 @@ def trace_role(cfg: Config, layout: Layout, *, tp_rank: int, pp_stage: int, devi
             return trace_rank(cfg, dims, layout, "cpu", device)
 
 
-def modelled(cfg: Config, layout: Layout, trace: RoleTrace, stage: int) -> dict:
+def modelled(cfg: Config, layout: RunLayout, trace: RoleTrace, stage: int) -> dict:
     """What DeepSpeed's engine adds to a traced role (module docstring), from the estimator's arithmetic."""
     t = cfg.train
     n = trace.parameters
@@ -299,7 +292,7 @@ def modelled(cfg: Config, layout: Layout, trace: RoleTrace, stage: int) -> dict:
             "optimizer_flops": flops, "collectives": collectives, "communication_model": full}
 
 
-def _role(cfg: Config, layout: Layout, trace: RoleTrace, tp_rank: int, traced_as: int, stage: int, estimate,
+def _role(cfg: Config, layout: RunLayout, trace: RoleTrace, tp_rank: int, traced_as: int, stage: int, estimate,
           cp_rank: int = 0) -> Role:
     extra = modelled(cfg, layout, trace, stage)
     activity = trace.peak_bytes - trace.parameter_bytes
@@ -310,7 +303,7 @@ def _role(cfg: Config, layout: Layout, trace: RoleTrace, tp_rank: int, traced_as
                 {k: v for k, v in model.items() if k not in extra["collectives"]}, cp_rank)
 
 
-def roofline_step(cfg: Config, layout: Layout, roles: list[Role], cluster: Cluster, device: Device | None = None) -> float:
+def roofline_step(cfg: Config, layout: RunLayout, roles: list[Role], cluster: Cluster, device: Device | None = None) -> float:
     """The slowest stage's traced micro-batch at the roofline plus its traced tp bytes at the
     intra-node bandwidth and its traced cp bytes at the link its cp group spans, over the step's
     micro-batches and the schedule's bubble (memory.bubble), plus the modelled dp (over dp x cp) and tied bytes unhidden

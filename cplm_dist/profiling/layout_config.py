@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from cplm_dist.config.editing import set_fields, yaml_scalar
+from cplm_dist.files import write_text_atomic
 from cplm_dist.profiling.planner import Plan
 
 PLAN_NOTE = "# layout from tools/plan.py"  # the line a written config carries (a rewrite replaces it)
@@ -33,9 +34,7 @@ def write_run_config(path: Path, source: str, best: Plan, seq_len: int, global_b
     lines = [line for line in text.splitlines() if not line.startswith(PLAN_NOTE)]
     at = 1 if lines and lines[0].startswith("#") else 0
     lines.insert(at, note)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("\n".join(lines) + "\n")
-    tmp.replace(path)
+    write_text_atomic(path, "\n".join(lines) + "\n")
 
 
 def layout_overrides(best: Plan, seq_len: int, global_batch: int) -> list[str]:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 
 from cplm_dist.config import Config
-from cplm_dist.model.layer_shapes import layer_shapes
+from cplm_dist.model.layer_shapes import QKV_WEIGHT, muon_shapes
 from cplm_dist.model.parallel.stages import Stage
 
 
@@ -37,19 +37,18 @@ def muon_matrices(cfg: Config, stage: Stage) -> list[tuple[tuple[int, int], bool
     """(whole shape, split over tp, the pieces orthogonalised apart) of each Muon matrix of `stage`,
     in model order (the order of the optimizer's Muon group)."""
     m, muon = cfg.model, cfg.optim.muon
+    shapes = muon_shapes(m, cfg.copy if muon.copy_head else None)
+    layer = [s for s in shapes.values() if not s.name.startswith("copy_head.")]
     out = []
     for _ in range(stage.layers):
-        for s in layer_shapes(m):
-            if len(s.shape) != 2:
-                continue
+        for s in layer:
             pieces = [s.shape]
-            if muon.split_qkv and s.name.endswith("qkv.weight"):
+            if muon.split_qkv and s.name == QKV_WEIGHT:
                 pieces = [(m.num_heads * m.head_dim, s.shape[1]), (m.num_kv_heads * m.head_dim, s.shape[1]),
                           (m.num_kv_heads * m.head_dim, s.shape[1])]
             out.append((s.shape, s.split is not None, pieces))
-    if muon.copy_head and cfg.copy.enabled and stage.last:
-        width = cfg.copy.num_heads * cfg.copy.head_dim
-        out += [((width, m.hidden_size), False, [(width, m.hidden_size)])] * 2
+    if stage.last:
+        out += [(s.shape, s.split is not None, [s.shape]) for s in shapes.values() if s.name.startswith("copy_head.")]
     return out
 
 

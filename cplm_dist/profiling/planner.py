@@ -73,11 +73,10 @@ import copy
 from dataclasses import asdict, dataclass
 
 from cplm_dist.config import BatchLayout, Config, ConfigError, check_tp_divides, divisors
-from cplm_dist.model.counting import _copy_head, _layer_matrices
 from cplm_dist.profiling.communication import ring_factor, step_bytes
 from cplm_dist.profiling.memory import GIB, Stage, bubble, estimate, pipeline_stages
 from cplm_dist.profiling.muon_cost import muon_step_cost
-from cplm_dist.training.throughput import flops_per_token
+from cplm_dist.training.throughput import flops_per_token, forward_flops
 
 # Layouts whose predicted steps differ by less than this fraction rank as equal; among them the
 # smaller pp (no pipeline engine, whose schedule the model simplifies), the smaller cp, the lower ZeRO stage (fewer,
@@ -130,23 +129,15 @@ class Plan:
 
 def layer_flop_share(cfg: Config, seq_len: int) -> float:
     """The transformer layers' share of a step's FLOPs: what checkpointing computes again."""
-    m = cfg.model
-    layers = 2 * m.num_layers * _layer_matrices(cfg) + 4 * m.num_layers * seq_len * m.num_heads * m.head_dim
-    return 3 * layers / flops_per_token(cfg, seq_len)
+    return 3 * forward_flops(cfg, seq_len, heads=False) / flops_per_token(cfg, seq_len)
 
 
 def stage_flops_per_token(cfg: Config, stage: Stage, seq_len: int) -> tuple[float, float]:
     """(training FLOPs, recomputed forward FLOPs under checkpointing) per token of one pipeline
     stage, over its tp ranks: flops_per_token's terms for its own layers, the LM head's and copy
     head's on the last stage (the stages' FLOPs sum to flops_per_token)."""
-    m, c = cfg.model, cfg.copy
-    layers = stage.layers * (2 * _layer_matrices(cfg) + 4 * seq_len * m.num_heads * m.head_dim)
-    forward = layers
-    if stage.last:
-        forward += 2 * (m.vocab_size * m.hidden_size + _copy_head(cfg)[0])
-        if c.enabled:
-            forward += 2 * seq_len * c.num_heads * c.head_dim
-    return 3.0 * forward, float(layers)
+    forward = forward_flops(cfg, seq_len, layers=stage.layers, heads=stage.last)
+    return 3.0 * forward, float(forward_flops(cfg, seq_len, layers=stage.layers, heads=False))
 
 
 def _within_nodes(groups, gpus_per_node: int) -> bool:

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from cplm_dist.config import Config
 from cplm_dist.distributed import ParallelDims
-from cplm_dist.profiling.dry_run import Layout, trace_rank
+from cplm_dist.profiling.dry_run import RunLayout, trace_rank
 
 STEPS = 2  # the first step creates AdamW's states; the second runs with them, as every later one
 
@@ -40,7 +40,7 @@ def step_peak(cfg: Config, dims: ParallelDims, device: torch.device) -> dict[str
     return peak_by_kind(tracker)
 
 
-def real_roles(cfg: Config, dims: ParallelDims, layout: Layout, device: torch.device) -> list[dict] | None:
+def real_roles(cfg: Config, dims: ParallelDims, layout: RunLayout, device: torch.device) -> list[dict] | None:
     """Every rank's real trace and real step peak, gathered on rank 0 (None elsewhere)."""
     trace = trace_rank(cfg, dims, layout, device)
     dist.barrier()

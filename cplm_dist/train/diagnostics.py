@@ -18,7 +18,9 @@ from cplm_dist.model.gradient_paths import gradient_paths
 def diagnose(engine, batch: dict, device) -> dict:
     """The figures of `batch` (a micro-batch as the loader gives it) through the engine's model."""
     inputs = model_inputs(batch, device)  # ids, labels (, position_ids under document masking)
-    return gradient_paths(engine.module, *inputs)
+    figures = gradient_paths(engine.module, *inputs)
+    del figures["grad_norm_logits"]  # the bottleneck tool's figure (tools/grad_bottleneck.py), not the live record's
+    return figures
 
 
 def due(interval: int, step: int) -> bool:

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from cplm_dist.model.layer_shapes import QKV_WEIGHT, muon_shape, muon_shapes
 from cplm_dist.model.parallel.sharding import ShardSpec, gather_full, spec_of, take_shard
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -76,23 +77,18 @@ def qkv_row_sets(num_heads: int, num_kv_heads: int, head_dim: int) -> tuple[torc
     return rows(0, group), rows(group, 1), rows(group + 1, 1)
 
 
-def is_muon_parameter(name: str, param: torch.Tensor, copy_head: bool) -> bool:
-    """The transformer layers' 2-D weights (QKV, attention output, MLP); the copy head's query and
-    key projections when optim.muon.copy_head is set. Embeddings, LM head, norms, biases: AdamW."""
-    if param.ndim != 2:
-        return False
-    return name.startswith("layers.") or (copy_head and name in ("copy_head.q.weight", "copy_head.k.weight"))
-
-
 def mark_matrices(named, cfg) -> list[torch.nn.Parameter]:
-    """Tag each Muon parameter with its `Matrix` (read by the step and the ZeRO adapter) and return them."""
+    """Tag each Muon parameter (cplm_dist.model.layer_shapes.muon_shapes) with its `Matrix` (read by
+    the step and the ZeRO adapter) and return them."""
     model_cfg, muon = cfg.model, cfg.optim.muon
     qkv_sets = qkv_row_sets(model_cfg.num_heads, model_cfg.num_kv_heads, model_cfg.head_dim)
+    shapes = muon_shapes(model_cfg, cfg.copy if muon.copy_head else None)
     marked = []
     for name, param in named:
-        if not param.requires_grad or not is_muon_parameter(name, param, muon.copy_head):
+        shape = muon_shape(name, shapes)
+        if not param.requires_grad or shape is None:
             continue
-        split = muon.split_qkv and name.endswith("attention.qkv.weight")
+        split = muon.split_qkv and shape.name == QKV_WEIGHT
         param._cplm_matrix = Matrix(name, spec_of(param), qkv_sets if split else None)
         marked.append(param)
     return marked

@@ -46,13 +46,21 @@ PEAK_FLOPS = {
 }
 
 
+def forward_flops(cfg: Config, seq_len: int, *, layers: int | None = None, heads: bool = True) -> int:
+    """Forward FLOPs per token (the module docstring's formula) of `layers` transformer layers
+    (default all) and, with `heads`, the LM head and the copy head: the whole model, a pipeline
+    stage (cplm_dist.profiling.planner) or the layers alone (what checkpointing recomputes)."""
+    m, c = cfg.model, cfg.copy
+    n = m.num_layers if layers is None else layers
+    forward = 2 * matmul_parameters(cfg, layers=n, heads=heads) + 4 * n * seq_len * m.num_heads * m.head_dim
+    if heads and c.enabled:
+        forward += 2 * seq_len * c.num_heads * c.head_dim
+    return forward
+
+
 def flops_per_token(cfg: Config, seq_len: int) -> float:
     """Training FLOPs per token at sequence length `seq_len` (forward x 3)."""
-    m, c = cfg.model, cfg.copy
-    forward = 2 * matmul_parameters(cfg) + 4 * m.num_layers * seq_len * m.num_heads * m.head_dim
-    if c.enabled:
-        forward += 2 * seq_len * c.num_heads * c.head_dim
-    return 3.0 * forward
+    return 3.0 * forward_flops(cfg, seq_len)
 
 
 def device_peak_flops(precision: str, device: torch.device | None = None) -> float | None:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import secrets
 import string
 from pathlib import Path
@@ -31,6 +30,7 @@ import torch.distributed as dist
 
 from cplm_dist.config import Config, to_dict
 from cplm_dist.errors import ConfigError, UsageError
+from cplm_dist.files import write_text_atomic
 
 RUN_FILE = "wandb_run.json"
 
@@ -59,10 +59,7 @@ def saved_run_id(log_dir: Path) -> str | None:
 
 def save_run_id(log_dir: Path, run) -> None:
     """After the first start succeeded: its id, for every later start (written whole, then renamed)."""
-    path = log_dir / RUN_FILE
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"id": run.id, "project": run.project, "entity": run.entity}) + "\n")
-    os.replace(tmp, path)
+    write_text_atomic(log_dir / RUN_FILE, json.dumps({"id": run.id, "project": run.project, "entity": run.entity}) + "\n")
 
 
 def start_wandb(cfg: Config, log_dir: Path, rank: int, world_size: int):

@@ -14,7 +14,8 @@ import random
 from datasets import Dataset, DatasetDict
 
 from cplm_dist.data.corpora import stdlib_documents
-from cplm_dist.evaluation.long_context import FACTS, SHORT, SHORT_FACTS, Haystack, compose
+from cplm_dist.evaluation.long_context import FACTS, SHORT, SHORT_FACTS
+from cplm_dist.evaluation.tasks import Haystack, compose
 
 SEED = 1002
 LENGTHS = (2000, 8000, 32000)
