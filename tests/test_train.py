@@ -449,14 +449,24 @@ def test_sigkill_during_a_save_leaves_a_valid_latest(small_data, tmp_path, async
 # --- non-finite steps ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("zero", [0, 3])
+@pytest.mark.parametrize("zero", [0, 1, 3])
 def test_nonfinite_step_is_skipped_and_counted(small_data, tmp_path, zero):
+    """The skipped update uses up its step of the schedule at every ZeRO stage (DeepSpeed itself
+    stepped it at ZeRO-1 and ZeRO-3 but not at ZeRO-0, where the engine reads our guard's overflow)."""
+    from cplm_dist.config import load_config
+    from cplm_dist.train.optim import lr_factor
+
     out = tmp_path / f"nan{zero}"
-    assert train(1, argv(small_data, out, "train.train_steps=6", f"train.zero_stage={zero}",
-                         "train.inject_nonfinite_at=[3]")) == [0]
+    args = argv(small_data, out, "train.train_steps=6", f"train.zero_stage={zero}", "train.inject_nonfinite_at=[3]",
+                "optim.warmup_steps=4")
+    assert train(1, args) == [0]
     log = read_metrics(out / "logs" / "metrics.jsonl")
     assert log[2]["skipped_steps"] == 0 and log[3]["skipped_steps"] == 1 and log[6]["skipped_steps"] == 1
     assert all(log[s]["loss"] == log[s]["loss"] for s in (4, 5, 6)), "training goes on with finite losses"
+    cfg = load_config(args[1], args[2:])
+    assert [log[s]["lr"] for s in range(1, 7)] == pytest.approx([cfg.optim.lr * lr_factor(s - 1, cfg) for s in range(1, 7)])
+    summary = [json.loads(line) for line in (out / "logs" / "metrics.jsonl").read_text().splitlines()][-1]
+    assert (summary["event"], summary["skipped_steps"], summary["skipped_spikes"]) == ("summary", 1, 0)
 
 
 def test_a_run_of_nonfinite_steps_stops_with_the_last_good_state(small_data, tmp_path):

@@ -185,6 +185,8 @@ def test_a_planted_spike_is_found_skipped_and_decided_alike_after_a_resume(stage
         spikes = [r for r in _records(staged / run, "spike") if r["metric"] == "loss"]
         assert [(r["step"], r["skipped"]) for r in spikes] == [(SPIKE, True)], run
         assert set(spikes[0]["sources"]) == {"copy"} and spikes[0]["zscore"] > 8
+        summary = _records(staged / run, "summary")[-1]  # the spike's skip counted apart from non-finite steps
+        assert (summary["skipped_steps"], summary["skipped_spikes"]) == (0, 1), run
     straight, resumed = losses(staged / "off"), losses(staged / "resumed")
     assert sorted(resumed) == list(range(1, STEPS + 1))
     for step in straight:  # across the stage boundary and the skipped update

@@ -237,7 +237,8 @@ def train(cfg: Config, dims: ParallelDims, accumulation: int, resume: Manifest |
 
         # 9. summary ---------------------------------------------------------------------------------
         log_completed(log, step, ckpt.finish(last=True))
-        summarize(log, ckpt, dims, step - start_step, time.perf_counter() - run_start, step, skipped_total, valid_loss)
+        summarize(log, ckpt, dims, step - start_step, time.perf_counter() - run_start, step,
+                  (skipped_total, train_step.monitor.skipped_updates), valid_loss)
         return 0
     finally:
         failed = sys.exc_info()[0] is not None
@@ -316,17 +317,21 @@ def log_completed(log: RunLog, step: int, done) -> None:
 
 
 def summarize(log: RunLog, ckpt: Checkpointer, dims: ParallelDims, steps_run: int, seconds: float, step: int,
-              skipped_total: int, valid_loss: float) -> None:
+              skipped: tuple[int, int], valid_loss: float) -> None:
+    """The closing table and its record. `skipped`: (updates skipped for a non-finite loss or gradient,
+    updates skipped for a loss spike under train.skip_spikes), counted apart, over the whole run."""
     tokens = steps_run * log.tokens_per_step
+    skipped_total, spikes = skipped
     log.summary([
-        ("steps", f"{step} ({skipped_total} skipped)"),
+        ("steps", f"{step} ({skipped_total} skipped" + (f" non-finite, {spikes} skipped loss spike{'s' * (spikes > 1)})"
+                                                        if spikes else ")")),
         ("valid loss", f"{valid_loss:.4f}"),
         ("tokens", f"{tokens:,} in {seconds:.1f}s: {tokens / seconds:,.0f} tokens/s, "
                    f"{tokens / seconds / dims.world_size:,.0f} per device"),
         ("checkpoints", f"{ckpt.root} (latest {ckpt.latest_tag() if dims.is_first else ''})"),
         ("logs", f"{log.dir} (metrics.jsonl" + (", tensorboard/)" if ckpt.cfg.train.tensorboard else ")")),
     ], {"step": step, "valid_loss": valid_loss, "tokens_per_s": tokens / seconds, "seconds": seconds,
-        "skipped_steps": skipped_total})
+        "skipped_steps": skipped_total, "skipped_spikes": spikes})
 
 
 def banner(cfg: Config, dims: ParallelDims, accumulation: int, resume_tag: str | None) -> str:

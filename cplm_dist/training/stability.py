@@ -44,6 +44,7 @@ class SpikeMonitor:
     def __init__(self, train_cfg):
         self.window, self.threshold, self.skip = train_cfg.spike_window, train_cfg.spike_zscore, train_cfg.skip_spikes
         self.values: dict[str, list[float]] = {m: [] for m in self.METRICS}
+        self.skipped_updates = 0  # steps whose update train.skip_spikes skipped (not counting non-finite ones)
 
     @property
     def enabled(self) -> bool:
@@ -77,8 +78,9 @@ class SpikeMonitor:
         return spikes
 
     def state_dict(self) -> dict:
-        return {m: list(v) for m, v in self.values.items()}
+        return {**{m: list(v) for m, v in self.values.items()}, "skipped_updates": self.skipped_updates}
 
     def load_state_dict(self, state: dict | None) -> None:
+        self.skipped_updates = int((state or {}).get("skipped_updates", 0))  # absent before 2026-12-07: none counted
         for metric in self.METRICS:
             self.values[metric] = [float(v) for v in (state or {}).get(metric, [])][-self.window:] if self.window else []

@@ -96,6 +96,16 @@ class TrainStep:
         self._figures = self.groups.reduce(self.sums)
         return self.monitor.skips(self._figures.loss)
 
+    def _follow_schedule(self, skipped_before: int, schedule_before: int) -> None:
+        """A skipped update still uses up its step of the learning-rate schedule, at every ZeRO stage
+        and whoever skipped it, so a step's rate is the schedule's at that step. DeepSpeed steps the
+        schedule only when the optimizer it holds reports no overflow: our guard at ZeRO-0, its
+        partitioned optimizer at ZeRO-1/2 (which finds a non-finite gradient itself, and never sees a
+        loss spike's skip), no check at ZeRO-3; so a skip left the schedule behind at some stages only."""
+        guarded = self.optimizer.skipped_last or self.optimizer.skipped_spike
+        if (guarded or self.engine.skipped_steps > skipped_before) and self.scheduler.last_epoch == schedule_before:
+            self.scheduler.step()
+
     def _result(self, figures, norm, lr: float, skipped_before: int, data_wait: float) -> StepResult:
         """The step's result, its spikes observed (the monitor's windows advance)."""
         norm = float(norm) if norm is not None else float("nan")
@@ -104,6 +114,7 @@ class TrainStep:
         result = StepResult(figures.loss, figures.lm_loss, figures.copy_share, norm, lr, skipped, data_wait,
                             figures.source_sums, spike_skipped=spiked)
         result.spikes = tuple(self.monitor.observe(result.loss, norm, result.bad))
+        self.monitor.skipped_updates += int(spiked and not result.bad)  # a non-finite step is counted as that alone
         return result
 
     def __call__(self, batches: Iterator[dict], *, inject_nonfinite: bool = False, inject_scale: float = 1.0,
@@ -115,7 +126,7 @@ class TrainStep:
         engine, device = self.engine, self.device
         sums = self.sums.zero_()
         self._figures = None
-        skipped_before = engine.skipped_steps
+        skipped_before, schedule_before = engine.skipped_steps, self.scheduler.last_epoch
         norm = None
         lr = self.scheduler.get_last_lr()[0]  # this step's rate: engine.step() advances the schedule
         data_wait = 0.0
@@ -142,12 +153,13 @@ class TrainStep:
         figures = self._figures or self.groups.reduce(sums)
         if norm is None:
             norm = engine.get_global_grad_norm()
+        self._follow_schedule(skipped_before, schedule_before)
         return self._result(figures, norm, lr, skipped_before, data_wait)
 
     def _pipeline_step(self, batches, inject_nonfinite: bool, inject_scale: float, phases: dict | None) -> StepResult:
         engine = self.engine
         lr = self.scheduler.get_last_lr()[0]
-        skipped_before = engine.skipped_steps
+        skipped_before, schedule_before = engine.skipped_steps, self.scheduler.last_epoch
         self.optimizer.skipped_last = self.optimizer.skipped_spike = False
         engine.module.inject_nonfinite, engine.module.inject_scale = inject_nonfinite, inject_scale
         self.sums.zero_()
@@ -168,6 +180,7 @@ class TrainStep:
             batches.skip(self.accumulation)
         figures = self._figures or self.groups.reduce(self.sums)  # the last stage's sums, over dp x cp, then to every stage
         norm = getattr(self.optimizer, "grad_norm", None) if self.zero_stage == 0 else engine.get_global_grad_norm()
+        self._follow_schedule(skipped_before, schedule_before)
         return self._result(figures, norm, lr, skipped_before, wait[0])
 
 
