@@ -128,7 +128,7 @@ def test_the_top_level_holds_a_handful_of_modules():
     top = sorted(p.name for p in LIBRARY.glob("*.py"))
     assert len(top) <= MAX_TOP_LEVEL_MODULES, top
     packages = {p.name for p in LIBRARY.iterdir() if (p / "__init__.py").is_file()}
-    assert packages == set(PACKAGE_ORDER) and len(PACKAGE_ORDER) == len(set(PACKAGE_ORDER)), "every package is a stage, listed once"
+    assert packages == set(PACKAGE_ORDER) and len(PACKAGE_ORDER) == len(set(PACKAGE_ORDER)), "every package in PACKAGE_ORDER, once"
 
 
 def test_no_function_is_longer_than_a_screen():
