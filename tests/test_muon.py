@@ -289,12 +289,12 @@ def test_the_planner_prices_muon_and_proposes_only_layouts_it_runs():
     kw = dict(seq_len=2048, global_batch=256)
     adamw, _ = plan(load_config("cplm-360m", ["train.precision=bf16"]), cluster, **kw)
     muon, _ = plan(load_config("cplm-360m", ["train.precision=bf16", "optim.name=muon"]), cluster, **kw)
-    assert muon and all(p.optimizer_s > 0 and p.zero in (1, 2) for p in muon)  # bf16: ZeRO-0 and ZeRO-3 refused
-    assert all(p.optimizer_s == 0 for p in adamw) and any(p.zero in (0, 3) for p in adamw)
-    same = {(p.tp, p.pp, p.cp, p.zero, p.micro_batch, p.activation_checkpointing, p.sequence_parallel, p.pp_schedule): p
+    assert muon and all(p.optimizer_s > 0 and p.zero_stage in (1, 2) for p in muon)  # bf16: ZeRO-0 and ZeRO-3 refused
+    assert all(p.optimizer_s == 0 for p in adamw) and any(p.zero_stage in (0, 3) for p in adamw)
+    same = {(p.tp, p.pp, p.cp, p.zero_stage, p.micro_batch, p.activation_checkpointing, p.sequence_parallel, p.pp_schedule): p
             for p in adamw}
     for p in muon:
-        twin = same[(p.tp, p.pp, p.cp, p.zero, p.micro_batch, p.activation_checkpointing, p.sequence_parallel, p.pp_schedule)]
+        twin = same[(p.tp, p.pp, p.cp, p.zero_stage, p.micro_batch, p.activation_checkpointing, p.sequence_parallel, p.pp_schedule)]
         assert p.step_s > twin.step_s  # Newton-Schulz and its gathers
 
 

@@ -264,7 +264,7 @@ def test_plans_fit_obey_the_batch_and_rank_fastest_first():
     assert fits[0].step_s <= fastest * 1.02
     # 64 x 2048 tokens of a 1.7B model's activations on one GPU do not fit (cp 1: whole sequences); one sequence does
     assert not any(p.tp == 1 and p.cp == 1 and p.micro_batch == 64 and not p.activation_checkpointing for p in fits)
-    assert any(p.tp == 1 and p.zero == 1 and p.micro_batch == 1 for p in fits)
+    assert any(p.tp == 1 and p.zero_stage == 1 and p.micro_batch == 1 for p in fits)
 
 
 def test_the_model_responds_to_the_cluster_in_the_right_direction():
@@ -422,7 +422,7 @@ def test_the_planner_proposes_pipeline_parallelism_where_nothing_fits_without_it
     assert fits and all(p.pp > 1 for p in fits)
     for p in fits:
         assert p.memory_gib <= 0.9 * cluster.memory_gib and p.tp * p.cp * p.pp * p.dp == 8
-        assert p.micro_batch * p.accumulation * p.dp == 64 and p.zero == 1  # bf16 pipelines take ZeRO-1 only
+        assert p.micro_batch * p.accumulation * p.dp == 64 and p.zero_stage == 1  # bf16 pipelines take ZeRO-1 only
         one_f_one_b = (p.pp - 1) / (p.accumulation + p.pp - 1)
         if p.pp_schedule == "1f1b":
             assert p.bubble == one_f_one_b

@@ -24,7 +24,7 @@ from cplm_dist.errors import UsageError
 from cplm_dist.model.counting import parameter_count
 from cplm_dist.profiling.layout_config import PLAN_NOTE, layout_overrides, write_run_config
 from cplm_dist.profiling.planner import Cluster, Plan, plan
-COLUMNS = [("tp", "tp"), ("cp", "cp"), ("pp", "pp"), ("dp", "dp"), ("zero", "ZeRO"), ("micro_batch", "micro"), ("accumulation", "accum"),
+COLUMNS = [("tp", "tp"), ("cp", "cp"), ("pp", "pp"), ("dp", "dp"), ("zero_stage", "ZeRO"), ("micro_batch", "micro"), ("accumulation", "accum"),
            ("activation_checkpointing", "ckpt"), ("sequence_parallel", "sp"), ("memory_gib", "GiB"),
            ("compute_s", "compute s"), ("tp_comm_s", "tp s"), ("cp_comm_s", "cp s"), ("exposed_dp_s", "dp s (exposed)"), ("optimizer_s", "optimizer s"),
            ("pp_comm_s", "pp s"), ("bubble", "bubble"), ("pp_schedule", "schedule"), ("step_s", "step s"), ("mfu", "MFU"),
@@ -125,7 +125,7 @@ def main(argv=None) -> int:
     if best.cp > 1 and not any(p.cp == 1 for p in fits):
         print(f"no layout fits {cluster.headroom:.0%} of {args.gpu_gb:g} GiB without context parallelism: "
               f"{seq} tokens a sequence need cp > 1 on {args.gpus} GPUs")
-    print(f"best: tp={best.tp} cp={best.cp} pp={best.pp} dp={best.dp} ZeRO-{best.zero} micro {best.micro_batch} x accumulation {best.accumulation}, "
+    print(f"best: tp={best.tp} cp={best.cp} pp={best.pp} dp={best.dp} ZeRO-{best.zero_stage} micro {best.micro_batch} x accumulation {best.accumulation}, "
           f"checkpointing {'on' if best.activation_checkpointing else 'off'}, sequence parallel "
           f"{'on' if best.sequence_parallel else 'off'}: predicted {best.step_s:.3g} s a step"
           f"{f' ({best.pp_schedule}, bubble {best.bubble:.1%})' if best.pp > 1 else ''}{f' (cp {best.cp_comm_s:.3g} s exposed)' if best.cp > 1 else ''}"

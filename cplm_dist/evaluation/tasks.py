@@ -54,7 +54,8 @@ class EvalContext:
 
 def sample_rng(seed: int, task: str, key, i: int) -> random.Random:
     """The generator of sample `i`: the suite keys it by its setting's items, evaluation by context
-    length by `long-<task>` and the length."""
+    length by `long-<task>` and the length, the lm-eval group cplm_local_long by
+    `lm-eval-long-<task>` and the length in characters."""
     return random.Random(f"{seed}|{task}|{key}|{i}")
 
 

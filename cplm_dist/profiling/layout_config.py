@@ -20,7 +20,7 @@ def layout_fields(best: Plan, seq_len: int, global_batch: int) -> dict[tuple[str
     return {("parallel", "tp"): best.tp, ("parallel", "pp"): best.pp, ("parallel", "cp"): best.cp,
             ("parallel", "sequence_parallel"): best.sequence_parallel,
             ("data", "seq_length"): seq_len, ("train", "micro_batch_size"): best.micro_batch,
-            ("train", "global_batch_size"): global_batch, ("train", "zero_stage"): best.zero,
+            ("train", "global_batch_size"): global_batch, ("train", "zero_stage"): best.zero_stage,
             ("train", "activation_checkpointing"): best.activation_checkpointing,
             **({("parallel", "pp_schedule"): best.pp_schedule} if best.pp > 1 else {})}
 

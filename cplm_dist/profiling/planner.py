@@ -72,7 +72,7 @@ from __future__ import annotations
 import copy
 from dataclasses import asdict, dataclass
 
-from cplm_dist.config import BatchLayout, Config, ConfigError, check_tp_divides, divisors
+from cplm_dist.config import BatchLayout, Config, ConfigError, Layout, check_tp_divides, divisors
 from cplm_dist.profiling.communication import ring_factor, step_bytes
 from cplm_dist.profiling.memory import GIB, Stage, bubble, estimate, pipeline_stages
 from cplm_dist.profiling.muon_cost import muon_step_cost
@@ -98,12 +98,10 @@ class Cluster:
     overlap: float = 0.8  # the share of ZeRO communication issued under compute that it actually hides
 
 
-@dataclass
-class Plan:
-    tp: int
-    pp: int
-    dp: int
-    zero: int
+@dataclass(frozen=True, kw_only=True)
+class Plan(Layout):
+    """A layout (cplm_dist.config.Layout) with its batch and what the model predicts of its step."""
+
     micro_batch: int
     accumulation: int
     activation_checkpointing: bool
@@ -118,9 +116,7 @@ class Plan:
     step_s: float
     mfu: float
     tokens_per_s: float
-    cp: int = 1  # context parallelism: each sequence over cp ranks
     cp_comm_s: float = 0.0  # the cp group's gathers and reduce-scatters a step, exposed
-    pp_schedule: str = "1f1b"  # parallel.pp_schedule at pp > 1 (DualPipeV: two stages a rank)
     optimizer_s: float = 0.0  # Muon's Newton-Schulz a step (0 with AdamW, whose elementwise step is not counted)
 
     def as_dict(self) -> dict:
@@ -213,7 +209,7 @@ def predict(cfg: Config, cluster: Cluster, *, tp: int, zero: int, micro_batch: i
     optimizer = muon_step_cost(cfg, pipeline_stages(cfg, 1, tp)[0], tp=tp, partitions=dp * cp, zero=zero)[0] \
         / (peak * cluster.achievable)
     step = compute + tp_comm + cp_comm + exposed + optimizer
-    return Plan(tp=tp, pp=1, dp=dp, zero=zero, micro_batch=micro_batch, accumulation=accumulation,
+    return Plan(tp=tp, pp=1, dp=dp, zero_stage=zero, micro_batch=micro_batch, accumulation=accumulation,
                 activation_checkpointing=activation_checkpointing, sequence_parallel=sequence_parallel,
                 memory_gib=memory / GIB, compute_s=compute, tp_comm_s=tp_comm, dp_comm_s=dp_comm, exposed_dp_s=exposed,
                 pp_comm_s=0.0, bubble=0.0, step_s=step, mfu=model_flops / step / peak, tokens_per_s=tokens / step,
@@ -249,7 +245,7 @@ def _predict_pipeline(cfg: Config, cluster: Cluster, layout: dict, *, pp: int, c
     schedule = cfg.parallel.pp_schedule
     idle = bubble(pp, m, schedule)
     step = busy / (1 - idle) + tied + dp_comm + optimizer
-    return Plan(tp=tp, pp=pp, dp=dp, zero=layout["zero"], micro_batch=layout["micro_batch"], accumulation=m,
+    return Plan(tp=tp, pp=pp, dp=dp, zero_stage=layout["zero"], micro_batch=layout["micro_batch"], accumulation=m,
                 activation_checkpointing=layout["activation_checkpointing"],
                 sequence_parallel=layout["sequence_parallel"], memory_gib=memory / GIB, compute_s=compute,
                 tp_comm_s=tp_comm, dp_comm_s=dp_comm, exposed_dp_s=dp_comm, pp_comm_s=p2p + tied, bubble=idle,
@@ -327,6 +323,6 @@ def plan(cfg: Config, cluster: Cluster, *, seq_len: int, global_batch: int, max_
                 fits.append(p)
     if fits:  # within TIE of each other: the simpler layout first (fewer stages, 1F1B, less cp, ...)
         fastest = min(p.step_s for p in fits)
-        fits.sort(key=lambda p: (round(p.step_s / fastest / TIE), p.pp, p.pp_schedule != "1f1b", p.cp, p.zero,
+        fits.sort(key=lambda p: (round(p.step_s / fastest / TIE), p.pp, p.pp_schedule != "1f1b", p.cp, p.zero_stage,
                                  -p.micro_batch, p.activation_checkpointing, p.tp, p.step_s))
     return fits, considered

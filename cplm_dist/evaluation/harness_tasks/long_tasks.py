@@ -9,13 +9,11 @@ Each row: context (the prompt), answer, length (its characters, for grouping the
 
 from __future__ import annotations
 
-import random
-
 from datasets import Dataset, DatasetDict
 
 from cplm_dist.data.corpora import stdlib_documents
 from cplm_dist.evaluation.long_context import FACTS, SHORT, SHORT_FACTS
-from cplm_dist.evaluation.tasks import Haystack, compose
+from cplm_dist.evaluation.tasks import Haystack, compose, sample_rng
 
 SEED = 1002
 LENGTHS = (2000, 8000, 32000)
@@ -35,7 +33,7 @@ def rows(task: str, n: int, seed: int, lengths) -> list[dict]:
     for length in lengths:
         fewer = SHORT_FACTS.get(task, {}) if length < SHORT * CHARS_PER_TOKEN else {}
         for i in range(n):
-            r = random.Random(f"{seed}|lm-eval-long-{task}|{length}|{i}")
+            r = sample_rng(seed, f"lm-eval-long-{task}", length, i)
             facts = FACTS[task](r, i, **fewer)
             prompt, answer = compose(facts, hay, length, lambda text: text, r, task)
             out.append({"context": prompt.rstrip(" "), "answer": answer, "length": length})
