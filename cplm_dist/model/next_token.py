@@ -45,6 +45,12 @@ def copy_mass(weights: torch.Tensor, src: torch.Tensor, cand: torch.Tensor, v_lo
     return owned, local, buffer.gather(1, local), buffer
 
 
+def lowest(hit: torch.Tensor, start: int) -> torch.Tensor:
+    """(B,) the lowest global id where hit (B, V/tp) holds, the long maximum where nowhere."""
+    ids = torch.arange(start, start + hit.shape[-1], device=hit.device)
+    return torch.where(hit, ids, torch.full_like(ids, torch.iinfo(torch.long).max)).amin(dim=-1)
+
+
 def greedy(logits: torch.Tensor, copy: CopyTerms | None, weights: torch.Tensor | None, src: torch.Tensor | None,
            cand: torch.Tensor | None, mix: str, tp_group=None, mark_copies: bool = False):
     """(the mixture's most likely id (B,), whether the copy head gave it most of its mass (B,) or
@@ -53,24 +59,26 @@ def greedy(logits: torch.Tensor, copy: CopyTerms | None, weights: torch.Tensor |
     z = logits.float()
     start, _ = vocab_parallel.vocab_range(z.shape[-1], tp_group)
     lse = vocab_parallel.vocab_parallel_lse(z, tp_group)  # (B,)
-    z_best, z_index = z.max(dim=-1)
+    big = torch.iinfo(torch.long).max
     if copy is None:
-        best, index = z_best - lse, z_index + start
+        lm = z - lse.unsqueeze(-1)  # the reference's log-probs, as `full_log_probs` rounds them
+        best = lm.max(dim=-1).values
+        index = lowest(lm == best.unsqueeze(-1), start)
     else:
         w = vocab_parallel.mix_weights(lse, CopyTerms(copy.copy_all.float(), None,
                                                       None if copy.gate is None else copy.gate.float()), mix)
         owned, local, mass, buffer = copy_mass(weights, src, cand, z.shape[-1], tp_group)
         copy_log_mass = w.copy.unsqueeze(-1) + (copy.copy_all.float().unsqueeze(-1) + torch.log(mass))
-        at_ids = torch.logaddexp(w.lm.unsqueeze(-1) + (z.gather(1, local) - lse.unsqueeze(-1)), copy_log_mass)
+        # the LM term of every id, rounded as the reference's (B, V) mixture rounds it: ids whose z differ
+        # may meet in one value (ties, the lowest id wins as in torch.argmax of the gathered row)
+        lm = w.lm.unsqueeze(-1) + (z - lse.unsqueeze(-1))  # (B, V/tp)
+        at_ids = torch.logaddexp(lm.gather(1, local), copy_log_mass)
         at_ids = torch.where(owned, at_ids, torch.full_like(at_ids, NEG_INF))  # (B, K)
-        lm_only = w.lm + (z_best - lse)
-        ids_best = at_ids.max(dim=-1).values
-        best = torch.maximum(lm_only, ids_best)
-        big = torch.iinfo(torch.long).max
+        best = torch.maximum(lm.max(dim=-1).values, at_ids.max(dim=-1).values)
         from_ids = torch.where(at_ids == best.unsqueeze(-1), local + start, torch.full_like(local, big)).amin(dim=-1)
-        index = torch.minimum(torch.where(lm_only == best, z_index + start, torch.full_like(z_index, big)), from_ids)
+        index = torch.minimum(lowest(lm == best.unsqueeze(-1), start), from_ids)
     top = _reduce(best.clone(), dist.ReduceOp.MAX, tp_group)
-    token = _reduce(torch.where(best == top, index, torch.full_like(index, torch.iinfo(torch.long).max)),
+    token = _reduce(torch.where(best == top, index, torch.full_like(index, big)),
                     dist.ReduceOp.MIN, tp_group)
     if copy is None or not mark_copies:
         return token, None

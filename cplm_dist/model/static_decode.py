@@ -18,8 +18,10 @@ prefill runs eager: it is a few large matmuls, which compilation does not speed 
 compiled prefill would be one more shape for every prompt length.
 
 Compilation is on where torch.compile can build kernels (cplm_dist.model.compiled) unless
-`compile=False` or CPLM_DECODE_COMPILE=0; a step that fails to compile warns once and the decoder
-goes on eager (`path` says which ran). Tensor parallelism: every rank runs the same step, the
+`compile=False` or CPLM_DECODE_COMPILE=0; a step that dynamo or inductor fails to compile warns
+once and the decoder goes on eager (`path` says which ran; any other error, an OOM among them,
+propagates). Dynamo's settings the step needs hold around its calls only. A model moved or cast
+after decoding gets a new cache and graphs on its next request; `release(model)` frees them. Tensor parallelism: every rank runs the same step, the
 collectives inside it (the row-parallel linears' all-reduces, LSE and the argmax's maxima).
 """
 
@@ -53,13 +55,28 @@ def compile_default(device: torch.device) -> bool:
 
 def decoder_for(model, compile: bool | None = None) -> "StaticDecoder":
     """The model's decoder (made once and kept on it, so its compiled steps are paid once), set to
-    compile or not (None: `compile_default`)."""
+    compile or not (None: `compile_default`), following the model's device and dtype."""
     decoder = model.__dict__.get("_static_decoder")
     if decoder is None:
         decoder = StaticDecoder(model)
         model.__dict__["_static_decoder"] = decoder  # not a submodule: no state-dict entries
+    decoder.follow()
     decoder.compile = compile_default(decoder.device) if compile is None else compile
     return decoder
+
+
+def release(model) -> None:
+    """Free the model's decode cache and compiled graphs (the next request builds them anew)."""
+    decoder = model.__dict__.pop("_static_decoder", None)
+    if decoder is not None:
+        decoder.release()
+
+
+def compiler_error(e: BaseException) -> bool:
+    """Whether `e` is dynamo's or inductor's failure to compile (not an OOM inside them)."""
+    if isinstance(e, torch.OutOfMemoryError) or isinstance(e.__cause__, torch.OutOfMemoryError):
+        return False
+    return isinstance(e, torch._dynamo.exc.TorchDynamoException) or type(e).__module__ == "torch._inductor.exc"
 
 
 class StaticDecoder:
@@ -68,14 +85,25 @@ class StaticDecoder:
             raise RuntimeError("a context- or sequence-parallel model trains only: load its checkpoint with "
                                "cplm_dist.checkpoint.load_model (built without them) to decode")
         self.model = model
-        param = next(model.parameters())
-        self.device, self.dtype = param.device, param.dtype
+        self.device = self.dtype = None
         self.compile = False
+        self.path: str | None = None  # what the last step ran: "compiled" or "eager"
+        self.release()
+        self.follow()
+
+    def release(self) -> None:
+        """Drop the cache and the compiled step (and what is known of its shapes)."""
         self.cache: StaticCache | None = None
         self.compiled = None  # torch.compile of `_decode`, made on the first compiled step
-        self.path: str | None = None  # what the last step ran: "compiled" or "eager"
         self.compile_seconds: dict[tuple, float] = {}  # per compiled shape: its first call's seconds
         self._failed = False
+
+    def follow(self) -> None:
+        """Take the model's device and dtype now; where either changed, the cache and graphs go."""
+        param = next(self.model.parameters())
+        if (param.device, param.dtype) != (self.device, self.dtype):
+            self.release()
+            self.device, self.dtype = param.device, param.dtype
 
     # --- the cache -------------------------------------------------------------------------------
 
@@ -116,8 +144,10 @@ class StaticDecoder:
         for t0 in range(0, P, chunk):
             t1 = min(P, t0 + chunk)
             slots = torch.arange(t0, t1, device=self.device)
-            # the layers' kernel's masks (SDPA's causal or dense, FlexAttention's block mask on CUDA)
-            masks = self.model.core_attention.masks(None if uniform else c.docs[:, :t1], t0, t1 - t0, self.device)
+            # causal: the kernel's own masks (flash on CUDA, none to build); padded or packed: SDPA's dense
+            # block-causal mask (FlexAttention's block mask would compile its kernel again for every prompt shape)
+            masks = (self.model.core_attention.masks(None, t0, t1 - t0, self.device) if uniform
+                     else Masks(dense=self._visible(slots, t1, shift=0).unsqueeze(1)))
             h, q = self._forward(c.ids[:, t0:t1], slots, t1, masks)
         c.length = P
         last = torch.full((1,), P - 1, dtype=torch.long, device=self.device)
@@ -130,7 +160,9 @@ class StaticDecoder:
         """Feed `token` (B,) at the next slot: (next token (B,), copied (B,) or None) when greedy,
         else (log p (B, V), the copy part or None), the same on every tp rank."""
         c = self.cache
-        if c is None or c.length >= c.slots:
+        if c is None or c.length < 1:
+            raise RuntimeError("decode step with no cached position: prefill a prompt first")
+        if c.length >= c.slots:
             raise RuntimeError("decode step past the cache: prefill first, with room for the new tokens")
         c.step_slot.fill_(c.length)
         c.cursor.slots, c.cursor.keys = c.step_slot, None
@@ -145,18 +177,17 @@ class StaticDecoder:
             return self._decode(token, c.step_slot, greedy_mode, mark_copies)
         if self.compiled is None:
             mode = "reduce-overhead" if self.device.type == "cuda" else None
-            # megatron-core's row-parallel linear warns (a deprecation) on every call: ignored in the graph, not a break in it
-            torch._dynamo.config.ignore_logging_functions.add(warnings.warn)
-            # one graph per (batch, bucket, greedy, marks): an evaluation meets more than dynamo's default 8,
-            # past which it would run the step eager without a word
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
             self.compiled = torch.compile(self._decode, dynamic=False, mode=mode, fullgraph=True)
         key = (c.batch, c.slots, greedy_mode, mark_copies)
         start = time.perf_counter()
         try:
-            out = self.compiled(token, c.step_slot, greedy_mode, mark_copies)
-        except Exception as e:  # noqa: BLE001 - any compiler failure: warn once, decode eager
-            log.warning("the compiled decode step failed (%s: %s): decoding eager", type(e).__name__, str(e).splitlines()[0][:200])
+            with _dynamo_settings():
+                out = self.compiled(token, c.step_slot, greedy_mode, mark_copies)
+        except Exception as e:
+            if not compiler_error(e):
+                raise
+            log.warning("the compiled decode step failed (%s: %s): decoding eager", type(e).__name__,
+                        (str(e).splitlines() or [""])[0][:200])
             self._failed = True
             return self._run(token, greedy_mode, mark_copies)
         if key not in self.compile_seconds:
@@ -218,3 +249,13 @@ class StaticDecoder:
         if greedy_mode:
             return greedy(logits, copy, weights, src, cand, m.copy_cfg.mix, m.tp_group, mark_copies)
         return full_log_probs(logits, copy, weights, src, m.copy_cfg.mix, m.vocab_size, m.tp_group, mark_copies)
+
+
+def _dynamo_settings():
+    """What the compiled step needs of dynamo, for its calls only: megatron-core's row-parallel
+    linear warns (a deprecation) on every call, ignored in the graph rather than a break in it;
+    one graph per (batch, bucket, greedy, marks), and an evaluation meets more than dynamo's
+    default 8, past which it would run the step eager without a word."""
+    config = torch._dynamo.config
+    return config.patch(ignore_logging_functions=config.ignore_logging_functions | {warnings.warn},
+                        recompile_limit=max(config.recompile_limit, RECOMPILE_LIMIT))
