@@ -9,19 +9,19 @@ import torch
 
 from cplm_dist.config import load_config
 from cplm_dist.model.loss import CopyTerms
-from cplm_dist.model.next_token import full_log_probs, greedy
+from cplm_dist.model.next_token import CopyOver, full_log_probs, greedy
 from tests.spawn import run_ranks
 
 
 def test_greedy_breaks_exact_ties_as_the_reference_argmax():
     # a gate giving the LM almost no weight: w.lm + (z - lse) rounds ids 0 and 1 (z 0 and 1e-3) to one value
-    z = torch.tensor([[0.0, 1e-3, -5.0, -6.0, -7.0, -8.0]])
-    copy = CopyTerms(torch.tensor([0.5]), None, torch.tensor([-1e6]))
-    weights, src = torch.tensor([[1.0, 0.0]]), torch.tensor([[4, -1]])
-    cand = torch.tensor([[False, False]])  # nothing pasted: the LM term alone, everywhere
-    reference = full_log_probs(z, copy, weights * cand, src, "gate", 6)[0]
+    z = torch.tensor([[[0.0, 1e-3, -5.0, -6.0, -7.0, -8.0]]])
+    terms = CopyTerms(torch.tensor([[0.5]]), None, torch.tensor([[-1e6]]))
+    cand = torch.tensor([[[False, False]]])  # nothing pasted: the LM term alone, everywhere
+    copy = CopyOver(terms, torch.tensor([[[1.0, 0.0]]]) * cand, torch.tensor([[4, -1]]), cand)
+    reference = full_log_probs(z, copy, "gate", 6)[0][:, 0]
     assert reference[0, 0] == reference[0, 1], "the constructed tie"
-    token, _ = greedy(z, copy, weights, src, cand, "gate")
+    token, _ = greedy(z, copy, "gate")
     assert int(token) == int(reference.argmax(-1)) == 0
 
 

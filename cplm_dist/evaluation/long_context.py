@@ -231,7 +231,7 @@ def chunked_score(model, ids: torch.Tensor, targets: torch.Tensor, chunk: int = 
         safe = targets.clamp(min=0)
         logp = lp.gather(-1, safe[..., None]).squeeze(-1)
         return logp.masked_fill(targets < 0, 0.0), (lp.argmax(-1) == safe) & (targets >= 0)
-    state = model.new_decode_state()
+    state = model.new_decode_state(*ids.shape)
     parts = [model.score(ids[:, t:t + chunk], targets[:, t:t + chunk], state) for t in range(0, ids.shape[1], chunk)]
     return torch.cat([p[0] for p in parts], dim=1), torch.cat([p[1] for p in parts], dim=1)
 

@@ -21,8 +21,13 @@ Compilation is on where torch.compile can build kernels (cplm_dist.model.compile
 `compile=False` or CPLM_DECODE_COMPILE=0; a step that dynamo or inductor fails to compile warns
 once and the decoder goes on eager (`path` says which ran; any other error, an OOM among them,
 propagates). Dynamo's settings the step needs hold around its calls only. A model moved or cast
-after decoding gets a new cache and graphs on its next request; `release(model)` frees them. Tensor parallelism: every rank runs the same step, the
-collectives inside it (the row-parallel linears' all-reduces, LSE and the argmax's maxima).
+after decoding gets a new cache and graphs on its next request; `release(model)` frees them.
+Tensor parallelism: every rank runs the same step, the collectives inside it (the row-parallel
+linears' all-reduces, LSE and the argmax's maxima).
+
+The prefill and the step run the model's own trunk and head over the cache (CPLM.over_cache,
+CPLM.head_over), as scoring does; this module adds the left padding, the step's static shapes
+and its compilation.
 """
 
 from __future__ import annotations
@@ -35,11 +40,11 @@ import warnings
 import torch
 
 from cplm_dist.model.compiled import unavailable_reason
+from cplm_dist.model.copy_lse import candidate_mask
 from cplm_dist.model.core_attention import Masks
 from cplm_dist.model.documents import check_positions, document_index
 from cplm_dist.model.next_token import full_log_probs, greedy
-from cplm_dist.model.rotary import layer_rope
-from cplm_dist.model.static_cache import PAD_DOC, StaticCache, bucket
+from cplm_dist.model.static_cache import StaticCache, bucket
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +115,7 @@ class StaticDecoder:
     def _allocate(self, batch: int, slots: int) -> StaticCache:
         if self.cache is None or not self.cache.fits(batch, slots):
             self.cache = None  # the old buffers go before the new ones come
-            self.cache = StaticCache.allocate(self.model, batch, slots, self.device, self.dtype)
+            self.cache = self.model.new_decode_state(batch, slots)
         self.cache.reset()
         return self.cache
 
@@ -140,15 +145,13 @@ class StaticDecoder:
         chunk = chunk or P
         if chunk < 1:
             raise ValueError(f"prefill chunk must be >= 1, got {chunk}")
-        uniform = position_ids is None and min(lengths) == P  # causal: the kernel's own (flash) path, no mask
+        # causal: the kernel's own masks (flash on CUDA); padded or packed: SDPA's dense block-causal mask
+        c.causal = position_ids is None and min(lengths) == P
+        m = self.model
         for t0 in range(0, P, chunk):
             t1 = min(P, t0 + chunk)
             slots = torch.arange(t0, t1, device=self.device)
-            # causal: the kernel's own masks (flash on CUDA, none to build); padded or packed: SDPA's dense
-            # block-causal mask (FlexAttention's block mask would compile its kernel again for every prompt shape)
-            masks = (self.model.core_attention.masks(None, t0, t1 - t0, self.device) if uniform
-                     else Masks(dense=self._visible(slots, t1, shift=0).unsqueeze(1)))
-            h, q = self._forward(c.ids[:, t0:t1], slots, t1, masks)
+            h, q = m.over_cache(c.ids[:, t0:t1], c, slots, t1, m.cache_masks(c, t0, t1))
         c.length = P
         last = torch.full((1,), P - 1, dtype=torch.long, device=self.device)
         return self._head(h[:, -1:], None if q is None else q[:, :, -1:], last, P, greedy_mode, mark_copies)
@@ -197,59 +200,25 @@ class StaticDecoder:
 
     def _decode(self, token: torch.Tensor, slot: torch.Tensor, greedy_mode: bool, mark_copies: bool):
         """The compiled region: `token` (B,) at slot `slot` (1,) through the whole model and head."""
-        c = self.cache
+        c, m = self.cache, self.model
         previous = slot - 1
         c.ids[:, slot] = token[:, None]
         c.positions[:, slot] = c.positions[:, previous] + 1
         c.docs[:, slot] = c.docs[:, previous]
-        masks = Masks(dense=self._visible(slot, None, shift=0).unsqueeze(1))  # (B, 1, 1, S)
-        h, q = self._forward(token[:, None], slot, None, masks)
+        masks = Masks(dense=candidate_mask(slot, c.slots, 0, c.docs).unsqueeze(1))  # (B, 1, 1, S)
+        h, q = m.over_cache(token[:, None], c, slot, None, masks)
         return self._head(h, q, slot, None, greedy_mode, mark_copies)
-
-    # --- the model over the cache --------------------------------------------------------------------
-
-    def _forward(self, ids: torch.Tensor, slots: torch.Tensor, keys: int | None, masks):
-        """ids (B, T) at `slots` (T,) through the trunk, attending to the first `keys` slots (None:
-        all) under `masks`: (final states h (B, T, D), the copy head's queries (B, H_c, T, d_c) or
-        None); the keys and values, and the copy keys, written at `slots`."""
-        m, c = self.model, self.cache
-        c.cursor.slots, c.cursor.keys = slots, keys
-        positions = c.positions[:, slots]
-        cos, sin = layer_rope(m.model_cfg, ids.shape[1], 0, device=ids.device, position_ids=positions)
-        x = m.parts.embed(ids, 0, positions)
-        for layer, kv in zip(m.layers, c.layers):
-            x = layer(x, cos, sin, masks, kv)
-        h = m.final_norm(x)
-        if m.copy_head is None:
-            return h, None
-        q, k = m.copy_head.project(h, 0, positions=positions)
-        c.copy_k[:, :, slots] = k
-        return h, q
-
-    def _visible(self, slots: torch.Tensor, keys: int | None, shift: int) -> torch.Tensor:
-        """(B, T, K): slot j is at or before slot i + shift and of its document (padding: its own)."""
-        c = self.cache
-        K = c.slots if keys is None else keys
-        j = torch.arange(K, device=slots.device)
-        docs = c.docs[:, :K]
-        return (j[None, None, :] <= slots[None, :, None] + shift) & (docs[:, None, :] == c.docs[:, slots][:, :, None])
 
     def _head(self, h: torch.Tensor, q: torch.Tensor | None, slot: torch.Tensor, keys: int | None,
               greedy_mode: bool, mark_copies: bool):
-        """The next token's head output for the last states h (B, 1, D) and queries q at `slot`."""
-        m, c = self.model, self.cache
-        logits = m.lm_logits(h, m.tied)[:, 0]  # (B, V/tp)
-        copy = weights = src = cand = None
-        if m.copy_head is not None:
-            K = c.slots if keys is None else keys
-            cand = self._visible(slot, keys, shift=m.copy_head.shift) & (c.docs[:, None, :K] != PAD_DOC)
-            weights, src, copy = m.copy_head.weights_for(q, c.copy_k[:, :, :K], c.ids[:, :K], 0, h, cand=cand)
-            weights, cand = weights[:, 0], cand[:, 0]
-            copy = type(copy)(*(None if t is None else t[:, 0] for t in copy))
+        """The next token's head output for the last states h (B, 1, D) and queries q at `slot`,
+        over the first `keys` slots (None: all)."""
+        m = self.model
+        logits, copy = m.head_over(h, q, self.cache, slot, keys)
         if greedy_mode:
-            return greedy(logits, copy, weights, src, cand, m.copy_cfg.mix, m.tp_group, mark_copies)
-        return full_log_probs(logits, copy, weights, src, m.copy_cfg.mix, m.vocab_size, m.tp_group, mark_copies)
-
+            return greedy(logits, copy, m.copy_cfg.mix, m.tp_group, mark_copies)
+        out = full_log_probs(logits, copy, m.copy_cfg.mix, m.vocab_size, m.tp_group, mark_copies)
+        return tuple(None if t is None else t[:, 0] for t in out)
 
 def _dynamo_settings():
     """What the compiled step needs of dynamo, for its calls only: megatron-core's row-parallel
