@@ -189,10 +189,12 @@ class CPLM(torch.nn.Module):
                    masks: Masks) -> tuple[torch.Tensor, torch.Tensor | None]:
         """input_ids (B, T) at `slots` (T,) of `cache` through the trunk, attending to its first
         `keys` slots (None: all) under `masks`: (final states h (B, T, D), the copy head's queries
-        (B, H_c, T, d_c) or None); the keys and values, and the copy keys, written at `slots`."""
+        (B, H_c, T, d_c) or None); the ids, the keys and values, and the copy keys written at `slots`
+        (their positions and documents are the cache's already: StaticCache.reserve)."""
         cache.cursor.slots, cache.cursor.keys = slots, keys
         positions = cache.positions[:, slots]
         h = self.trunk(input_ids, positions, masks, cache)
+        cache.ids[:, slots] = input_ids
         if self.copy_head is None:
             return h, None
         q, k = self.copy_head.project(h, 0, positions=positions)
@@ -219,7 +221,7 @@ class CPLM(torch.nn.Module):
         state = state if state is not None else self.new_decode_state(*input_ids.shape)
         t0 = state.length
         self._check_length(input_ids.shape[1], t0 + input_ids.shape[1])
-        slots = state.append(input_ids, position_ids)
+        slots = state.reserve(input_ids, position_ids)
         h, q = self.over_cache(input_ids, state, slots, state.length, self.cache_masks(state, t0, state.length))
         return state, slots, h, q
 

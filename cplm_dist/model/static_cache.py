@@ -8,7 +8,7 @@ so one decode step has static shapes and compiles once: cplm_dist.model.static_d
     cache.ids               (B, S)               the id at each slot
     cache.positions         (B, S)               its position (RoPE, learned positions)
     cache.docs              (B, S)               its document index; PAD_DOC on a row's padding
-    slots = cache.append(ids, position_ids)      # a chunk's ids, positions and documents, after what it holds
+    slots = cache.reserve(ids, position_ids)     # a chunk's positions and documents, after what it holds
 
 Slots are the cache's columns, positions what the model reads. Batches of unequal prompts are
 LEFT-padded: row b's prompt of L_b tokens fills slots P - L_b .. P - 1 (P the longest), so every
@@ -105,23 +105,24 @@ class StaticCache:
         self.docs.fill_(PAD_DOC)
         self.length, self.causal = 0, True
 
-    def append(self, ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Write ids (B, T) at the next T slots, with their positions (given: document masking's,
-        which may start new documents; None: continuing the last document, from 0 when empty)
-        and document indices: the slots written (T,)."""
+    def reserve(self, ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The next T slots for ids (B, T): their positions (given: document masking's, which may
+        start new documents; None: continuing the last document, from 0 when empty) and document
+        indices written, the slots (T,) returned; the ids themselves are written by the forward
+        that runs them (CPLM.over_cache)."""
         T, t0 = ids.shape[1], self.length
         if t0 + T > self.slots:
             raise ValueError(f"{t0 + T} positions do not fit a decode state of {self.slots}")
+        device = self.ids.device
         if position_ids is not None:
             check_positions(position_ids, ids, full_row=False)
             self.causal = False
         elif t0 == 0:
-            position_ids = torch.arange(T, device=ids.device).expand(ids.shape[0], T)
+            position_ids = torch.arange(T, device=device).expand(ids.shape[0], T)
         else:
             position_ids = continued_positions(self.positions[:, t0 - 1:t0], T)
-        slots = torch.arange(t0, t0 + T, device=self.ids.device)
-        self.ids[:, slots] = ids.to(self.ids.device)
-        self.positions[:, slots] = position_ids.to(self.ids.device)
+        slots = torch.arange(t0, t0 + T, device=device)
+        self.positions[:, slots] = position_ids
         self.docs[:, slots] = document_index(self.positions[:, slots], self.docs[:, :t0])
         self.length = t0 + T
         return slots

@@ -135,11 +135,12 @@ class StaticDecoder:
             raise ValueError(f"sequence length {max(lengths) + new_tokens} exceeds model.max_seq_len={limit}")
         P = max(lengths)
         c = self._allocate(len(rows), bucket(P + new_tokens, limit + P - min(lengths)))
+        ids = torch.zeros(len(rows), P, dtype=torch.long, device=self.device)  # left-padded; the forwards write them
         for b, (row, n) in enumerate(zip(rows, lengths)):
             pos = torch.arange(n, device=self.device) if position_ids is None else position_ids[b].to(self.device)
             if position_ids is not None:
                 check_positions(pos[None], row[None], full_row=False)
-            c.ids[b, P - n:P] = row.to(self.device)
+            ids[b, P - n:P] = row.to(self.device)
             c.positions[b, P - n:P] = pos
             c.docs[b, P - n:P] = document_index(pos[None])[0]
         chunk = chunk or P
@@ -151,7 +152,7 @@ class StaticDecoder:
         for t0 in range(0, P, chunk):
             t1 = min(P, t0 + chunk)
             slots = torch.arange(t0, t1, device=self.device)
-            h, q = m.over_cache(c.ids[:, t0:t1], c, slots, t1, m.cache_masks(c, t0, t1))
+            h, q = m.over_cache(ids[:, t0:t1], c, slots, t1, m.cache_masks(c, t0, t1))
         c.length = P
         last = torch.full((1,), P - 1, dtype=torch.long, device=self.device)
         return self._head(h[:, -1:], None if q is None else q[:, :, -1:], last, P, greedy_mode, mark_copies)
@@ -202,7 +203,6 @@ class StaticDecoder:
         """The compiled region: `token` (B,) at slot `slot` (1,) through the whole model and head."""
         c, m = self.cache, self.model
         previous = slot - 1
-        c.ids[:, slot] = token[:, None]
         c.positions[:, slot] = c.positions[:, previous] + 1
         c.docs[:, slot] = c.docs[:, previous]
         masks = Masks(dense=candidate_mask(slot, c.slots, 0, c.docs).unsqueeze(1))  # (B, 1, 1, S)
