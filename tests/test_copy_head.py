@@ -333,7 +333,7 @@ def test_flex_block_masks_cover_every_candidate_and_evaluate_the_match_everywher
         assert match.full_kv_num_blocks is None
         assert torch.equal(match.to_dense(), full.to_dense())
         bq, bk = full.BLOCK_SIZE
-        cand = candidate_mask(Tq, Tk, limit, 0, "cpu")  # [t, j] = j <= t + limit
+        cand = candidate_mask(torch.arange(Tq), Tk, limit)  # [t, j] = j <= t + limit
         padded = torch.zeros(-(-Tq // bq) * bq, -(-Tk // bk) * bk, dtype=torch.bool)
         padded[:Tq, :Tk] = cand
         holds = padded.unflatten(0, (-1, bq)).unflatten(2, (-1, bk)).any(dim=3).any(dim=1)  # (q blocks, kv blocks)

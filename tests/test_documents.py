@@ -79,11 +79,11 @@ def _decoding(model, ids, positions, docs):
     alone = torch.cat([model.next_token_logprobs(torch.stack([docs[0][i], docs[1][i]])) for i in range(3)], 1)
     targets = ids.roll(-1, 1)
     score = model.score(ids, targets, position_ids=positions, rows=5)[0]
-    state, chunks = model.new_decode_state(), []
+    state, chunks = model.new_decode_state(ids.shape[0], ids.shape[1] + 3), []
     for a, b in ((0, 5), (5, 13), (13, 24)):
-        chunks.append(model.decode(ids[:, a:b], state, position_ids=positions[:, a:b])[0])
+        chunks.append(model.next_token_logprobs(ids[:, a:b], positions[:, a:b], state))
     more = torch.randint(3, 100, (2, 3), generator=torch.Generator().manual_seed(1))
-    continued = model.decode(more, state)[0]
+    continued = model.next_token_logprobs(more, state=state)
     last = torch.stack([docs[0][2], docs[1][2]])
     return {"logprobs": (lp, alone), "score": (score, lp.gather(-1, targets[..., None]).squeeze(-1)),
             "chunks": (torch.cat(chunks, 1), lp),
@@ -122,8 +122,8 @@ def _refusals(model, ids, positions) -> list[str]:
             messages.append("accepted")
         except UsageError as e:
             messages.append(str(e))
-    state = model.new_decode_state()  # decoding (a later chunk) may start anywhere
-    model.eval().decode(ids[:, :4], state, position_ids=positions[:, :4] + 7)
+    state = model.new_decode_state(ids.shape[0], 4)  # decoding (a later chunk) may start anywhere
+    model.eval().next_token_logprobs(ids[:, :4], positions[:, :4] + 7, state)
     model.train()
     return messages
 

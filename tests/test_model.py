@@ -86,7 +86,7 @@ def _model_worker(tp):
         # block (rows=7 over 2 sequences); the argmax as targets must all be greedy; a continuation
         # after a prefix's state
         argmax = logprobs[:, :-1].argmax(-1)
-        prefix = model.new_decode_state()
+        prefix = model.new_decode_state(*ids.shape)
         first = model.score(ids[:, :10], ids[:, 1:11], prefix, rows=7)
         rest = model.score(ids[:, 10:-1], ids[:, 11:], prefix, rows=7)
         results[name].update({

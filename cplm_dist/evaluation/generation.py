@@ -12,10 +12,11 @@ whole prefix each step).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
+
+from cplm_dist.model.next_token import copied_mostly
 
 
 @dataclass
@@ -78,7 +79,7 @@ def generate(model, prompt, max_new_tokens: int, *, temperature: float = 0.0, to
     gen = generator if generator is not None else torch.Generator().manual_seed(seed)
     rows = prompt_rows(prompt)
     device = device_of(model)
-    if not hasattr(model, "decode"):
+    if not hasattr(model, "new_decode_state"):
         return _generate_uncached(model, rows, max_new_tokens, temperature, top_k, top_p, eos_id, gen)
     from cplm_dist.model.static_decode import decoder_for
 
@@ -94,10 +95,9 @@ def generate(model, prompt, max_new_tokens: int, *, temperature: float = 0.0, to
         else:
             logprobs, copy_part = out
             nxt = choose(logprobs, temperature, top_k, top_p, gen)
-            mark = None if copy_part is None else copied_mostly(copy_part, logprobs, nxt)
-        if eos_id is not None:
-            nxt = torch.where(done, torch.full_like(nxt, eos_id), nxt)
-            done |= nxt == eos_id
+            at = lambda t: t.gather(-1, nxt[:, None]).squeeze(-1)  # noqa: E731
+            mark = None if copy_part is None else copied_mostly(at(copy_part), at(logprobs))
+        nxt = end_of_document(nxt, done, eos_id)
         tokens.append(nxt)
         if mark_copies and mark is not None:
             copied.append(mark)
@@ -107,10 +107,14 @@ def generate(model, prompt, max_new_tokens: int, *, temperature: float = 0.0, to
     return Generation(torch.stack(tokens, dim=1), torch.stack(copied, dim=1) if copied else None)
 
 
-def copied_mostly(copy_part: torch.Tensor, logprobs: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
-    """(B,) whether the copy component holds more than half of the chosen ids' probability."""
-    at = lambda t: t.gather(-1, chosen[:, None]).squeeze(-1)  # noqa: E731
-    return at(copy_part) - at(logprobs) > math.log(0.5)
+def end_of_document(nxt: torch.Tensor, done: torch.Tensor, eos_id: int | None) -> torch.Tensor:
+    """The next tokens (B,) after an end-of-document: a row that ended goes on with it; `done`
+    (B,) marks the rows that have ended (updated in place)."""
+    if eos_id is None:
+        return nxt
+    nxt = torch.where(done, torch.full_like(nxt, eos_id), nxt)
+    done |= nxt == eos_id
+    return nxt
 
 
 def _generate_uncached(model, rows: list[torch.Tensor], max_new_tokens: int, temperature: float, top_k: int,
@@ -123,10 +127,7 @@ def _generate_uncached(model, rows: list[torch.Tensor], max_new_tokens: int, tem
     tokens = []
     done = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
     for _ in range(max_new_tokens):
-        nxt = choose(model.next_token_logprobs(ids)[:, -1], temperature, top_k, top_p, gen)
-        if eos_id is not None:
-            nxt = torch.where(done, torch.full_like(nxt, eos_id), nxt)
-            done |= nxt == eos_id
+        nxt = end_of_document(choose(model.next_token_logprobs(ids)[:, -1], temperature, top_k, top_p, gen), done, eos_id)
         tokens.append(nxt)
         ids = torch.cat([ids, nxt[:, None]], dim=1)
         if eos_id is not None and bool(done.all()):

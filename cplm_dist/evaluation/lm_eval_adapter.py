@@ -126,14 +126,10 @@ class HarnessAdapter:
         total[0] += float(logp.sum())
         total[1] = total[1] and bool(greedy.all())
 
-    def _add(self, total: list, logprobs: torch.Tensor, targets: list[int]) -> None:
-        """`_add_scored` from a gathered distribution logprobs (n, V) and its targets."""
-        t = torch.tensor(targets, dtype=torch.long, device=self.device)
-        self._add_scored(total, logprobs.gather(-1, t[:, None]).squeeze(-1), logprobs.argmax(-1) == t)
-
     def _score_shared(self, groups: list[tuple[list[int], list[tuple[int, list[int]]]]], totals: list[list], bar) -> None:
-        """Questions whose options share a context: each context runs once (questions of equal
-        context length together), then every option continues its question's KV cache."""
+        """Questions whose options share a context: each context but its last token runs once
+        (questions of equal context length together) into a decode state, then every option,
+        that last token and the option, continues its question's state."""
         by_length = defaultdict(list)
         for g in groups:
             by_length[len(g[0])].append(g)
@@ -141,20 +137,19 @@ class HarnessAdapter:
             bucket = by_length[length]
             for b in range(0, len(bucket), self.batch_size):
                 chunk = bucket[b:b + self.batch_size]
-                state = self.model.new_decode_state()
-                first = self.model.decode(self._tensor([ctx for ctx, _ in chunk]), state, last_only=True)[0][:, -1]  # (G, V)
-                options = [(g, req, cont) for g, (_, opts) in enumerate(chunk) for req, cont in opts]
+                longest = max(max(len(cont), 1) for _, opts in chunk for _, cont in opts)
+                state = self.model.new_decode_state(len(chunk), length - 1 + longest)
+                if length > 1:
+                    self.model.feed(self._tensor([ctx[:-1] for ctx, _ in chunk]), state)
+                options = [(g, req, chunk[g][0][-1:] + cont[:-1], cont) for g, (_, opts) in enumerate(chunk) for req, cont in opts]
                 for o in range(0, len(options), self.batch_size):
                     part = options[o:o + self.batch_size]
-                    for g, req, cont in part:
-                        self._add(totals[req], first[g:g + 1], cont[:1])
-                    longer = [(g, req, cont) for g, req, cont in part if len(cont) > 1]
-                    if longer:
-                        rows = torch.tensor([g for g, _, _ in longer], dtype=torch.long, device=self.device)
-                        logp, greedy = self.model.score(self._tensor([cont[:-1] for _, _, cont in longer]),
-                                                        self._targets([cont[1:] for _, _, cont in longer]), state.select(rows))
-                        for row, (_, req, cont) in enumerate(longer):
-                            self._add_scored(totals[req], logp[row, : len(cont) - 1], greedy[row, : len(cont) - 1])
+                    rows = torch.tensor([g for g, _, _, _ in part], dtype=torch.long, device=self.device)
+                    targets = self._targets([cont + [IGNORE_INDEX] * (len(inputs) - len(cont)) for _, _, inputs, cont in part])
+                    logp, greedy = self.model.score(self._tensor([inputs for _, _, inputs, _ in part]), targets,
+                                                    state.select(rows))
+                    for row, (_, req, _, cont) in enumerate(part):
+                        self._add_scored(totals[req], logp[row, : len(cont)], greedy[row, : len(cont)])
                     bar.update(len(part))
 
     # --- the harness's request types -------------------------------------------------------------

@@ -138,7 +138,7 @@ def chunked_score(model, ids: torch.Tensor, targets: torch.Tensor, chunk: int = 
     from its full (B, T, V) distribution."""
     if not hasattr(model, "score"):
         return whole_score(model, ids, targets)
-    state = model.new_decode_state()
+    state = model.new_decode_state(*ids.shape)
     parts = [model.score(ids[:, t:t + chunk], targets[:, t:t + chunk], state) for t in range(0, ids.shape[1], chunk)]
     return torch.cat([p[0] for p in parts], dim=1), torch.cat([p[1] for p in parts], dim=1)
 

@@ -18,8 +18,6 @@ sequence-parallel linears), so attention itself sees every position of its local
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from cplm_dist.config import ModelConfig
@@ -30,26 +28,7 @@ from cplm_dist.model.norm import make_qk_norms
 from cplm_dist.model.parallel.sequence import sum_grad_over
 from cplm_dist.model.parallel.sharding import mark_split
 from cplm_dist.model.positions import apply_rope
-
-
-@dataclass
-class KVCache:
-    """One layer's keys and values of the positions decoded so far, (B, nkv, P, hd) each (None
-    before the first): extended in place, for decoding one step at a time."""
-
-    k: torch.Tensor | None = None
-    v: torch.Tensor | None = None
-
-    def extend(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The keys and values of every position so far, these (B, nkv, T, hd) appended."""
-        if self.k is not None:
-            k, v = torch.cat([self.k, k], dim=2), torch.cat([self.v, v], dim=2)  # (B, nkv, P + T, hd)
-        self.k, self.v = k, v
-        return k, v
-
-    def select(self, rows: torch.Tensor) -> "KVCache":
-        """The cache whose row i is this one's row rows[i]."""
-        return KVCache(*(None if t is None else t.index_select(0, rows) for t in (self.k, self.v)))
+from cplm_dist.model.static_cache import StaticKV
 
 
 class Attention(torch.nn.Module):
@@ -79,11 +58,12 @@ class Attention(torch.nn.Module):
             mark_split(self.qkv.bias, dim=0)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, masks,
-                cache: KVCache | None = None) -> torch.Tensor:
+                cache: StaticKV | None = None) -> torch.Tensor:
         """x (B, T, D), or (T/tp, B, D) under sequence parallelism; cos/sin for all T positions
         (None: learned positions); `masks` what `self.core.masks` built for this forward (causal,
-        document masking's block-causal mask, a cp rank's chunks); `cache` (decoding) holds the
-        keys and values of earlier positions and is extended in place."""
+        document masking's block-causal mask, a cp rank's chunks); `cache` (decoding: a layer's
+        StaticKV, cplm_dist.model.static_cache) holds the keys and values of earlier positions
+        and writes these at its cursor's slots."""
         qkv, _ = self.qkv(x)  # (B, T, kv_heads * (group + 2) * hd); sequence parallel: (T, B, ..) gathered
         if self.sequence_parallel:
             qkv = qkv.transpose(0, 1)  # a view, (B, T, ..)

@@ -17,10 +17,11 @@ from __future__ import annotations
 import torch
 import torch.utils.checkpoint
 
-from cplm_dist.model.attention import Attention, KVCache
+from cplm_dist.model.attention import Attention
 from cplm_dist.model.mlp import make_mlp
 from cplm_dist.model.norm import make_norm
 from cplm_dist.model.parts import PartSpec
+from cplm_dist.model.static_cache import StaticKV
 
 
 class TransformerLayer(torch.nn.Module):
@@ -36,12 +37,12 @@ class TransformerLayer(torch.nn.Module):
         self.compiled = None  # torch.compile'd `block`, run in training and evaluation without a cache (recompute_compile)
 
     def block(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, masks,
-              cache: KVCache | None = None) -> torch.Tensor:
+              cache: StaticKV | None = None) -> torch.Tensor:
         x = x + self.attention(self.attn_norm(x), cos, sin, masks, cache)
         return x + self.mlp(self.mlp_norm(x))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, masks,
-                cache: KVCache | None = None) -> torch.Tensor:
+                cache: StaticKV | None = None) -> torch.Tensor:
         """x (B, T, D) or sequence parallel (T/tp, B, D); cos/sin for all T positions (None:
         learned positions); `masks` what the layers' core attention built for this forward
         (`self.attention.core.masks`: causal, block-causal under document masking, a cp rank's

@@ -55,7 +55,7 @@ from cplm_dist.config import CopyConfig, ModelConfig
 from cplm_dist.errors import ConfigError
 from cplm_dist.model.compiled import unavailable_reason
 from cplm_dist.model.copy_lse import (FLEX_BLOCK, candidate_mask, chunked_copy_lse, dense_copy_lse, flex_copy_lse,
-                                      masked_logsumexp, per_head)
+                                      masked_logsumexp, per_head, query_positions)
 from cplm_dist.model.loss import NEG_INF, CopyTerms
 from cplm_dist.model.mixes import MIXES
 from cplm_dist.model.parallel.sequence import ReplicatedLinear, active, gather_sequence, sum_grad_over
@@ -286,19 +286,15 @@ class CopyHead(torch.nn.Module):
         """(weights (B, T, T) over context positions, rows summing to 1 or 0 when empty,
         src_ids (B, T), CopyTerms without copy_match)."""
         q, k = self.project(h)
-        return self.weights_for(q, k, input_ids, 0, h)
+        T = h.shape[1]
+        return self.weights_for(q, k, input_ids, h, candidate_mask(query_positions(0, T, h.device), T, self.shift))
 
     @torch.no_grad()
-    def weights_for(self, q: torch.Tensor, k: torch.Tensor, ids: torch.Tensor, offset: int, h: torch.Tensor,
-                    docs: torch.Tensor | None = None, cand: torch.Tensor | None = None):
-        """The copy distribution of queries q (B, H, Tq, d) at positions offset.. over keys k
-        (B, H, Tk, d) of the positions 0..Tk-1 whose ids are `ids` (B, Tk) and, under document
-        masking, whose document indices are `docs` (B, Tk); h (B, Tq, D) for the gate. `cand`
-        (B, Tq, Tk): the candidates themselves (a static cache's slots), instead of offset and docs."""
-        Tq, Tk = q.shape[2], k.shape[2]
+    def weights_for(self, q: torch.Tensor, k: torch.Tensor, ids: torch.Tensor, h: torch.Tensor, cand: torch.Tensor):
+        """The copy distribution of queries q (B, H, Tq, d) over keys k (B, H, Tk, d) whose ids are
+        `ids` (B, Tk), among the candidates `cand` ((Tq, Tk) or (B, Tq, Tk):
+        cplm_dist.model.copy_lse.candidate_mask); h (B, Tq, D) for the gate."""
         scores = q @ k.transpose(-1, -2) / math.sqrt(self.head_dim)  # (B, H, Tq, Tk)
-        if cand is None:
-            cand = candidate_mask(Tq, Tk, offset, self.shift, q.device, docs)
         scores = scores.masked_fill(~per_head(cand), NEG_INF)
         a_heads = masked_logsumexp(scores, None, dim=-1)  # (B, H, Tq)
         copy_all = self._copy_all(a_heads)

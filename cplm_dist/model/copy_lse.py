@@ -61,13 +61,23 @@ def masked_logsumexp(x: torch.Tensor, mask: torch.Tensor | None, dim: int) -> to
     return out.squeeze(dim)
 
 
-def candidate_mask(rows: int, keys: int, offset: int, shift: int, device, docs: torch.Tensor | None = None) -> torch.Tensor:
-    """(rows, keys) bool, [i, j] = j in C_t for the query at position t = offset + i; with the
-    document index `docs` (B, >= keys) of document masking, (B, rows, keys) and j in t's document."""
-    cand = torch.ones(rows, keys, dtype=torch.bool, device=device).tril(diagonal=offset + shift)
+def candidate_mask(queries: torch.Tensor, keys: int, shift: int, docs: torch.Tensor | None = None) -> torch.Tensor:
+    """The one visibility rule: (Tq, keys) bool, [i, j] = key j is at or before queries[i] + shift
+    (queries (Tq,): the query positions, a tensor so a compiled decode step takes a new one
+    without recompiling); with the document index `docs` (B, >= keys, covering the queries) of
+    document masking or a static cache's slots, (B, Tq, keys) and j in the query's document.
+    shift 0 is attention's block-causal mask (cplm_dist.model.documents), -1 or 0 the copy
+    head's C_t."""
+    j = torch.arange(keys, device=queries.device)
+    cand = j[None, :] <= queries[:, None] + shift
     if docs is None:
         return cand
-    return cand & (docs[:, offset : offset + rows, None] == docs[:, None, :keys])
+    return cand & (docs[:, queries, None] == docs[:, None, :keys])
+
+
+def query_positions(offset: int, rows: int, device) -> torch.Tensor:
+    """(rows,) the positions offset .. offset + rows - 1: queries continuing `offset` earlier keys."""
+    return torch.arange(offset, offset + rows, device=device)
 
 
 def per_head(mask: torch.Tensor) -> torch.Tensor:
@@ -81,7 +91,7 @@ def dense_copy_lse(q: torch.Tensor, k: torch.Tensor, src: torch.Tensor, labels: 
     `chunked_copy_lse`'s. Autograd keeps what backward needs."""
     Tq, Tk = q.shape[2], k.shape[2]
     scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])  # (B, H, Tq, Tk)
-    cand = candidate_mask(Tq, Tk, offset, shift, q.device, docs)  # (Tq, Tk), documents: (B, Tq, Tk)
+    cand = candidate_mask(query_positions(offset, Tq, q.device), Tk, shift, docs)  # (Tq, Tk), documents: (B, Tq, Tk)
     a_heads = masked_logsumexp(scores, per_head(cand), dim=-1)  # (B, H, Tq)
     if labels is None:
         return a_heads, None
@@ -99,7 +109,7 @@ def _blocks(Tq: int, Tk: int, chunk: int, shift: int, offset: int):
 def _block_masks(r0: int, r1: int, kend: int, shift: int, src, labels, offset: int, docs=None):
     """cand (rows, kend) (documents: (B, 1, rows, kend)) and match (B, 1, rows, kend) or None, as
     the dense path's masks."""
-    cand = candidate_mask(r1 - r0, kend, offset + r0, shift, src.device, docs)
+    cand = candidate_mask(query_positions(offset + r0, r1 - r0, src.device), kend, shift, docs)
     match = None
     if labels is not None:
         match = (cand & (src[:, None, :kend] == labels[:, r0:r1, None])).unsqueeze(1)

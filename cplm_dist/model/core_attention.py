@@ -15,9 +15,8 @@ What varies from call to call is passed as typed arguments, never told apart by 
 
 `docs` (B, offset + rows) is the document index of every key under document masking
 (cplm_dist.model.documents), None for causal attention; `offset` is where the queries start among
-the keys (a KV cache's length when decoding: queries at offset.. see keys 0..offset + i). The KV
-cache itself (`cplm_dist.model.attention.KVCache`) is extended by the attention before the kernel
-sees the keys.
+the keys (a decode state's length: queries at offset.. see keys 0..offset + i). The decode state
+(`cplm_dist.model.static_cache`) is written by the attention before the kernel sees the keys.
 """
 
 from __future__ import annotations
@@ -27,6 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from cplm_dist.model.copy_lse import candidate_mask, query_positions
 from cplm_dist.model.documents import block_causal_mask, flex_attend, flex_document_mask
 
 
@@ -49,7 +49,7 @@ class SDPAttention:
         if offset == 0:
             return Masks()
         # a KV cache's continuation: query i sits at position offset + i and sees keys 0 .. offset + i
-        return Masks(dense=torch.ones(rows, offset + rows, dtype=torch.bool, device=device).tril(diagonal=offset))
+        return Masks(dense=candidate_mask(query_positions(offset, rows, device), offset + rows, 0))
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masks: Masks) -> torch.Tensor:
         """q (B, nh, Tq, hd), k and v (B, nkv, Tk, hd) -> (B, nh, Tq, hd)."""

@@ -7,6 +7,8 @@ copy head beside it, mixed without gathering the vocabulary. It is its parts in 
     out = model(input_ids, labels, position_ids)  # packed documents that do not see each other (data.document_mask)
     logp = model.next_token_logprobs(ids)     # (B, T, V) full mixed distribution (evaluation)
     logp, greedy = model.score(ids, targets)  # (B, T) at the targets, the vocabulary never gathered
+    state = model.new_decode_state(B, S)      # a static cache (cplm_dist.model.static_cache): both
+                                              # continue it (state=...); generation: model.static_decode
 
 Data flow of a forward, per tp rank:
     ids -> VocabParallelEmbedding (+ learned positions, gpt2) -> L x TransformerLayer -> norm -> h (B, T, D), replicated
@@ -32,7 +34,6 @@ handed in. It is built from the model, copy and loss sections and explicit flags
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -41,44 +42,22 @@ import torch.distributed as dist
 import cplm_dist.model.loss as vocab_parallel
 from cplm_dist.config import Config, ModelConfig
 from cplm_dist.megatron_compat import parallel_state
-from cplm_dist.model.attention import KVCache
 from cplm_dist.model.block import TransformerLayer
-from cplm_dist.model.documents import check_positions, continued_positions, document_index
+from cplm_dist.model.copy_lse import candidate_mask
+from cplm_dist.model.core_attention import Masks
+from cplm_dist.model.documents import check_positions, document_index
 from cplm_dist.model.initialization import init_parameters
+from cplm_dist.model.next_token import CopyOver, full_log_probs, mixed_shard
 from cplm_dist.model.parallel.context import ContextInputs, ContextShard, context_inputs
 from cplm_dist.model.parts import Embedding, Head, PartSpec
 from cplm_dist.model.positions import layer_rope
-from cplm_dist.model.recompute_compile import recompute_and_compile as parallelize  # build_model's call keeps the old name
+from cplm_dist.model.recompute_compile import recompute_and_compile
+from cplm_dist.model.static_cache import StaticCache
 
 log = logging.getLogger(__name__)
 
 
 SCORE_ROWS = 512  # CPLM.score: tokens whose V/tp log-probs exist at once (512 x 49152 fp32: 101 MB a tensor at tp = 1)
-
-
-@dataclass
-class DecodeState:
-    """What decoding keeps between steps: each layer's keys and values, the copy head's keys,
-    and the ids fed so far; once position_ids were given (document masking), the positions and
-    document indices of everything fed (cplm_dist.model.documents)."""
-
-    layers: list[KVCache]
-    ids: torch.Tensor | None = None
-    copy_k: torch.Tensor | None = None
-    positions: torch.Tensor | None = None
-    docs: torch.Tensor | None = None
-
-    @property
-    def length(self) -> int:
-        return 0 if self.ids is None else self.ids.shape[1]
-
-    def select(self, rows: torch.Tensor) -> "DecodeState":
-        """A state whose row i continues this state's row rows[i] (a shared prompt fanned out to
-        several continuations, as the lm-eval adapter scores the options of one question)."""
-        pick = lambda t: None if t is None else t.index_select(0, rows)  # noqa: E731
-        return DecodeState(layers=[layer.select(rows) for layer in self.layers],
-                           ids=pick(self.ids), copy_k=pick(self.copy_k), positions=pick(self.positions),
-                           docs=pick(self.docs))
 
 
 class ModelParts(NamedTuple):
@@ -115,23 +94,21 @@ class CPLM(torch.nn.Module):
 
     # --- shared trunk --------------------------------------------------------------------------
 
-    def hidden_states(self, input_ids: torch.Tensor, state: DecodeState | None = None,
-                      position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Final-norm hidden states h (B, T, D), identical on every tp rank; with a decode
-        `state`, of positions state.length.. (its caches are extended). Sequence parallel: this
+    def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Final-norm hidden states h (B, T, D), identical on every tp rank. Sequence parallel: this
         rank's positions, (T/tp, B, D). position_ids (B, T): document masking (module docstring
-        of cplm_dist.model.documents); None: one document a row, or continuing the state's.
-        Context parallel: input_ids are this rank's two chunks (cplm_dist.model.parallel.context)."""
+        of cplm_dist.model.documents); None: one document a row. Context parallel: input_ids are
+        this rank's two chunks (cplm_dist.model.parallel.context)."""
         if self.context is not None:
-            return self._context_trunk(input_ids, position_ids, state)[0]
-        T, offset = input_ids.shape[1], (state.length if state is not None else 0)
-        if self.sequence_parallel and state is not None:
-            raise RuntimeError("a sequence-parallel model trains only: load its checkpoint with "
-                               "cplm_dist.checkpoint.load_model (built without it) to decode")
-        self._check_length(T, offset + T)
-        positions, docs = self._documents(input_ids, state, position_ids)
-        masks = self.core_attention.masks(docs, offset, T, input_ids.device)  # once a forward, for every layer
-        return self._trunk(input_ids, offset, positions, masks, state)
+            return self._context_trunk(input_ids, position_ids)[0]
+        T = input_ids.shape[1]
+        self._check_length(T, T)
+        docs = None
+        if position_ids is not None:
+            check_positions(position_ids, input_ids, full_row=True)
+            docs = document_index(position_ids)
+        masks = self.core_attention.masks(docs, 0, T, input_ids.device)  # once a forward, for every layer
+        return self.trunk(input_ids, position_ids, masks)
 
     def _check_length(self, local: int, total: int) -> None:
         if self.sequence_parallel and local % self.tp_size:
@@ -139,49 +116,25 @@ class CPLM(torch.nn.Module):
         if total > self.model_cfg.max_seq_len:
             raise ValueError(f"sequence length {total} exceeds model.max_seq_len={self.model_cfg.max_seq_len}")
 
-    def _trunk(self, input_ids: torch.Tensor, offset: int, positions: torch.Tensor | None, masks,
-               state: DecodeState | None) -> torch.Tensor:
-        """The embedding, the layers and the final norm over input_ids at positions offset.. (or
-        `positions`), every layer's attention under `masks` (its core attention's, built once)."""
-        cos, sin = layer_rope(self.model_cfg, input_ids.shape[1], offset, device=input_ids.device, position_ids=positions)
-        x = self.parts.embed(input_ids, offset, positions)  # (B, T, D)
+    def trunk(self, input_ids: torch.Tensor, positions: torch.Tensor | None, masks,
+              cache: StaticCache | None = None) -> torch.Tensor:
+        """The embedding, the layers and the final norm over input_ids at `positions` (None:
+        0..T-1), every layer's attention under `masks` (its core attention's, built once); with a
+        decode `cache`, each layer's keys and values written at its cursor's slots."""
+        cos, sin = layer_rope(self.model_cfg, input_ids.shape[1], 0, device=input_ids.device, position_ids=positions)
+        x = self.parts.embed(input_ids, 0, positions)  # (B, T, D)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, masks, state.layers[i] if state is not None else None)
+            x = layer(x, cos, sin, masks, cache.layers[i] if cache is not None else None)
         return self.final_norm(x)
 
-    def _context_trunk(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None,
-                       state: DecodeState | None = None) -> tuple[torch.Tensor, ContextInputs]:
+    def _context_trunk(self, input_ids: torch.Tensor,
+                       position_ids: torch.Tensor | None) -> tuple[torch.Tensor, ContextInputs]:
         """Context parallelism: (the final-norm states of this rank's chunks, what the copy head
         reads of the whole sequence), the layers' attention under the chunks' masks."""
-        if state is not None:
-            raise RuntimeError("a context-parallel model trains only: load its checkpoint with "
-                               "cplm_dist.checkpoint.load_model (built without cp) to decode")
         inputs = context_inputs(self.context, input_ids, position_ids)
         self._check_length(input_ids.shape[1], inputs.ids.shape[1])
         masks = self.core_attention.masks(inputs.docs, 0, input_ids.shape[1], input_ids.device)
-        return self._trunk(input_ids, 0, inputs.positions, masks, None), inputs
-
-    def _documents(self, input_ids: torch.Tensor, state: DecodeState | None, position_ids: torch.Tensor | None):
-        """(positions (B, T) of input_ids, document indices (B, offset + T) of every position) under
-        document masking, else (None, None); a decode state records both. A chunk without
-        position_ids after a state that has them continues its last document."""
-        if position_ids is None and (state is None or state.positions is None):
-            return None, None
-        if position_ids is not None:
-            check_positions(position_ids, input_ids, full_row=state is None)  # forward: a whole row
-        past_pos = past_docs = None
-        if state is not None and state.length:
-            B, P = input_ids.shape[0], state.length  # a prefix fed without positions: one document, 0..P-1
-            past_pos = state.positions if state.positions is not None else torch.arange(P, device=input_ids.device).expand(B, P)
-            past_docs = state.docs if state.docs is not None else torch.zeros_like(past_pos)
-        if position_ids is None:
-            position_ids = continued_positions(past_pos[:, -1:], input_ids.shape[1])
-        new_docs = document_index(position_ids, past_docs)
-        docs = new_docs if past_docs is None else torch.cat([past_docs, new_docs], dim=1)
-        if state is not None:
-            state.positions = position_ids if past_pos is None else torch.cat([past_pos, position_ids], dim=1)
-            state.docs = docs
-        return position_ids, docs
+        return self.trunk(input_ids, inputs.positions, masks), inputs
 
     @property
     def tied(self) -> torch.Tensor | None:
@@ -203,87 +156,106 @@ class CPLM(torch.nn.Module):
         if self.context is not None:
             h, inputs = self._context_trunk(input_ids, position_ids)
             return self.parts.head.token_loss(h, input_ids, labels, self.tied, context=inputs)
-        h = self.hidden_states(input_ids, None, position_ids)
+        h = self.hidden_states(input_ids, position_ids)
         return self.parts.head.token_loss(h, input_ids, labels, self.tied, position_ids)
 
     def lm_logits(self, h: torch.Tensor, tied: torch.Tensor | None = None) -> torch.Tensor:
         """This rank's vocabulary shard of the LM logits (B, T, V/tp) of final-norm states h."""
         return self.parts.head.lm_logits(h, tied)
 
-    # --- evaluation ----------------------------------------------------------------------------
+    # --- evaluation and decoding: the model over its decode state, a static cache -------------------
+
+    def new_decode_state(self, batch: int, slots: int) -> StaticCache:
+        """An empty decode state for `batch` rows of up to `slots` positions (cplm_dist.model.static_cache)."""
+        if self.context is not None:
+            raise RuntimeError("a context-parallel model trains only: load its checkpoint with "
+                               "cplm_dist.checkpoint.load_model (built without cp) to decode")
+        if self.sequence_parallel:
+            raise RuntimeError("a sequence-parallel model trains only: load its checkpoint with "
+                               "cplm_dist.checkpoint.load_model (built without it) to decode")
+        param = next(self.parameters())
+        return StaticCache.allocate(self, batch, slots, param.device, param.dtype)
+
+    def cache_masks(self, cache: StaticCache, t0: int, t1: int) -> Masks:
+        """The attention masks of queries at slots t0..t1-1 against slots 0..t1-1: the kernel's own
+        causal ones (flash on CUDA) where the cache holds one unpadded document a row, else SDPA's
+        dense block-causal mask (FlexAttention's block mask would compile again for every shape)."""
+        if cache.causal:
+            return self.core_attention.masks(None, t0, t1 - t0, cache.ids.device)
+        slots = torch.arange(t0, t1, device=cache.ids.device)
+        return Masks(dense=candidate_mask(slots, t1, 0, cache.docs[:, :t1]).unsqueeze(1))
+
+    def over_cache(self, input_ids: torch.Tensor, cache: StaticCache, slots: torch.Tensor, keys: int | None,
+                   masks: Masks) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """input_ids (B, T) at `slots` (T,) of `cache` through the trunk, attending to its first
+        `keys` slots (None: all) under `masks`: (final states h (B, T, D), the copy head's queries
+        (B, H_c, T, d_c) or None); the ids, the keys and values, and the copy keys written at `slots`
+        (their positions and documents are the cache's already: StaticCache.reserve)."""
+        cache.cursor.slots, cache.cursor.keys = slots, keys
+        positions = cache.positions[:, slots]
+        h = self.trunk(input_ids, positions, masks, cache)
+        cache.ids[:, slots] = input_ids
+        if self.copy_head is None:
+            return h, None
+        q, k = self.copy_head.project(h, 0, positions=positions)
+        cache.copy_k[:, :, slots] = k
+        return h, q
+
+    def head_over(self, h: torch.Tensor, q: torch.Tensor | None, cache: StaticCache, slots: torch.Tensor,
+                  keys: int | None) -> tuple[torch.Tensor, CopyOver | None]:
+        """The head at `slots` (T,) of final states h (B, T, D) and copy queries q: (this rank's LM
+        logits shard (B, T, V/tp), the copy head's distribution over the first `keys` slots of
+        `cache` (None: all) or None)."""
+        logits = self.lm_logits(h, self.tied)
+        if self.copy_head is None:
+            return logits, None
+        K = cache.slots if keys is None else keys
+        cand = candidate_mask(slots, K, self.copy_head.shift, cache.docs[:, :K])
+        weights, src, terms = self.copy_head.weights_for(q, cache.copy_k[:, :, :K], cache.ids[:, :K], h, cand)
+        return logits, CopyOver(terms, weights, src, cand)
 
     @torch.no_grad()
-    def next_token_logprobs(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """(B, T, V) float32 log p(x_{t+1} = w | x_<=t) of the mixture, gathered over tp
-        (position_ids: as `forward` takes them)."""
-        return self.decode(input_ids, self.new_decode_state(), position_ids=position_ids)[0]
-
-    def new_decode_state(self) -> DecodeState:
-        return DecodeState(layers=[KVCache() for _ in self.layers])
-
-    @torch.no_grad()
-    def decode(self, input_ids: torch.Tensor, state: DecodeState, with_copy_part: bool = False, last_only: bool = False,
-               position_ids: torch.Tensor | None = None):
-        """Feed `input_ids` (B, T) after what `state` holds (a prompt, then one token at a time)
-        and return (log p (B, T, V) of the next token at each new position, and with
-        `with_copy_part` the copy component's log mass on each id, else None), gathered over tp.
-        last_only: the distributions of the last position only (B, 1, V), what generation reads
-        (a prompt's (B, T, V) would be T times the memory). position_ids: as `hidden_states` takes them."""
-        offset = state.length
-        h, q = self._extend(input_ids, state, position_ids)
-        if last_only:
-            offset, h = offset + h.shape[1] - 1, h[:, -1:]
-            q = q[:, :, -1:] if q is not None else None
-        shard, copy_part = self._shard_log_probs(h, q, offset, state)
-        gather = lambda t: vocab_parallel.gather_vocab(t, self.tp_group)[..., : self.vocab_size]  # noqa: E731
-        return gather(shard), (gather(copy_part) if with_copy_part and copy_part is not None else None)
+    def feed(self, input_ids: torch.Tensor, state: StaticCache | None = None, position_ids: torch.Tensor | None = None):
+        """Write input_ids after what `state` holds (None: a fresh state of their length) and run
+        them: (the state, their slots, final states h, copy queries q or None)."""
+        state = state if state is not None else self.new_decode_state(*input_ids.shape)
+        t0 = state.length
+        self._check_length(input_ids.shape[1], t0 + input_ids.shape[1])
+        slots = state.reserve(input_ids, position_ids)
+        h, q = self.over_cache(input_ids, state, slots, state.length, self.cache_masks(state, t0, state.length))
+        return state, slots, h, q
 
     @torch.no_grad()
-    def score(self, input_ids: torch.Tensor, targets: torch.Tensor, state: DecodeState | None = None,
+    def next_token_logprobs(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                            state: StaticCache | None = None) -> torch.Tensor:
+        """(B, T, V) float32 log p(x_{t+1} = w | x_<=t) of the mixture, gathered over tp, for
+        input_ids (B, T) fed after what `state` holds (none: a fresh sequence; the state is
+        extended); position_ids: as `forward` takes them, or continuing a state's documents."""
+        state, slots, h, q = self.feed(input_ids, state, position_ids)
+        logits, copy = self.head_over(h, q, state, slots, state.length)
+        return full_log_probs(logits, copy, self.copy_cfg.mix, self.vocab_size, self.tp_group)[0]
+
+    @torch.no_grad()
+    def score(self, input_ids: torch.Tensor, targets: torch.Tensor, state: StaticCache | None = None,
               rows: int = SCORE_ROWS, position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(log p(targets[:, t] | what precedes and input_ids[:, :t + 1]), whether targets[:, t] is
         the mixture's most likely id), each (B, T), for `input_ids` (B, T) fed after what `state`
-        holds (none: a fresh sequence; the state is extended as by `decode`). What `decode`
-        computes, read at the targets without gathering the vocabulary, `rows` tokens at a time
-        (B x T x V floats never exist: about rows x V/tp at once). Targets of IGNORE_INDEX: 0, False.
-        position_ids: as `hidden_states` takes them."""
-        state = state if state is not None else self.new_decode_state()
-        offset = state.length
-        h, q = self._extend(input_ids, state, position_ids)
+        holds (none: a fresh sequence; the state is extended as by `next_token_logprobs`). The
+        distribution `next_token_logprobs` gives, read at the targets without gathering the
+        vocabulary, `rows` tokens at a time (B x T x V floats never exist: about rows x V/tp at
+        once). Targets of IGNORE_INDEX: 0, False. position_ids: as `next_token_logprobs` takes them."""
+        state, slots, h, q = self.feed(input_ids, state, position_ids)
         block = max(1, rows // h.shape[0])
         logps, greedy = [], []
         for t0 in range(0, h.shape[1], block):
             t1 = min(h.shape[1], t0 + block)
-            shard, _ = self._shard_log_probs(h[:, t0:t1], None if q is None else q[:, :, t0:t1], offset + t0, state)
+            logits, copy = self.head_over(h[:, t0:t1], None if q is None else q[:, :, t0:t1], state, slots[t0:t1],
+                                          state.length)
+            shard, _ = mixed_shard(logits, copy, self.copy_cfg.mix, self.tp_group)
             lp, top = vocab_parallel.target_log_probs(shard, targets[:, t0:t1], self.tp_group)
             logps.append(lp)
             greedy.append(top)
         return torch.cat(logps, dim=1), torch.cat(greedy, dim=1)
-
-    def _extend(self, input_ids: torch.Tensor, state: DecodeState,
-                position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Run `input_ids` after `state` (its caches and ids extended): (final states h (B, T, D),
-        the copy head's queries (B, H_c, T, d_c) or None)."""
-        offset = state.length
-        h = self.hidden_states(input_ids, state, position_ids)
-        state.ids = input_ids if state.ids is None else torch.cat([state.ids, input_ids], dim=1)
-        if self.copy_head is None:
-            return h, None
-        positions = None if state.positions is None else state.positions[:, offset:]
-        q, k = self.copy_head.project(h, offset, positions=positions)
-        state.copy_k = k if state.copy_k is None else torch.cat([state.copy_k, k], dim=2)
-        return h, q
-
-    def _shard_log_probs(self, h: torch.Tensor, q: torch.Tensor | None, offset: int, state: DecodeState):
-        """(this rank's vocabulary shard of the mixture's log-probs (B, T, V/tp), of the copy
-        component's log mass or None) for states h and copy queries q of positions offset..,
-        over the keys and ids `state` holds."""
-        logits = self.lm_logits(h, self.tied)
-        copy_lp, terms = None, None
-        if self.copy_head is not None:
-            weights, src, terms = self.copy_head.weights_for(q, state.copy_k, state.ids, offset, h, state.docs)
-            copy_lp = vocab_parallel.scatter_copy_log_probs(weights, src, self.parts.head.v_local, self.tp_group)
-        return vocab_parallel.mixed_log_probs(logits, copy_lp, terms, self.copy_cfg.mix, self.tp_group)
 
 
 def place(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
@@ -326,6 +298,6 @@ def build_model(cfg: Config, *, tp_group: dist.ProcessGroup | None = None, devic
     model = place(CPLM(Embedding(spec), layers, Head(spec), m, context), device)
     init_parameters(model, m, cfg.copy, cfg.seed, model.tp_rank, model.tp_size)
     t = cfg.train
-    return parallelize(model, device=device,
+    return recompute_and_compile(model, device=device,
                        activation_checkpointing=t.activation_checkpointing if activation_checkpointing is None else activation_checkpointing,
                        compile=t.compile if compile_layers is None else compile_layers)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from cplm_dist.errors import UsageError
-from cplm_dist.model.copy_lse import candidate_mask, document_candidates, flex_attention_call
+from cplm_dist.model.copy_lse import candidate_mask, document_candidates, flex_attention_call, query_positions
 
 
 def check_positions(position_ids: torch.Tensor, input_ids: torch.Tensor, full_row: bool) -> None:
@@ -70,7 +70,7 @@ def block_causal_mask(docs: torch.Tensor, offset: int, rows: int) -> torch.Tenso
     """(B, 1, rows, Tk) bool for queries at positions offset.. against keys 0..Tk-1 whose document
     indices are docs (B, Tk): True where the key is at or before the query in its document (the
     copy head's candidate mask with no shift)."""
-    return candidate_mask(rows, docs.shape[1], offset, 0, docs.device, docs).unsqueeze(1)
+    return candidate_mask(query_positions(offset, rows, docs.device), docs.shape[1], 0, docs).unsqueeze(1)
 
 
 def flex_document_mask(docs: torch.Tensor, offset: int, rows: int):

@@ -34,12 +34,6 @@ import cplm_dist.model.loss as vp
 from cplm_dist.model.documents import document_index
 
 
-def _tp_sum(x: torch.Tensor, group) -> torch.Tensor:
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(x, group=group)
-    return x
-
-
 def gradient_paths(model, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None = None,
                    *, lm_only: bool = False) -> dict:
     """The figures of the module docstring for one micro-batch through `model` (a CPLM, any tp,
@@ -48,7 +42,7 @@ def gradient_paths(model, input_ids: torch.Tensor, labels: torch.Tensor, positio
     head, group = model.parts.head, model.tp_group
     sp = model.sequence_parallel
     with torch.no_grad():
-        h = model.hidden_states(input_ids, None, position_ids)
+        h = model.hidden_states(input_ids, position_ids)
     h_lm, h_copy = h.detach().clone().requires_grad_(True), h.detach().clone().requires_grad_(True)
     logits = model.lm_logits(h_lm, model.tied)  # (B, T, V/tp); sequence parallel: (T, B, V/tp), the whole sequence
     copy = None
@@ -66,7 +60,7 @@ def gradient_paths(model, input_ids: torch.Tensor, labels: torch.Tensor, positio
     weight = (model.tied if model.tied is not None else model.lm_head.weight).detach()[:real].double()  # (V_real/tp, D)
     gw, wtw, g_sq = g @ weight, weight.t() @ weight, g.pow(2).sum()
     for t in (gw, wtw, g_sq):
-        _tp_sum(t, group)
+        vp.all_reduce(t, dist.ReduceOp.SUM, group)
     seen = torch.trace(gw @ torch.linalg.solve(wtw, gw.t()))  # ||G Q||^2
     via_lm = _h_norm(grads[1], sp, group)
     via_copy = _h_norm(grads[2], sp, group) if copy is not None and grads[2] is not None else 0.0
@@ -88,4 +82,4 @@ def gradient_paths(model, input_ids: torch.Tensor, labels: torch.Tensor, positio
 def _h_norm(grad: torch.Tensor, sequence_parallel: bool, group) -> float:
     """||dL/dh||: whole on every tp rank, or (sequence parallel) summed over the ranks' positions."""
     sq = grad.detach().double().pow(2).sum()
-    return float((_tp_sum(sq, group) if sequence_parallel else sq).sqrt())
+    return float((vp.all_reduce(sq, dist.ReduceOp.SUM, group) if sequence_parallel else sq).sqrt())

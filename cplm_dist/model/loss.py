@@ -86,9 +86,11 @@ def vocab_range(v_local: int, tp_group: dist.ProcessGroup | None) -> tuple[int, 
     return rank * v_local, (rank + 1) * v_local
 
 
-def _all_reduce(t: torch.Tensor, op: dist.ReduceOp, tp_group) -> None:
+def all_reduce(t: torch.Tensor, op: dist.ReduceOp, tp_group) -> torch.Tensor:
+    """`t` reduced in place over the tp group (nothing to do without one, or at tp = 1), returned."""
     if tp_group is not None and dist.get_world_size(tp_group) > 1:
         dist.all_reduce(t, op=op, group=tp_group)
+    return t
 
 
 # ---------------------------------------------------------------------------------------------
@@ -114,15 +116,15 @@ class _TargetLogitAndLSE(torch.autograd.Function):
             logits = logits.clone()
         # Step 1: max over the vocabulary (for a stable exp), all ranks.
         logits_max = logits.amax(dim=-1)
-        _all_reduce(logits_max, dist.ReduceOp.MAX, tp_group)
+        all_reduce(logits_max, dist.ReduceOp.MAX, tp_group)
         # Step 2: the target logit from the rank that owns it (0 elsewhere), and the local sum-exp.
         start, end = vocab_range(logits.size(-1), tp_group)
         target_mask, masked_target_1d, predicted_logits, sum_exp_logits, exp_logits = (
             VocabParallelCrossEntropy.calculate_predicted_logits(logits, labels, logits_max, start, end)
         )
-        _all_reduce(predicted_logits, dist.ReduceOp.SUM, tp_group)
+        all_reduce(predicted_logits, dist.ReduceOp.SUM, tp_group)
         # Step 3: the global sum-exp.
-        _all_reduce(sum_exp_logits, dist.ReduceOp.SUM, tp_group)
+        all_reduce(sum_exp_logits, dist.ReduceOp.SUM, tp_group)
         softmax = exp_logits.div_(sum_exp_logits.unsqueeze(-1))  # the one [N, V/tp] buffer kept
         ctx.save_for_backward(softmax, target_mask, masked_target_1d)
         ctx.inplace = inplace
@@ -185,11 +187,11 @@ class _ChunkedTargetLogitAndLSE(torch.autograd.Function):
             z_y[i : i + rows] = torch.where(owned[i : i + rows], logits.gather(1, local[i : i + rows, None]).squeeze(1), 0.0)
             local_sum[i : i + rows] = logits.sub_(safe.unsqueeze(-1)).exp_().sum(dim=-1)  # in place: one block buffer
         global_max = local_max.clone()
-        _all_reduce(global_max, dist.ReduceOp.MAX, tp_group)
+        all_reduce(global_max, dist.ReduceOp.MAX, tp_group)
         scale = torch.where(torch.isfinite(local_max), torch.exp(local_max - global_max), torch.zeros_like(local_max))
         sum_exp = local_sum * scale
-        _all_reduce(sum_exp, dist.ReduceOp.SUM, tp_group)
-        _all_reduce(z_y, dist.ReduceOp.SUM, tp_group)
+        all_reduce(sum_exp, dist.ReduceOp.SUM, tp_group)
+        all_reduce(z_y, dist.ReduceOp.SUM, tp_group)
         lse = global_max + torch.log(sum_exp)
         ctx.save_for_backward(h, weight, owned, local, lse)
         ctx.tp_group, ctx.real_local, ctx.rows, ctx.sum_grad_h = tp_group, real_local, rows, sum_grad_h
@@ -210,7 +212,7 @@ class _ChunkedTargetLogitAndLSE(torch.autograd.Function):
             grad_h[block] = g @ weight
             grad_w += (g.t() @ h[block]).float()
         if ctx.sum_grad_h:
-            _all_reduce(grad_h, dist.ReduceOp.SUM, tp_group=ctx.tp_group)
+            all_reduce(grad_h, dist.ReduceOp.SUM, tp_group=ctx.tp_group)
         return grad_h, grad_w.to(weight.dtype), None, None, None, None, None
 
 
@@ -308,9 +310,9 @@ def vocab_parallel_lse(logits: torch.Tensor, tp_group: dist.ProcessGroup | None 
     """LSE_V over the sharded last dimension, float32 [...]."""
     logits = logits.float()
     m = logits.amax(dim=-1)
-    _all_reduce(m, dist.ReduceOp.MAX, tp_group)
+    all_reduce(m, dist.ReduceOp.MAX, tp_group)
     sum_exp = torch.exp(logits - m.unsqueeze(-1)).sum(dim=-1)
-    _all_reduce(sum_exp, dist.ReduceOp.SUM, tp_group)
+    all_reduce(sum_exp, dist.ReduceOp.SUM, tp_group)
     return m + torch.log(sum_exp)
 
 
@@ -368,13 +370,13 @@ def target_log_probs(shard: torch.Tensor, targets: torch.Tensor,
     owned = (targets >= start) & (targets < end)
     picked = shard.gather(-1, torch.where(owned, targets - start, torch.zeros_like(targets)).unsqueeze(-1)).squeeze(-1)
     logp = torch.where(owned, picked.float(), torch.zeros_like(picked, dtype=torch.float32))
-    _all_reduce(logp, dist.ReduceOp.SUM, tp_group)
+    all_reduce(logp, dist.ReduceOp.SUM, tp_group)
     index = shard.argmax(dim=-1)  # the first maximum of this shard
     best = shard.gather(-1, index.unsqueeze(-1)).squeeze(-1).float()
     top = best.clone()
-    _all_reduce(top, dist.ReduceOp.MAX, tp_group)
+    all_reduce(top, dist.ReduceOp.MAX, tp_group)
     first = torch.where(best == top, index + start, torch.full_like(index, torch.iinfo(index.dtype).max))
-    _all_reduce(first, dist.ReduceOp.MIN, tp_group)
+    all_reduce(first, dist.ReduceOp.MIN, tp_group)
     return logp, first == targets
 
 

@@ -1,25 +1,28 @@
-"""The static decode cache: every tensor decoding keeps, preallocated for the prompt plus the new
-tokens and written in place (no per-step concatenation, so one decode step has static shapes and
-compiles once: cplm_dist.model.static_decode).
+"""The static decode cache, the one decode state: every tensor decoding and scoring keep,
+preallocated for the prompt plus the new tokens and written in place (no per-step concatenation,
+so one decode step has static shapes and compiles once: cplm_dist.model.static_decode).
 
-    cache = StaticCache.allocate(model, batch=B, slots=S, device=..., dtype=...)
+    cache = model.new_decode_state(batch=B, slots=S)   # or StaticCache.allocate(model, B, S, device, dtype)
     cache.layers[i].k, .v   (B, nkv/tp, S, hd)   each layer's keys and values
     cache.copy_k            (B, H_c, S, d_c)     the copy head's keys (float32), None without a copy head
     cache.ids               (B, S)               the id at each slot
     cache.positions         (B, S)               its position (RoPE, learned positions)
     cache.docs              (B, S)               its document index; PAD_DOC on a row's padding
+    slots = cache.reserve(ids, position_ids)     # a chunk's positions and documents, after what it holds
 
 Slots are the cache's columns, positions what the model reads. Batches of unequal prompts are
 LEFT-padded: row b's prompt of L_b tokens fills slots P - L_b .. P - 1 (P the longest), so every
 row writes its next token at the same slot and the step stays one static shape. Padding slots
 carry the document index PAD_DOC, which no real token has, so one rule hides them from attention
 and from the copy head's candidates alike, the rule document masking already is: a query at slot
-i sees slot j iff j <= i and both hold the same document. Each row's positions start at 0 at its
-first real token, so a padded row computes what it computes alone.
+i sees slot j iff j <= i and both hold the same document (cplm_dist.model.copy_lse.candidate_mask).
+Each row's positions start at 0 at its first real token, so a padded row computes what it
+computes alone. `causal`: every row one document from slot 0, nothing padded, so attention's
+kernel needs no mask of its own.
 
 `cursor` tells the layers' caches where the forward in flight writes (`slots`, a tensor: the
 compiled step takes a new slot without recompiling) and how many leading slots its kernel reads
-(`keys`: the prefill's written prefix; None: all S, the decode step's static shape).
+(`keys`: the written prefix; None: all S, the decode step's static shape).
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from cplm_dist.model.documents import check_positions, continued_positions, document_index
 
 PAD_DOC = -1  # the document index of padding slots: attended by nothing real, pasted from never
 
@@ -64,6 +69,7 @@ class StaticCache:
     copy_k: torch.Tensor | None
     step_slot: torch.Tensor  # (1,) long: the slot a decode step writes, filled in place each step
     length: int = 0  # slots written
+    causal: bool = True  # one document a row from slot 0, no padding: the kernel's causal masks serve
 
     @property
     def batch(self) -> int:
@@ -97,7 +103,38 @@ class StaticCache:
     def reset(self) -> None:
         """Empty for the next request (the keys need no clearing: unwritten slots are never read)."""
         self.docs.fill_(PAD_DOC)
-        self.length = 0
+        self.length, self.causal = 0, True
+
+    def reserve(self, ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The next T slots for ids (B, T): their positions (given: document masking's, which may
+        start new documents; None: continuing the last document, from 0 when empty) and document
+        indices written, the slots (T,) returned; the ids themselves are written by the forward
+        that runs them (CPLM.over_cache)."""
+        T, t0 = ids.shape[1], self.length
+        if t0 + T > self.slots:
+            raise ValueError(f"{t0 + T} positions do not fit a decode state of {self.slots}")
+        device = self.ids.device
+        if position_ids is not None:
+            check_positions(position_ids, ids, full_row=False)
+            self.causal = False
+        elif t0 == 0:
+            position_ids = torch.arange(T, device=device).expand(ids.shape[0], T)
+        else:
+            position_ids = continued_positions(self.positions[:, t0 - 1:t0], T)
+        slots = torch.arange(t0, t0 + T, device=device)
+        self.positions[:, slots] = position_ids
+        self.docs[:, slots] = document_index(self.positions[:, slots], self.docs[:, :t0])
+        self.length = t0 + T
+        return slots
+
+    def select(self, rows: torch.Tensor) -> "StaticCache":
+        """A cache whose row i continues this one's row rows[i] (a shared prompt fanned out to
+        several continuations, as the lm-eval adapter scores the options of one question)."""
+        pick = lambda t: None if t is None else t.index_select(0, rows)  # noqa: E731
+        cursor = Cursor(self.cursor.slots.clone(), self.cursor.keys)
+        layers = [StaticKV(pick(layer.k), pick(layer.v), cursor) for layer in self.layers]
+        return StaticCache(layers, cursor, pick(self.ids), pick(self.positions), pick(self.docs), pick(self.copy_k),
+                           self.step_slot.clone(), self.length, self.causal)
 
     def fits(self, batch: int, slots: int) -> bool:
         return self.batch == batch and self.slots == slots

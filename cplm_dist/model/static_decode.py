@@ -18,9 +18,16 @@ prefill runs eager: it is a few large matmuls, which compilation does not speed 
 compiled prefill would be one more shape for every prompt length.
 
 Compilation is on where torch.compile can build kernels (cplm_dist.model.compiled) unless
-`compile=False` or CPLM_DECODE_COMPILE=0; a step that fails to compile warns once and the decoder
-goes on eager (`path` says which ran). Tensor parallelism: every rank runs the same step, the
-collectives inside it (the row-parallel linears' all-reduces, LSE and the argmax's maxima).
+`compile=False` or CPLM_DECODE_COMPILE=0; a step that dynamo or inductor fails to compile warns
+once and the decoder goes on eager (`path` says which ran; any other error, an OOM among them,
+propagates). Dynamo's settings the step needs hold around its calls only. A model moved or cast
+after decoding gets a new cache and graphs on its next request; `release(model)` frees them.
+Tensor parallelism: every rank runs the same step, the collectives inside it (the row-parallel
+linears' all-reduces, LSE and the argmax's maxima).
+
+The prefill and the step run the model's own trunk and head over the cache (CPLM.over_cache,
+CPLM.head_over), as scoring does; this module adds the left padding, the step's static shapes
+and its compilation.
 """
 
 from __future__ import annotations
@@ -33,11 +40,11 @@ import warnings
 import torch
 
 from cplm_dist.model.compiled import unavailable_reason
+from cplm_dist.model.copy_lse import candidate_mask
 from cplm_dist.model.core_attention import Masks
 from cplm_dist.model.documents import check_positions, document_index
 from cplm_dist.model.next_token import full_log_probs, greedy
-from cplm_dist.model.positions import layer_rope
-from cplm_dist.model.static_cache import PAD_DOC, StaticCache, bucket
+from cplm_dist.model.static_cache import StaticCache, bucket
 
 log = logging.getLogger(__name__)
 
@@ -53,13 +60,28 @@ def compile_default(device: torch.device) -> bool:
 
 def decoder_for(model, compile: bool | None = None) -> "StaticDecoder":
     """The model's decoder (made once and kept on it, so its compiled steps are paid once), set to
-    compile or not (None: `compile_default`)."""
+    compile or not (None: `compile_default`), following the model's device and dtype."""
     decoder = model.__dict__.get("_static_decoder")
     if decoder is None:
         decoder = StaticDecoder(model)
         model.__dict__["_static_decoder"] = decoder  # not a submodule: no state-dict entries
+    decoder.follow()
     decoder.compile = compile_default(decoder.device) if compile is None else compile
     return decoder
+
+
+def release(model) -> None:
+    """Free the model's decode cache and compiled graphs (the next request builds them anew)."""
+    decoder = model.__dict__.pop("_static_decoder", None)
+    if decoder is not None:
+        decoder.release()
+
+
+def compiler_error(e: BaseException) -> bool:
+    """Whether `e` is dynamo's or inductor's failure to compile (not an OOM inside them)."""
+    if isinstance(e, torch.OutOfMemoryError) or isinstance(e.__cause__, torch.OutOfMemoryError):
+        return False
+    return isinstance(e, torch._dynamo.exc.TorchDynamoException) or type(e).__module__ == "torch._inductor.exc"
 
 
 class StaticDecoder:
@@ -68,21 +90,32 @@ class StaticDecoder:
             raise RuntimeError("a context- or sequence-parallel model trains only: load its checkpoint with "
                                "cplm_dist.checkpoint.load_model (built without them) to decode")
         self.model = model
-        param = next(model.parameters())
-        self.device, self.dtype = param.device, param.dtype
+        self.device = self.dtype = None
         self.compile = False
+        self.path: str | None = None  # what the last step ran: "compiled" or "eager"
+        self.release()
+        self.follow()
+
+    def release(self) -> None:
+        """Drop the cache and the compiled step (and what is known of its shapes)."""
         self.cache: StaticCache | None = None
         self.compiled = None  # torch.compile of `_decode`, made on the first compiled step
-        self.path: str | None = None  # what the last step ran: "compiled" or "eager"
         self.compile_seconds: dict[tuple, float] = {}  # per compiled shape: its first call's seconds
         self._failed = False
+
+    def follow(self) -> None:
+        """Take the model's device and dtype now; where either changed, the cache and graphs go."""
+        param = next(self.model.parameters())
+        if (param.device, param.dtype) != (self.device, self.dtype):
+            self.release()
+            self.device, self.dtype = param.device, param.dtype
 
     # --- the cache -------------------------------------------------------------------------------
 
     def _allocate(self, batch: int, slots: int) -> StaticCache:
         if self.cache is None or not self.cache.fits(batch, slots):
             self.cache = None  # the old buffers go before the new ones come
-            self.cache = StaticCache.allocate(self.model, batch, slots, self.device, self.dtype)
+            self.cache = self.model.new_decode_state(batch, slots)
         self.cache.reset()
         return self.cache
 
@@ -102,23 +135,24 @@ class StaticDecoder:
             raise ValueError(f"sequence length {max(lengths) + new_tokens} exceeds model.max_seq_len={limit}")
         P = max(lengths)
         c = self._allocate(len(rows), bucket(P + new_tokens, limit + P - min(lengths)))
+        ids = torch.zeros(len(rows), P, dtype=torch.long, device=self.device)  # left-padded; the forwards write them
         for b, (row, n) in enumerate(zip(rows, lengths)):
             pos = torch.arange(n, device=self.device) if position_ids is None else position_ids[b].to(self.device)
             if position_ids is not None:
                 check_positions(pos[None], row[None], full_row=False)
-            c.ids[b, P - n:P] = row.to(self.device)
+            ids[b, P - n:P] = row.to(self.device)
             c.positions[b, P - n:P] = pos
             c.docs[b, P - n:P] = document_index(pos[None])[0]
         chunk = chunk or P
         if chunk < 1:
             raise ValueError(f"prefill chunk must be >= 1, got {chunk}")
-        uniform = position_ids is None and min(lengths) == P  # causal: the kernel's own (flash) path, no mask
+        # causal: the kernel's own masks (flash on CUDA); padded or packed: SDPA's dense block-causal mask
+        c.causal = position_ids is None and min(lengths) == P
+        m = self.model
         for t0 in range(0, P, chunk):
             t1 = min(P, t0 + chunk)
             slots = torch.arange(t0, t1, device=self.device)
-            # the layers' kernel's masks (SDPA's causal or dense, FlexAttention's block mask on CUDA)
-            masks = self.model.core_attention.masks(None if uniform else c.docs[:, :t1], t0, t1 - t0, self.device)
-            h, q = self._forward(c.ids[:, t0:t1], slots, t1, masks)
+            h, q = m.over_cache(ids[:, t0:t1], c, slots, t1, m.cache_masks(c, t0, t1))
         c.length = P
         last = torch.full((1,), P - 1, dtype=torch.long, device=self.device)
         return self._head(h[:, -1:], None if q is None else q[:, :, -1:], last, P, greedy_mode, mark_copies)
@@ -130,7 +164,9 @@ class StaticDecoder:
         """Feed `token` (B,) at the next slot: (next token (B,), copied (B,) or None) when greedy,
         else (log p (B, V), the copy part or None), the same on every tp rank."""
         c = self.cache
-        if c is None or c.length >= c.slots:
+        if c is None or c.length < 1:
+            raise RuntimeError("decode step with no cached position: prefill a prompt first")
+        if c.length >= c.slots:
             raise RuntimeError("decode step past the cache: prefill first, with room for the new tokens")
         c.step_slot.fill_(c.length)
         c.cursor.slots, c.cursor.keys = c.step_slot, None
@@ -145,18 +181,17 @@ class StaticDecoder:
             return self._decode(token, c.step_slot, greedy_mode, mark_copies)
         if self.compiled is None:
             mode = "reduce-overhead" if self.device.type == "cuda" else None
-            # megatron-core's row-parallel linear warns (a deprecation) on every call: ignored in the graph, not a break in it
-            torch._dynamo.config.ignore_logging_functions.add(warnings.warn)
-            # one graph per (batch, bucket, greedy, marks): an evaluation meets more than dynamo's default 8,
-            # past which it would run the step eager without a word
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
             self.compiled = torch.compile(self._decode, dynamic=False, mode=mode, fullgraph=True)
         key = (c.batch, c.slots, greedy_mode, mark_copies)
         start = time.perf_counter()
         try:
-            out = self.compiled(token, c.step_slot, greedy_mode, mark_copies)
-        except Exception as e:  # noqa: BLE001 - any compiler failure: warn once, decode eager
-            log.warning("the compiled decode step failed (%s: %s): decoding eager", type(e).__name__, str(e).splitlines()[0][:200])
+            with _dynamo_settings():
+                out = self.compiled(token, c.step_slot, greedy_mode, mark_copies)
+        except Exception as e:
+            if not compiler_error(e):
+                raise
+            log.warning("the compiled decode step failed (%s: %s): decoding eager", type(e).__name__,
+                        (str(e).splitlines() or [""])[0][:200])
             self._failed = True
             return self._run(token, greedy_mode, mark_copies)
         if key not in self.compile_seconds:
@@ -166,55 +201,30 @@ class StaticDecoder:
 
     def _decode(self, token: torch.Tensor, slot: torch.Tensor, greedy_mode: bool, mark_copies: bool):
         """The compiled region: `token` (B,) at slot `slot` (1,) through the whole model and head."""
-        c = self.cache
+        c, m = self.cache, self.model
         previous = slot - 1
-        c.ids[:, slot] = token[:, None]
         c.positions[:, slot] = c.positions[:, previous] + 1
         c.docs[:, slot] = c.docs[:, previous]
-        masks = Masks(dense=self._visible(slot, None, shift=0).unsqueeze(1))  # (B, 1, 1, S)
-        h, q = self._forward(token[:, None], slot, None, masks)
+        masks = Masks(dense=candidate_mask(slot, c.slots, 0, c.docs).unsqueeze(1))  # (B, 1, 1, S)
+        h, q = m.over_cache(token[:, None], c, slot, None, masks)
         return self._head(h, q, slot, None, greedy_mode, mark_copies)
-
-    # --- the model over the cache --------------------------------------------------------------------
-
-    def _forward(self, ids: torch.Tensor, slots: torch.Tensor, keys: int | None, masks):
-        """ids (B, T) at `slots` (T,) through the trunk, attending to the first `keys` slots (None:
-        all) under `masks`: (final states h (B, T, D), the copy head's queries (B, H_c, T, d_c) or
-        None); the keys and values, and the copy keys, written at `slots`."""
-        m, c = self.model, self.cache
-        c.cursor.slots, c.cursor.keys = slots, keys
-        positions = c.positions[:, slots]
-        cos, sin = layer_rope(m.model_cfg, ids.shape[1], 0, device=ids.device, position_ids=positions)
-        x = m.parts.embed(ids, 0, positions)
-        for layer, kv in zip(m.layers, c.layers):
-            x = layer(x, cos, sin, masks, kv)
-        h = m.final_norm(x)
-        if m.copy_head is None:
-            return h, None
-        q, k = m.copy_head.project(h, 0, positions=positions)
-        c.copy_k[:, :, slots] = k
-        return h, q
-
-    def _visible(self, slots: torch.Tensor, keys: int | None, shift: int) -> torch.Tensor:
-        """(B, T, K): slot j is at or before slot i + shift and of its document (padding: its own)."""
-        c = self.cache
-        K = c.slots if keys is None else keys
-        j = torch.arange(K, device=slots.device)
-        docs = c.docs[:, :K]
-        return (j[None, None, :] <= slots[None, :, None] + shift) & (docs[:, None, :] == c.docs[:, slots][:, :, None])
 
     def _head(self, h: torch.Tensor, q: torch.Tensor | None, slot: torch.Tensor, keys: int | None,
               greedy_mode: bool, mark_copies: bool):
-        """The next token's head output for the last states h (B, 1, D) and queries q at `slot`."""
-        m, c = self.model, self.cache
-        logits = m.lm_logits(h, m.tied)[:, 0]  # (B, V/tp)
-        copy = weights = src = cand = None
-        if m.copy_head is not None:
-            K = c.slots if keys is None else keys
-            cand = self._visible(slot, keys, shift=m.copy_head.shift) & (c.docs[:, None, :K] != PAD_DOC)
-            weights, src, copy = m.copy_head.weights_for(q, c.copy_k[:, :, :K], c.ids[:, :K], 0, h, cand=cand)
-            weights, cand = weights[:, 0], cand[:, 0]
-            copy = type(copy)(*(None if t is None else t[:, 0] for t in copy))
+        """The next token's head output for the last states h (B, 1, D) and queries q at `slot`,
+        over the first `keys` slots (None: all)."""
+        m = self.model
+        logits, copy = m.head_over(h, q, self.cache, slot, keys)
         if greedy_mode:
-            return greedy(logits, copy, weights, src, cand, m.copy_cfg.mix, m.tp_group, mark_copies)
-        return full_log_probs(logits, copy, weights, src, m.copy_cfg.mix, m.vocab_size, m.tp_group, mark_copies)
+            return greedy(logits, copy, m.copy_cfg.mix, m.tp_group, mark_copies)
+        out = full_log_probs(logits, copy, m.copy_cfg.mix, m.vocab_size, m.tp_group, mark_copies)
+        return tuple(None if t is None else t[:, 0] for t in out)
+
+def _dynamo_settings():
+    """What the compiled step needs of dynamo, for its calls only: megatron-core's row-parallel
+    linear warns (a deprecation) on every call, ignored in the graph rather than a break in it;
+    one graph per (batch, bucket, greedy, marks), and an evaluation meets more than dynamo's
+    default 8, past which it would run the step eager without a word."""
+    config = torch._dynamo.config
+    return config.patch(ignore_logging_functions=config.ignore_logging_functions | {warnings.warn},
+                        recompile_limit=max(config.recompile_limit, RECOMPILE_LIMIT))

@@ -7,9 +7,11 @@ right after it, one of `new_tokens`; the prefill is the single token's time and 
 costs the median over rounds of
     (t(new_tokens) - t(1)) / (new_tokens - 1),
 the same arithmetic for ours and for transformers, so their per-token figures compare the decode
-loops alone. The peer (`peer_model`) is the backbone's stock transformers class (LlamaForCausalLM
-for llama) holding the copy-off model's own weights (its HF export), decoding with its own cache;
-the tokens of both are compared. Compile time: what the first generation of a shape costs above a
+loops alone; a whole call (`*_call_s`, the median generation of `new_tokens`, the prefill
+included) is reported beside it, and `call_speedup_vs_peer` from it. The peer (`peer_model`) is
+what a user loads: transformers' `from_pretrained` of the copy-off model's export (the backbone's
+stock class, LlamaForCausalLM for llama), decoding with its own cache; the tokens of both are
+compared. Compile time: what the first generation of a shape costs above a
 later one (cplm_dist.model.static_decode: once per batch and cache bucket).
 """
 
@@ -24,22 +26,24 @@ from cplm_dist.distributed import synchronize
 
 
 def peer_model(model, cfg, device: torch.device):
-    """transformers' stock class of cfg.model's backbone with `model`'s weights (a copy-off CPLM
-    at tp = 1), in eval mode, its attention SDPA."""
+    """What a user loads: transformers' `from_pretrained` of `model`'s export (a copy-off CPLM at
+    tp = 1, written as tools/export_hf.py writes it, in its dtype: the backbone's stock class, its
+    attention transformers' default), in eval mode on `device`."""
+    import tempfile
+    from pathlib import Path
+
     from transformers import AutoModelForCausalLM
 
-    from cplm_dist.interop.hf.directory import transformers_config
-    from cplm_dist.config.backbones import backbone
+    from cplm_dist.interop.hf.directory import write_hf_dir
     from cplm_dist.model.parallel.sharding import full_state_dict
 
-    hf = AutoModelForCausalLM.from_config(transformers_config(cfg.model, attn_implementation="sdpa"))
-    weights = backbone(cfg.model).hf.to_hf(full_state_dict([model.state_dict()], model), cfg.model)
-    missing, unexpected = hf.load_state_dict(weights, strict=False)
-    tied = {"lm_head.weight"} if cfg.model.tie_embeddings else set()
-    hf.tie_weights()
-    if unexpected or [k for k in missing if "rotary" not in k and k not in tied]:
-        raise RuntimeError(f"the peer does not take our weights: missing {missing}, unexpected {unexpected}")
-    return hf.to(device=device, dtype=next(model.parameters()).dtype).eval()
+    dtype = next(model.parameters()).dtype
+    with tempfile.TemporaryDirectory(prefix="cplm-peer-") as directory:
+        write_hf_dir(full_state_dict([model.state_dict()], model), cfg.model, cfg.copy, Path(directory), dtype)
+        hf = AutoModelForCausalLM.from_pretrained(directory)
+        for p in hf.parameters():  # in memory of its own, not a view of the file going away
+            p.data = p.data.clone()
+    return hf.to(device).eval()
 
 
 class Ours:
@@ -99,7 +103,8 @@ def decode_speed(runs: dict, vocab_size: int, points: list[tuple[int, int]], new
             # each round's own difference (the two generations back to back), then the median
             per_token = max(statistics.median(a - b for a, b in zip(whole[name], single[name])), 1e-9) / (new_tokens - 1)
             t_all = statistics.median(whole[name])
-            row.update({f"{name}_prefill_s": statistics.median(single[name]), f"{name}_ms_per_token": 1e3 * per_token,
+            row.update({f"{name}_prefill_s": statistics.median(single[name]), f"{name}_call_s": t_all,
+                        f"{name}_ms_per_token": 1e3 * per_token,
                         f"{name}_tokens_per_s": batch / per_token, f"{name}_first_call_extra_s": first[name] - t_all})
         ratios(row, tokens)
         rows.append(row)
@@ -114,6 +119,7 @@ def ratios(row: dict, tokens: dict) -> None:
         row["copy_overhead"] = ms("copy_on") / ms("copy_off")
     if {"copy_off", "peer"} <= names:
         row["speedup_vs_peer"] = ms("peer") / ms("copy_off")
+        row["call_speedup_vs_peer"] = row["peer_call_s"] / row["copy_off_call_s"]
         row["same_tokens_as_peer"] = bool(torch.equal(tokens["copy_off"].cpu(), tokens["peer"].cpu()))
     if {"copy_on", "peer"} <= names:
         row["copy_on_speedup_vs_peer"] = ms("peer") / ms("copy_on")
@@ -123,11 +129,12 @@ def ratios(row: dict, tokens: dict) -> None:
 
 def markdown(rows: list[dict]) -> str:
     names = sorted({k.removesuffix("_ms_per_token") for r in rows for k in r if k.endswith("_ms_per_token")})
-    extra = [k for k in ("copy_overhead", "speedup_vs_peer", "copy_on_speedup_vs_peer", "speedup_vs_eager") if k in rows[0]]
-    head = ["batch", "prompt", "new", *(f"{n} ms/token" for n in names), *extra]
+    extra = [k for k in ("copy_overhead", "speedup_vs_peer", "call_speedup_vs_peer", "copy_on_speedup_vs_peer",
+                         "speedup_vs_eager") if k in rows[0]]
+    head = ["batch", "prompt", "new", *(f"{n} ms/token" for n in names), *(f"{n} call s" for n in names), *extra]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = [str(r["batch"]), str(r["prompt"]), str(r["new_tokens"]), *(f"{r[f'{n}_ms_per_token']:.2f}" for n in names),
-                 *(f"{r[k]:.3f}" for k in extra)]
+                 *(f"{r[f'{n}_call_s']:.3f}" for n in names), *(f"{r[k]:.3f}" for k in extra)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
