@@ -12,6 +12,9 @@ from cplm_dist.data.indexed_data import write_indexed_dataset
 from cplm_dist.data.sources import iter_documents
 from cplm_dist.data.tokenizer import load_tokenizer, train_sentencepiece
 
+from tests import scheduling
+from tests.scheduling import pytest_xdist_make_scheduler  # noqa: F401 (a hook, registered from here)
+
 VOCAB = 512
 
 # One ninja for every process, as in an activated venv: DeepSpeed JIT-builds its shm comm op in
@@ -26,6 +29,18 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.executable).parent.pa
 # Decoding compiles its step where torch.compile works (cplm_dist.model.static_decode): tens of
 # seconds a shape on these CPUs. The suite decodes eager; tests/test_decoding.py compiles, asking for it.
 os.environ.setdefault("CPLM_DECODE_COMPILE", "0")
+
+
+def pytest_configure(config):
+    scheduling.register(config)  # CPLM_RECORD_DURATIONS: write each test's seconds (tests/scheduling.py)
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects: the quick tier is `-m "not slow"`
+def pytest_collection_modifyitems(config, items):
+    seconds = scheduling.recorded()
+    scheduling.mark_slow(items, seconds)
+    if hasattr(config, "workerinput"):  # an xdist worker: the units longest first (tests/scheduling.py)
+        scheduling.order_longest_first(items, seconds)
 
 
 @dataclass
