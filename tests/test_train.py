@@ -454,7 +454,7 @@ def test_nonfinite_step_is_skipped_and_counted(small_data, tmp_path, zero):
     """The skipped update uses up its step of the schedule at every ZeRO stage (DeepSpeed itself
     stepped it at ZeRO-1 and ZeRO-3 but not at ZeRO-0, where the engine reads our guard's overflow)."""
     from cplm_dist.config import load_config
-    from cplm_dist.train.optim import lr_factor
+    from cplm_dist.training.optim import lr_factor
 
     out = tmp_path / f"nan{zero}"
     args = argv(small_data, out, "train.train_steps=6", f"train.zero_stage={zero}", "train.inject_nonfinite_at=[3]",

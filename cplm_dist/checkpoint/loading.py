@@ -84,7 +84,7 @@ def check_carried_tokenizer(manifest: Manifest) -> None:
                                   "an earlier step (--checkpoint <run>/checkpoints/step-*)")
 
 
-def _pipeline_shards(manifest: Manifest, cfg: Config) -> list[dict]:
+def pipeline_shards(manifest: Manifest, cfg: Config) -> list[dict]:
     """Each saved tp rank's weights under their CPLM names, from a pipeline checkpoint's layer
     files (one per pipeline layer and tp rank)."""
     names, saved_tp = checkpoint_layer_names(cfg), manifest.layout.tp
@@ -100,7 +100,7 @@ def saved_shards(manifest: Manifest, cfg: Config) -> list[dict]:
     """Each saved tp rank's weights (pipeline layer files joined; ZeRO-3's optimizer shards merged)."""
     step_dir, saved_tp = manifest.step_dir, manifest.layout.tp
     if manifest.layout.pp > 1:
-        return _pipeline_shards(manifest, cfg)
+        return pipeline_shards(manifest, cfg)
     files = [model_states_file(step_dir, r) for r in range(saved_tp)]
     check_intact(manifest, [f.name for f in files])
     shards = [load_states(f)["module"] for f in files]

@@ -378,7 +378,7 @@ def data_fingerprints(cfg: Config) -> dict[str, str]:
     bounded reads whatever the size) of the datasets that exist; a missing one is check_data's to report.
     The valid and test splits are megatron's split of these same datasets (data.split): nothing else to record."""
     out = {}
-    for entry in all_entries(cfg):  # every stage's (cplm_dist.config.stages)
+    for entry in all_entries(cfg):  # every stage's (cplm_dist.config.curriculum)
         try:
             out[entry.path] = content_fingerprint(entry.path)
         except FileNotFoundError:

@@ -196,12 +196,12 @@ def _zero0_to_universal(source: Manifest, out: Path, model: torch.nn.Module, cfg
     order) joined by our layout. `states`: {model-states file: its contents}."""
     from deepspeed.checkpoint import constants as c
 
-    from cplm_dist.checkpoint.loading import _pipeline_shards
+    from cplm_dist.checkpoint.loading import pipeline_shards
 
     saved = source.layout
     records = [s.get(PARAMETERS) for s in states.values()]
     if saved.pp > 1:
-        weights = _pipeline_shards(source, cfg)
+        weights = pipeline_shards(source, cfg)
     else:
         weights = [s["module"] for s in states.values()]
     if records[0] is not None:

@@ -297,7 +297,7 @@ def validate_train(cfg: Config) -> None:
 
 def validate_muon(cfg: Config) -> None:
     """optim.muon's ranges, and the layouts Muon is exact at: ZeRO 0-2 in fp32, ZeRO-1/2 in bf16
-    (cplm_dist.train.zero_partitions); DeepSpeed's other optimizer wrappers are refused."""
+    (cplm_dist.training.zero_partitions); DeepSpeed's other optimizer wrappers are refused."""
     m, t = cfg.optim.muon, cfg.train
     if m.lr is not None and not m.lr > 0:
         raise ConfigError(f"optim.muon.lr={m.lr} must be > 0, or null to take optim.lr")

@@ -2,7 +2,7 @@
 kernel chosen when the model is built (SDPA, FlexAttention, context-parallel:
 cplm_dist.model.core_attention). RoPE on q and k where the backbone's positions are rotary; q and
 k RMS-normalised per head before it where the backbone has qk-norm (Qwen3); biases on QKV and the
-output projection where its record has biases (cplm_dist.model.backbones). The widths are heads x
+output projection where its record has biases (cplm_dist.config.backbones). The widths are heads x
 model.head_dim, which need not be hidden_size (cplm_dist.model.layer_shapes).
 
 QKV is one ColumnParallelLinear whose rows are laid out per kv group, Megatron's way:

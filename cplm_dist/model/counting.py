@@ -46,7 +46,7 @@ def _copy_mix_tensors(cfg: Config) -> list[tuple[int, bool]]:
     return [(math.prod(shape), matmul) for _, shape, matmul in MIXES[c.mix].own_parameters(cfg.model.hidden_size, c.num_heads, c.head_dim)]
 
 
-def _copy_head(cfg: Config) -> tuple[int, int]:
+def copy_head_parameters(cfg: Config) -> tuple[int, int]:
     """(matrix parameters: q, k and what of the mix multiplies h (a gate's weight); the others: a
     gate's bias, the sentinel keys)."""
     c, D = cfg.copy, cfg.model.hidden_size
@@ -70,7 +70,7 @@ def parameter_count(cfg: Config, *, padded: bool = False) -> dict[str, int]:
         "layers": m.num_layers * sum(n for n, _, _ in layer_tensors(cfg)),
         "final_norm": sum(_norm_tensors(cfg)),
         "lm_head": 0 if m.tie_embeddings else vocab * D,
-        "copy_head": sum(_copy_head(cfg)),
+        "copy_head": sum(copy_head_parameters(cfg)),
     }
     parts["total"] = sum(parts.values())
     return parts
@@ -91,7 +91,7 @@ def replicated_parameters(cfg: Config) -> int:
     them the row-parallel linears' biases and learned positions (under sequence parallelism, the
     ones whose gradients are summed over tp)."""
     per_layer = sum(n for n, split, _ in layer_tensors(cfg) if not split)
-    return cfg.model.num_layers * per_layer + sum(_norm_tensors(cfg)) + _positions(cfg) + sum(_copy_head(cfg))
+    return cfg.model.num_layers * per_layer + sum(_norm_tensors(cfg)) + _positions(cfg) + sum(copy_head_parameters(cfg))
 
 
 def matmul_parameters(cfg: Config, *, layers: int | None = None, heads: bool = True) -> int:
@@ -100,7 +100,7 @@ def matmul_parameters(cfg: Config, *, layers: int | None = None, heads: bool = T
     or not) and the copy head's q, k and gate; not the embedding lookup, the norms or biases."""
     m = cfg.model
     n = (m.num_layers if layers is None else layers) * _layer_matrices(cfg)
-    return n + (m.vocab_size * m.hidden_size + _copy_head(cfg)[0] if heads else 0)
+    return n + (m.vocab_size * m.hidden_size + copy_head_parameters(cfg)[0] if heads else 0)
 
 
 def tensor_sizes_per_device(cfg: Config, tp: int, *, layers: int | None = None, first: bool = True,

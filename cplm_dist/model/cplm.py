@@ -14,7 +14,7 @@ Data flow of a forward, per tp rank:
     ids -> VocabParallelEmbedding (+ learned positions, gpt2) -> L x TransformerLayer -> norm -> h (B, T, D), replicated
     h -> LM head (ColumnParallelLinear) -> logits (B, T, V/tp), this rank's vocabulary shard
     h -> CopyHead (replicated) -> A_t, M_t, gate (B, T)
-    vocab_parallel.mixed_nll: (logits shard, labels, copy terms or None) -> nll (B, T)
+    loss.mixed_nll: (logits shard, labels, copy terms or None) -> nll (B, T)
 Under sequence parallelism (docs/parallelism.md) the trunk runs in Megatron's sequence-first layout:
     ids -> VocabParallelEmbedding (reduce-scatter) -> x (T/tp, B, D), this rank's positions
     layers: norms and residuals on the T/tp positions; each linear pair all-gathers the sequence
@@ -39,7 +39,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-import cplm_dist.model.loss as vocab_parallel
+import cplm_dist.model.loss as loss
 from cplm_dist.config import Config, ModelConfig
 from cplm_dist.megatron_compat import parallel_state
 from cplm_dist.model.block import TransformerLayer
@@ -78,7 +78,7 @@ class CPLM(torch.nn.Module):
         # the kernel the layers were built with (PartSpec.core_attention), whose masks a forward builds once
         self.core_attention = layers[0].attention.core
         self.model_cfg, self.copy_cfg, self.loss_cfg, self.tp_group = model_cfg, head.copy_cfg, head.loss_cfg, head.tp_group
-        self.tp_rank, self.tp_size = vocab_parallel.tp_rank_size(head.tp_group)
+        self.tp_rank, self.tp_size = loss.tp_rank_size(head.tp_group)
         self.vocab_size = model_cfg.vocab_size
         self.sequence_parallel = head.sequence_parallel
         self.embedding, self.position_embedding = embed.embedding, embed.position_embedding
@@ -144,7 +144,7 @@ class CPLM(torch.nn.Module):
     # --- training ------------------------------------------------------------------------------
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None) -> vocab_parallel.TokenLoss:
+                position_ids: torch.Tensor | None = None) -> loss.TokenLoss:
         """input_ids (B, T); labels (B, T) global ids, -100 to ignore; default: the next input id.
         position_ids (B, T): positions restarting at 0 where a document starts (document masking:
         a token sees, and the copy head pastes from, earlier tokens of its own document only);
@@ -152,7 +152,7 @@ class CPLM(torch.nn.Module):
         if labels is None and self.context is not None:
             raise ValueError("a context-parallel forward needs its labels: the next id of a chunk's last token is another rank's")
         if labels is None:
-            labels = torch.cat([input_ids[:, 1:], torch.full_like(input_ids[:, :1], vocab_parallel.IGNORE_INDEX)], 1)
+            labels = torch.cat([input_ids[:, 1:], torch.full_like(input_ids[:, :1], loss.IGNORE_INDEX)], 1)
         if self.context is not None:
             h, inputs = self._context_trunk(input_ids, position_ids)
             return self.parts.head.token_loss(h, input_ids, labels, self.tied, context=inputs)
@@ -252,7 +252,7 @@ class CPLM(torch.nn.Module):
             logits, copy = self.head_over(h[:, t0:t1], None if q is None else q[:, :, t0:t1], state, slots[t0:t1],
                                           state.length)
             shard, _ = mixed_shard(logits, copy, self.copy_cfg.mix, self.tp_group)
-            lp, top = vocab_parallel.target_log_probs(shard, targets[:, t0:t1], self.tp_group)
+            lp, top = loss.target_log_probs(shard, targets[:, t0:t1], self.tp_group)
             logps.append(lp)
             greedy.append(top)
         return torch.cat(logps, dim=1), torch.cat(greedy, dim=1)
@@ -287,7 +287,7 @@ def build_model(cfg: Config, *, tp_group: dist.ProcessGroup | None = None, devic
     if tp != cfg.parallel.tp:
         raise ValueError(f"parallel.tp={cfg.parallel.tp} but the tensor-parallel group has {tp} ranks")
     m = cfg.model
-    note = vocab_parallel.vocab_padding_note(m.vocab_size, m.make_vocab_size_divisible_by, tp)
+    note = loss.vocab_padding_note(m.vocab_size, m.make_vocab_size_divisible_by, tp)
     if note and dist.get_rank() == 0:
         log.warning(note)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))

@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-import cplm_dist.model.loss as vp
+import cplm_dist.model.loss as loss
 from cplm_dist.model.documents import document_index
 
 
@@ -50,23 +50,23 @@ def gradient_paths(model, input_ids: torch.Tensor, labels: torch.Tensor, positio
         docs = None if position_ids is None else document_index(position_ids)
         copy = model.copy_head(h_copy, input_ids, labels, docs, position_ids)
     token_labels = labels.t().contiguous() if sp else labels
-    out = vp.mixed_nll(logits, token_labels, copy, model.copy_cfg.mix, group)
-    keep = token_labels != vp.IGNORE_INDEX
-    loss = out.nll.sum() / keep.sum()
+    out = loss.mixed_nll(logits, token_labels, copy, model.copy_cfg.mix, group)
+    keep = token_labels != loss.IGNORE_INDEX
+    mean_nll = out.nll.sum() / keep.sum()
     leaves = [logits, h_lm] + ([h_copy] if copy is not None else [])
-    grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+    grads = torch.autograd.grad(mean_nll, leaves, allow_unused=True)
     real = head.real_local
     g = grads[0].detach().flatten(0, -2)[:, :real].double()  # (N, V_real/tp): this rank's vocabulary shard
     weight = (model.tied if model.tied is not None else model.lm_head.weight).detach()[:real].double()  # (V_real/tp, D)
     gw, wtw, g_sq = g @ weight, weight.t() @ weight, g.pow(2).sum()
     for t in (gw, wtw, g_sq):
-        vp.all_reduce(t, dist.ReduceOp.SUM, group)
+        loss.all_reduce(t, dist.ReduceOp.SUM, group)
     seen = torch.trace(gw @ torch.linalg.solve(wtw, gw.t()))  # ||G Q||^2
     via_lm = _h_norm(grads[1], sp, group)
     via_copy = _h_norm(grads[2], sp, group) if copy is not None and grads[2] is not None else 0.0
     share = out.copy_share.detach()[keep].double()
     return {
-        "loss": float(loss.detach()),
+        "loss": float(mean_nll.detach()),
         "suppressed_fraction": float(1.0 - seen / g_sq),
         "grad_norm_logits": float(g_sq.sqrt()),
         "grad_norm_h_via_lm_head": via_lm,
@@ -82,4 +82,4 @@ def gradient_paths(model, input_ids: torch.Tensor, labels: torch.Tensor, positio
 def _h_norm(grad: torch.Tensor, sequence_parallel: bool, group) -> float:
     """||dL/dh||: whole on every tp rank, or (sequence parallel) summed over the ranks' positions."""
     sq = grad.detach().double().pow(2).sum()
-    return float((vp.all_reduce(sq, dist.ReduceOp.SUM, group) if sequence_parallel else sq).sqrt())
+    return float((loss.all_reduce(sq, dist.ReduceOp.SUM, group) if sequence_parallel else sq).sqrt())

@@ -119,7 +119,7 @@ QKV_WEIGHT = "attention.qkv.weight"
 
 
 def muon_shapes(m: ModelConfig, copy: CopyConfig | None = None) -> dict[str, ParameterShape]:
-    """Muon's matrices (optim.name=muon: cplm_dist.train.muon steps them, cplm_dist.profiling.muon_cost
+    """Muon's matrices (optim.name=muon: cplm_dist.training.muon steps them, cplm_dist.profiling.muon_cost
     prices them) by name: a layer's 2-D weights under their name in the layer (QKV, attention out,
     MLP fc1 and fc2) and, given `copy` (optim.muon.copy_head) with the copy head on, its query and
     key projections. Norms, the qk-norm slot, biases, the embedding and the LM head are AdamW's."""

@@ -24,7 +24,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-import cplm_dist.model.loss as vocab_parallel
+import cplm_dist.model.loss as loss
 from cplm_dist.model.loss import NEG_INF, CopyTerms, all_reduce
 
 HALF = math.log(0.5)
@@ -49,7 +49,7 @@ def copy_mass(weights: torch.Tensor, src: torch.Tensor, cand: torch.Tensor, v_lo
     """(owned (B, K): slot j is a candidate whose id is this rank's, local (B, K) its id in the
     shard, mass (B, K) the copy weight summed over the slots pasting that id, the shard's mass
     buffer (B, V/tp)) for weights (B, K) over slots whose ids are src (B, K)."""
-    start, end = vocab_parallel.vocab_range(v_local, tp_group)
+    start, end = loss.vocab_range(v_local, tp_group)
     owned = cand & (src >= start) & (src < end)
     local = torch.where(owned, src - start, torch.zeros_like(src))
     w = torch.where(owned, weights.float(), torch.zeros_like(weights, dtype=torch.float32))
@@ -68,8 +68,8 @@ def greedy(logits: torch.Tensor, copy: CopyOver | None, mix: str, tp_group=None,
     None) for one query a row: logits (B, 1, V/tp) and the copy head's distribution over the
     slots (CPLM.head_over), the same on every tp rank."""
     z = logits[:, 0].float()
-    start, _ = vocab_parallel.vocab_range(z.shape[-1], tp_group)
-    lse = vocab_parallel.vocab_parallel_lse(z, tp_group)  # (B,)
+    start, _ = loss.vocab_range(z.shape[-1], tp_group)
+    lse = loss.vocab_parallel_lse(z, tp_group)  # (B,)
     big = torch.iinfo(torch.long).max
     if copy is None:
         lm = z - lse.unsqueeze(-1)  # the reference's log-probs, as `full_log_probs` rounds them
@@ -77,7 +77,7 @@ def greedy(logits: torch.Tensor, copy: CopyOver | None, mix: str, tp_group=None,
         index = lowest(lm == best.unsqueeze(-1), start)
     else:
         terms = CopyTerms(*(None if t is None else t[:, 0].float() for t in copy.terms))
-        w = vocab_parallel.mix_weights(lse, terms, mix)
+        w = loss.mix_weights(lse, terms, mix)
         owned, local, mass, buffer = copy_mass(copy.weights[:, 0], copy.src, copy.cand[:, 0], z.shape[-1], tp_group)
         copy_log_mass = w.copy.unsqueeze(-1) + (terms.copy_all.unsqueeze(-1) + torch.log(mass))
         # the LM term of every id, rounded as the reference's (B, V) mixture rounds it: ids whose z differ
@@ -102,9 +102,9 @@ def mixed_shard(logits: torch.Tensor, copy: CopyOver | None, mix: str, tp_group=
     """(this rank's shard of the mixture's log-probs (B, T, V/tp), of the copy component's log
     mass or None) from logits (B, T, V/tp) and the copy head's distribution over the slots."""
     if copy is None:
-        return vocab_parallel.mixed_log_probs(logits, None, None, mix, tp_group)
-    copy_lp = vocab_parallel.scatter_copy_log_probs(copy.weights, copy.src, logits.shape[-1], tp_group)
-    return vocab_parallel.mixed_log_probs(logits, copy_lp, copy.terms, mix, tp_group)
+        return loss.mixed_log_probs(logits, None, None, mix, tp_group)
+    copy_lp = loss.scatter_copy_log_probs(copy.weights, copy.src, logits.shape[-1], tp_group)
+    return loss.mixed_log_probs(logits, copy_lp, copy.terms, mix, tp_group)
 
 
 def full_log_probs(logits: torch.Tensor, copy: CopyOver | None, mix: str, vocab_size: int, tp_group=None,
@@ -112,5 +112,5 @@ def full_log_probs(logits: torch.Tensor, copy: CopyOver | None, mix: str, vocab_
     """(log p (B, T, V) of the mixture, the copy component's log mass (B, T, V) or None), gathered
     over tp: the distribution sampling draws from and evaluation reads."""
     shard, copy_part = mixed_shard(logits, copy, mix, tp_group)
-    gather = lambda t: vocab_parallel.gather_vocab(t, tp_group)[..., :vocab_size]  # noqa: E731
+    gather = lambda t: loss.gather_vocab(t, tp_group)[..., :vocab_size]  # noqa: E731
     return gather(shard), (gather(copy_part) if with_copy_part and copy_part is not None else None)

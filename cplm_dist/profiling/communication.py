@@ -81,7 +81,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from cplm_dist.config import Config
-from cplm_dist.model.counting import _copy_head, replicated_parameters
+from cplm_dist.model.counting import copy_head_parameters, replicated_parameters
 from cplm_dist.model.layer_shapes import ALWAYS, UNDER_SEQUENCE_PARALLEL, layer_shapes
 from cplm_dist.model.loss import padded_vocab_size
 from cplm_dist.model.mixes import MIXES
@@ -117,7 +117,7 @@ def tp_bytes_per_micro_batch(cfg: Config, *, tp: int, tokens: int, act_bytes: in
     keys = 4 * tokens * c.num_heads * c.head_dim * head if c.enabled else 0
     terms = 4 * tokens * _copy_terms(cfg) * head if c.enabled else 0
     layer = L * sum(s.numel for s in shapes if s.grad_sum == UNDER_SEQUENCE_PARALLEL)  # norms (each rank's positions)
-    norms = layer + heads + head * (m.hidden_size + sum(_copy_head(cfg)))  # the replicated weights
+    norms = layer + heads + head * (m.hidden_size + sum(copy_head_parameters(cfg)))  # the replicated weights
     if layers is None:
         assert norms == replicated_parameters(cfg)
     return {

@@ -1,4 +1,4 @@
-"""What Muon adds to a step (optim.name=muon; cplm_dist.train.muon), from the config and layout alone.
+"""What Muon adds to a step (optim.name=muon; cplm_dist.training.muon), from the config and layout alone.
 
 Each Muon matrix (the transformer layers' 2-D weights, the copy head's q and k under
 optim.muon.copy_head) is orthogonalised whole by the ranks that update it:

@@ -9,7 +9,7 @@ x activation checkpointing x sequence parallelism (tp > 1):
 
     memory   cplm_dist.profiling.memory.estimate (must fit `headroom` of the GPU's memory); at
              pp > 1 its heaviest pipeline stage
-    compute  training FLOPs per device (cplm_dist.train.throughput.flops_per_token, plus the
+    compute  training FLOPs per device (cplm_dist.training.throughput.flops_per_token, plus the
              recomputed forward of the layers with checkpointing) at `achievable` x the GPU's
              dense peak: the stated fraction a well-shaped matmul reaches, not a measurement
     tp       cplm_dist.profiling.communication bytes x the ring factor / the bandwidth of the

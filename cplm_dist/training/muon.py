@@ -12,7 +12,7 @@ The same optimizer at every layout: O is always the orthogonalisation of the *wh
 At tp > 1 a column- or row-parallel shard of U is gathered over tp (megatron's strided layout:
 cplm_dist.model.parallel.sharding), orthogonalised whole, and each rank keeps its shard of O.
 Under ZeRO-1/2 DeepSpeed hands the optimizer a flat partition of each parameter group
-(cplm_dist.train.zero_partitions): the momentum buffer stays partitioned (its update is
+(cplm_dist.training.zero_partitions): the momentum buffer stays partitioned (its update is
 elementwise), U is all-gathered over the partition's group, and each rank computes O for the
 matrices its partition touches and writes its own slice. `optim.muon.split_qkv` orthogonalises
 the QKV weight per projection (queries, keys, values: row sets of megatron's per-group layout),
@@ -95,7 +95,7 @@ def mark_matrices(named, cfg) -> list[torch.nn.Parameter]:
 
 
 class Orthogonaliser:
-    """The Muon half of the optimizer (cplm_dist.train.optim.GuardedMuon): steps the parameter
+    """The Muon half of the optimizer (cplm_dist.training.optim.GuardedMuon): steps the parameter
     groups marked `orthogonal`, keeping each parameter's momentum buffer in `state`."""
 
     def __init__(self, tp_group: dist.ProcessGroup | None = None, *, ns_steps: int = 5,
@@ -135,7 +135,7 @@ class Orthogonaliser:
     @torch.no_grad()
     def step_group(self, states, group: dict) -> None:
         """W <- W (1 - lr wd) - lr x update for each parameter of `group`: a module's matrix
-        (ZeRO-0) or a ZeRO flat partition (its `_cplm_partition`: cplm_dist.train.zero_partitions)."""
+        (ZeRO-0) or a ZeRO flat partition (its `_cplm_partition`: cplm_dist.training.zero_partitions)."""
         lr, decay = group["lr"], group["weight_decay"]
         for param in group["params"]:
             if param.grad is None:
