@@ -9,9 +9,10 @@ their time in one process (one rank, a command-line tool, a process starting, Sl
 two workers on two cores take about 40% off the suite's wall time.
 
 The quick tier (`bash tools/run_tests.sh --quick`, i.e. `-m "not slow"`): a test is marked `slow`
-when its recorded time is over QUICK_S seconds, or when it needs a module- or session-scoped fixture
-of ours other than the small corpus (a shared training run, a cluster: built for the first test
-that asks, whatever the tier).
+when its recorded time is over QUICK_S seconds, or when it needs an expensive shared fixture: a
+module- or session-scoped fixture of ours (a shared training run, a cluster) whose users' recorded
+times add up to more than SHARED_QUICK_S (a shared fixture's cost lands on the first test that asks
+for it, whatever the tier; the cheap ones -- test_model's tp runs -- stay in the quick tier).
 
 The recorded seconds are tests/durations.json ({test id: seconds, setup + call + teardown}), written
 by a whole run with CPLM_RECORD_DURATIONS set:
@@ -29,7 +30,7 @@ import pytest
 
 DURATIONS = Path(__file__).with_name("durations.json")
 QUICK_S = 4.0
-CHEAP_SHARED_FIXTURES = {"small_data"}  # a tokenizer and two indexed datasets, a few seconds once
+SHARED_QUICK_S = 45.0
 
 # Modules that share a machine-wide resource: run as one unit, in this order.
 SERIAL = {"tests/test_launchers.py": "slurm", "tests/test_multihost.py": "slurm", "tests/test_chaos.py": "slurm",
@@ -80,20 +81,20 @@ def order_longest_first(items: list, seconds: dict[str, float]) -> None:
     items[:] = [item for _, item in sorted(enumerate(items), key=key)]
 
 
-def shares_an_expensive_fixture(item) -> bool:
-    """Whether the test asks for a module- or session-scoped fixture defined in tests/ (a shared
-    run, a cluster), other than the cheap ones."""
+def shared_fixtures(item) -> set[tuple[str, str]]:
+    """The module- or session-scoped fixtures defined in tests/ that the test asks for, as (name, where)."""
     info = getattr(item, "_fixtureinfo", None)
-    for name, defs in (info.name2fixturedefs.items() if info is not None else ()):
-        for d in defs:
-            if d.scope in ("module", "session") and d.baseid.startswith("tests") and name not in CHEAP_SHARED_FIXTURES:
-                return True
-    return False
+    return {(name, d.baseid) for name, defs in (info.name2fixturedefs.items() if info is not None else ())
+            for d in defs if d.scope in ("module", "session") and d.baseid.startswith("tests")}
 
 
 def mark_slow(items: list, seconds: dict[str, float]) -> None:
+    users: dict[tuple[str, str], float] = {}
     for item in items:
-        if seconds.get(item.nodeid, 0.0) > QUICK_S or shares_an_expensive_fixture(item):
+        for fixture in shared_fixtures(item):
+            users[fixture] = users.get(fixture, 0.0) + seconds.get(item.nodeid, 0.0)
+    for item in items:
+        if seconds.get(item.nodeid, 0.0) > QUICK_S or any(users[f] > SHARED_QUICK_S for f in shared_fixtures(item)):
             item.add_marker(pytest.mark.slow)
 
 
