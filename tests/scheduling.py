@@ -65,13 +65,12 @@ def order_longest_first(items: list, seconds: dict[str, float]) -> None:
     """Items grouped by unit, the longest unit first; a unit's items keep their collected order
     (the modules of a SERIAL group in the group's order)."""
     unit_s: dict[str, float] = {}
-    for item in items:
-        unit = unit_of(item.nodeid)
-        unit_s[unit] = unit_s.get(unit, 0.0) + seconds.get(item.nodeid, 0.0)
-    position = {module: i for i, module in enumerate(SERIAL)}
     first_seen: dict[str, int] = {}
     for i, item in enumerate(items):
-        first_seen.setdefault(unit_of(item.nodeid), i)
+        unit = unit_of(item.nodeid)
+        unit_s[unit] = unit_s.get(unit, 0.0) + seconds.get(item.nodeid, 0.0)
+        first_seen.setdefault(unit, i)
+    position = {module: i for i, module in enumerate(SERIAL)}
 
     def key(indexed):
         i, item = indexed
@@ -109,7 +108,7 @@ class DurationRecorder:
         self.seconds[report.nodeid] = round(self.seconds.get(report.nodeid, 0.0) + report.duration, 2)
 
     def pytest_sessionfinish(self, session):
-        if not hasattr(session.config, "workerinput") and self.seconds:
+        if self.seconds:  # registered on the controller only (`register`)
             self.path.write_text(json.dumps(dict(sorted(self.seconds.items())), indent=0) + "\n")
 
 
