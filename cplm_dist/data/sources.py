@@ -2,12 +2,16 @@
 
 | input | read by | one document is | a record is named by |
 |---|---|---|---|
-| `.jsonl`, `.ndjson` | our line reader | the `text_key` field of a line | `file:line` |
+| `.jsonl`, `.ndjson` (also `.gz`, `.zst`) | our line reader | the `text_key` field of a line | `file:line` |
 | `.json` | ours: a JSON array of records (read whole), else JSON lines | the `text_key` field of a record | `file:line` (where the record starts) |
 | `.csv` | ours (`csv` module, every field a string) | the `text_key` column of a row | `file:line` (where the row starts) |
-| `.parquet`, `.arrow` | `datasets` (streaming) | the `text_key` column of a row | `file: row N` (from 1) |
+| `.parquet` | pyarrow, the `text_key` column alone, a row group at a time | the `text_key` column of a row | `file: row N` (from 1) |
+| `.arrow` | `datasets` (streaming) | the `text_key` column of a row | `file: row N` (from 1) |
 | a `save_to_disk` directory, `--hf-dataset` | `datasets`, offline (hf_datasets.py) | the `text_key` column of a row | `DIR (split S): row N` |
-| anything else (`.txt`, `.md`, `.py`, ...) | our file reader | the whole file | `file` |
+| `.txt`, and any file named on the command line (`.md`, `.py`, ...) | our file reader | the whole file | `file` |
+
+Which files of a directory are read, how compressed files are opened and how inputs become work
+units (byte ranges of a large JSON-lines file, read by `read_unit`) is input_files.py's.
 
 JSON, JSON lines and CSV are read by us rather than by `datasets` because its readers can neither
 skip a bad record nor say which file and line it was, and they change text: its CSV reader turns
@@ -22,7 +26,7 @@ text that is not Unicode (a JSON `\\ud800` escape without its other half, which 
 tokenizer can hold) -- either stops the run naming its file and line (`on_bad="stop"`) or is
 skipped and counted by reason (`on_bad="skip"`). Empty documents carry nothing and are dropped
 and counted under either policy. Missing inputs always stop; empty files stop unless skipped.
-Directories expand to their files, sorted, so the document order is fixed; a directory written by
+Directories expand to their data files, sorted, so the document order is fixed; a directory written by
 `datasets`' `save_to_disk` (`state.json` + `dataset_info.json`, or `dataset_dict.json`: one split,
 `split`) is one input, read by hf_datasets.py, never as files. A dataset's rows follow the same
 rules: a null or non-string value is a bad record, a dataset without the `text_key` column is a bad
@@ -43,14 +47,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from cplm_dist.data.hf_datasets import (
-    DatasetInput, MissingColumn, hub_input, iter_values, offline_datasets, saved_input, saved_kind,
+from cplm_dist.data.hf_datasets import DatasetInput, MissingColumn, hub_input, iter_values, offline_datasets
+from cplm_dist.data.input_files import (  # noqa: F401  (expand_inputs: the readers' callers import it from here)
+    JSONL, Input, Unit, decompression_error, expand_inputs, name_parts, open_binary,
 )
 from cplm_dist.data.tokenizer import not_unicode
 from cplm_dist.errors import DataError, UsageError
 
-JSONL = {".jsonl", ".ndjson"}
-DATASETS_FORMATS = {".parquet": "parquet", ".arrow": "arrow"}
+DATASETS_FORMATS = {".arrow": "arrow"}
+PARQUET_BATCH_ROWS = 1024
 ON_BAD = ("stop", "skip")
 BOM = b"\xef\xbb\xbf"
 _JSON_SPACE = re.compile(r"[ \t\n\r]*")
@@ -75,48 +80,10 @@ class ReadStats:
     documents: int = 0
     bytes: int = 0
     skipped: Counter = field(default_factory=Counter)  # reason -> count
+    rejected: list | None = None  # when a list: (reason, message) of each skipped bad record, for a reject file
 
     def describe_skipped(self) -> str:
         return ", ".join(f"{n} {reason}" for reason, n in sorted(self.skipped.items())) or "none"
-
-
-Input = Path | DatasetInput
-
-
-def _walk(directory: Path, split: str | None) -> list[Input]:
-    """The files under `directory` (not those named .*), sorted by path, not following links to
-    directories; a save_to_disk directory among them is one input."""
-    if saved_kind(directory):
-        return [saved_input(directory, split)]
-    found: list[Input] = []
-    for child in sorted(directory.iterdir()):
-        if child.is_dir() and not child.is_symlink():
-            found += _walk(child, split)
-        elif child.is_file() and not child.name.startswith("."):
-            found.append(child)
-    return found
-
-
-def expand_inputs(paths: Iterable[str | Path | DatasetInput], split: str | None = None) -> list[Input]:
-    """Files, and datasets (a save_to_disk directory: a DatasetDict's `split`), in order."""
-    files: list[Input] = []
-    for raw in paths:
-        if isinstance(raw, DatasetInput):
-            files.append(raw)
-            continue
-        p = Path(raw)
-        if p.is_dir():
-            found = _walk(p, split)
-            if not found:
-                raise DataError(f"input directory {p} holds no files")
-            files += found
-        elif p.is_file():
-            files.append(p)
-        else:
-            raise DataError(f"input {p} does not exist: check the path")
-    if not files:
-        raise DataError("no input files given")
-    return files
 
 
 def add_input_arguments(p: argparse.ArgumentParser) -> None:
@@ -127,16 +94,21 @@ def add_input_arguments(p: argparse.ArgumentParser) -> None:
                    "repository or data-file directory, or a hub name already in the local cache (never downloaded)")
     p.add_argument("--hf-config", metavar="NAME", help="the --hf-dataset configuration (load_dataset's name)")
     p.add_argument("--split", help="the split of --hf-dataset and of a saved DatasetDict, e.g. train")
+    p.add_argument("--pattern", metavar="GLOB", help="read only the files of an input directory matching GLOB "
+                   "(e.g. '*.py', 'shard-*.jsonl.gz'); default: its data files by name (.jsonl[.gz|.zst], .json, "
+                   ".csv, .txt, .parquet, .arrow)")
     p.add_argument("--text-key", default="text", help="the field or column holding the text")
     p.add_argument("--on-bad-record", choices=ON_BAD, default="stop")
 
 
-def inputs_from_args(args: argparse.Namespace) -> list[Input]:
-    return resolve_inputs(args.input, args.split, args.hf_dataset, args.hf_config)
+def inputs_from_args(args: argparse.Namespace, report=None) -> list[Input]:
+    return resolve_inputs(args.input, args.split, args.hf_dataset, args.hf_config,
+                          pattern=getattr(args, "pattern", None), report=report)
 
 
 def resolve_inputs(paths: Iterable[str | Path] = (), split: str | None = None, hf_dataset: str | None = None,
-                   hf_config: str | None = None, cache_dir: str | None = None) -> list[Input]:
+                   hf_config: str | None = None, cache_dir: str | None = None, pattern: str | None = None,
+                   report=None) -> list[Input]:
     """The tools' inputs: `--input` files and directories, then `--hf-dataset` (opened now, so that
     a bad name, config or split stops before anything is written)."""
     paths = list(paths or ())
@@ -144,7 +116,7 @@ def resolve_inputs(paths: Iterable[str | Path] = (), split: str | None = None, h
         raise UsageError("no input: give --input FILE_OR_DIR ... and/or --hf-dataset NAME_OR_PATH")
     if hf_config and not hf_dataset:
         raise UsageError(f"--hf-config {hf_config} needs --hf-dataset: give the dataset it belongs to")
-    items = expand_inputs(paths, split) if paths else []
+    items = expand_inputs(paths, split, pattern, report) if paths else []
     if hf_dataset:
         items.append(hub_input(hf_dataset, hf_config, split, cache_dir))
     if split is not None and not any(isinstance(i, DatasetInput) and i.split for i in items):
@@ -158,6 +130,8 @@ def bad_record(policy: str, stats: ReadStats, reason: str, message: str) -> None
     if policy == "stop":
         raise DataError(f"{message}; fix the input or pass --on-bad-record skip to skip and count such records")
     stats.skipped[reason] += 1
+    if stats.rejected is not None:
+        stats.rejected.append((reason, message))
 
 
 def _utf8_error(e: UnicodeDecodeError, line_start: int = 0) -> str:
@@ -196,9 +170,26 @@ def _json_error(e: Exception) -> str:
     return f"not valid JSON here ({str(e).splitlines()[0][:120]})"  # e.g. an integer of over 4300 digits
 
 
-def _read_jsonl(path: Path, text_key: str, policy: str, stats: ReadStats) -> Iterator[tuple[str, str]]:
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, start=1):
+def _jsonl_lines(f, start: int, end: int | None) -> Iterator[bytes]:
+    """The lines of a binary file whose first byte lies in [start, end) (all with end None); `start`
+    is a line start (work_units cuts there)."""
+    if end is None:
+        yield from f
+        return
+    f.seek(start)
+    pos = start
+    while pos < end:
+        raw = f.readline()
+        if not raw:
+            return
+        pos += len(raw)
+        yield raw
+
+
+def _read_jsonl(path: Path, text_key: str, policy: str, stats: ReadStats, start: int = 0, end: int | None = None,
+                first_line: int = 1) -> Iterator[tuple[str, str]]:
+    with open_binary(path) as f:
+        for lineno, raw in enumerate(_jsonl_lines(f, start, end), start=first_line):
             if lineno == 1 and raw.startswith(BOM):
                 raw = raw[len(BOM):]
             if not raw.strip():
@@ -221,15 +212,20 @@ def _read_jsonl(path: Path, text_key: str, policy: str, stats: ReadStats) -> Ite
 
 def _first_byte(path: Path) -> bytes:
     """The first byte of the file that is neither a byte-order mark nor JSON whitespace."""
-    with open(path, "rb") as f:
-        head = f.read(len(BOM))
-        if head != BOM:
-            f.seek(0)
-        for block in iter(lambda: f.read(1 << 16), b""):
+    with open_binary(path) as f:
+        block = f.read(1 << 16)
+        block = block[len(BOM):] if block.startswith(BOM) else block
+        while block:
             block = block.lstrip(b" \t\r\n")
             if block:
                 return block[:1]
+            block = f.read(1 << 16)
     return b""
+
+
+def _read_bytes(path: Path) -> bytes:
+    with open_binary(path) as f:
+        return f.read()
 
 
 def _read_json(path: Path, text_key: str, policy: str, stats: ReadStats) -> Iterator[tuple[str, str]]:
@@ -238,7 +234,7 @@ def _read_json(path: Path, text_key: str, policy: str, stats: ReadStats) -> Iter
     if _first_byte(path) != b"[":
         yield from _read_jsonl(path, text_key, policy, stats)
         return
-    raw = path.read_bytes()
+    raw = _read_bytes(path)
     raw = raw[len(BOM):] if raw.startswith(BOM) else raw
     try:
         text = raw.decode("utf-8")
@@ -300,7 +296,7 @@ def _read_csv(path: Path, text_key: str, policy: str, stats: ReadStats) -> Itera
                 bad_utf8[n] = e
                 yield raw.decode("utf-8", "surrogateescape")
 
-    with open(path, "rb") as f:
+    with open_binary(path) as f:
         reader = csv.reader(lines(f), strict=True)
         header, column, last = None, None, 0
         while True:
@@ -381,8 +377,32 @@ def _read_with_datasets(path: Path, fmt: str, text_key: str, policy: str, stats:
         raise DataError(f"{path}: could not be read as {fmt} ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
 
 
+def _read_parquet(path: Path, text_key: str, policy: str, stats: ReadStats) -> Iterator[tuple[str, str]]:
+    """The `text_key` column of a Parquet file (only that column is read), a row group at a time."""
+    import pyarrow.parquet as pq
+
+    row = 0
+    try:
+        pf = pq.ParquetFile(path)
+        if text_key not in pf.schema_arrow.names:
+            bad_record(policy, stats, f"files without a '{text_key}' column", f"{path}: no column '{text_key}' "
+                       f"(columns {pf.schema_arrow.names}); choose one with --text-key")
+            return
+        for batch in pf.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=[text_key]):
+            for value in batch.column(0).to_pylist():
+                row += 1
+                text = _column_text(f"{path}: row {row}", value, text_key, policy, stats)
+                if text is not None:
+                    yield f"{path}: row {row}", text
+    except DataError:
+        raise
+    except Exception as e:  # noqa: BLE001 - pyarrow raises many types for a bad file
+        raise DataError(f"{path}: could not be read as parquet at row {row + 1} ({type(e).__name__}: "
+                        f"{str(e).splitlines()[0][:200]}): the file is damaged or not Parquet") from None
+
+
 def _read_whole_file(path: Path, policy: str, stats: ReadStats) -> Iterator[tuple[str, str]]:
-    raw = path.read_bytes()
+    raw = _read_bytes(path)
     if raw.startswith(BOM):
         raw = raw[len(BOM):]
     try:
@@ -392,9 +412,11 @@ def _read_whole_file(path: Path, policy: str, stats: ReadStats) -> Iterator[tupl
 
 
 def _records(path: Path, text_key: str, policy: str, stats: ReadStats) -> Iterator[tuple[str, str]]:
-    suffix = path.suffix.lower()
+    suffix = name_parts(path)[0]
     if suffix in JSONL:
         return _read_jsonl(path, text_key, policy, stats)
+    if suffix == ".parquet":
+        return _read_parquet(path, text_key, policy, stats)
     if suffix == ".json":
         return _read_json(path, text_key, policy, stats)
     if suffix == ".csv":
@@ -402,6 +424,46 @@ def _records(path: Path, text_key: str, policy: str, stats: ReadStats) -> Iterat
     if suffix in DATASETS_FORMATS:
         return _read_with_datasets(path, DATASETS_FORMATS[suffix], text_key, policy, stats)
     return _read_whole_file(path, policy, stats)
+
+
+def _unit_records(unit: Unit, text_key: str, policy: str, stats: ReadStats) -> Iterator[tuple[str, str]]:
+    item = unit.input
+    if isinstance(item, DatasetInput):
+        return _read_dataset(item, text_key, policy, stats)
+    if unit.end is not None:
+        return _read_jsonl(item, text_key, policy, stats, unit.start, unit.end, unit.first_line)
+    return _records(item, text_key, policy, stats)
+
+
+def read_unit(unit: Unit, text_key: str = "text", on_bad: str = "stop", stats: ReadStats | None = None) -> Iterator[Document]:
+    """Every non-empty document of one work unit (input_files.work_units), in order."""
+    stats = stats if stats is not None else ReadStats()
+    item = unit.input
+    if isinstance(item, Path) and item.stat().st_size == 0:
+        bad_record(on_bad, stats, "empty files", f"{item}: the file is empty")
+        return
+    records = _unit_records(unit, text_key, on_bad, stats)
+    while True:
+        try:
+            where, text = next(records)
+        except StopIteration:
+            return
+        except (EOFError, OSError, ValueError) as e:  # gzip / zstd: a damaged or truncated stream
+            if isinstance(item, Path) and name_parts(item)[1] and not isinstance(e, DataError):
+                bad_record(on_bad, stats, "damaged compressed files", str(decompression_error(item, e)))
+                return
+            raise
+        if not text:
+            stats.skipped["empty documents"] += 1
+            continue
+        try:  # the one check every format's text passes: it is Unicode, so UTF-8 can hold it
+            size = len(text.encode("utf-8"))
+        except UnicodeEncodeError as e:
+            bad_record(on_bad, stats, "texts that are not Unicode", f"{where}: {not_unicode(text, e)}")
+            continue
+        stats.documents += 1
+        stats.bytes += size
+        yield Document(text, where)
 
 
 def iter_documents(
@@ -413,23 +475,5 @@ def iter_documents(
     if on_bad not in ON_BAD:
         raise DataError(f"on_bad={on_bad!r} is not one of {list(ON_BAD)}")
     stats = stats if stats is not None else ReadStats()
-    for path in expand_inputs(paths, split):
-        if isinstance(path, DatasetInput):
-            records = _read_dataset(path, text_key, on_bad, stats)
-        elif path.stat().st_size == 0:
-            bad_record(on_bad, stats, "empty files", f"{path}: the file is empty")
-            continue
-        else:
-            records = _records(path, text_key, on_bad, stats)
-        for where, text in records:
-            if not text:
-                stats.skipped["empty documents"] += 1
-                continue
-            try:  # the one check every format's text passes: it is Unicode, so UTF-8 can hold it
-                size = len(text.encode("utf-8"))
-            except UnicodeEncodeError as e:
-                bad_record(on_bad, stats, "texts that are not Unicode", f"{where}: {not_unicode(text, e)}")
-                continue
-            stats.documents += 1
-            stats.bytes += size
-            yield Document(text, where)
+    for item in expand_inputs(paths, split):
+        yield from read_unit(Unit(item), text_key, on_bad, stats)
