@@ -2,32 +2,44 @@
 
     python tools/preprocess_data.py --input corpus.jsonl --tokenizer data/tokenizer.model \
         --output-prefix data/corpus --workers 8
-    cplm-preprocess-data --input docs/ --tokenizer tok.model --output-prefix data/docs --on-bad-record skip
+    cplm-preprocess-data --input shards/ --tokenizer tok.model --output-prefix data/web --workers 16 \
+        --partition $SLURM_ARRAY_TASK_ID/$SLURM_ARRAY_TASK_COUNT --dedup exact    # one part of many
+    cplm-preprocess-data --input docs/ --pattern '*.py' --tokenizer tok.model --output-prefix data/code
     cplm-preprocess-data --input saved/ --split train ...        # a datasets save_to_disk directory
     cplm-preprocess-data --hf-dataset org/name [--hf-config C] --split train ...   # load_dataset, offline
 
-Inputs are files and directories as cplm_dist.data.sources reads them, a directory written by
-`datasets`' save_to_disk (`--split` picks a DatasetDict's split), and `--hf-dataset`: what
-`datasets.load_dataset` takes (a local dataset repository, or a hub name already in the local
-cache; the hub is never contacted), read by cplm_dist.data.hf_datasets. Streams the inputs (never
-the whole corpus in memory), encodes with `--workers` processes,
-appends the end-of-document id to every document, shows documents/s and tokens/s, and writes
-the output under a temporary name, renamed when complete. Existing output is never replaced
-without --overwrite. Every document written decodes back to exactly its text; a bad record (see
-cplm_dist/data/sources.py), or a text the tokenizer would not give back exactly, stops the run
-with one line naming its file and line and exit code 2, or with --on-bad-record skip is skipped
-and counted.
+Inputs are files and directories as cplm_dist.data.sources reads them (.jsonl, .jsonl.gz,
+.jsonl.zst, .json, .csv, .parquet, .arrow, .txt; a directory gives only those, or the files
+matching --pattern, and says what it skipped), a directory written by `datasets`' save_to_disk
+(`--split` picks a DatasetDict's split), and `--hf-dataset`: what `datasets.load_dataset` takes (a
+local dataset repository, or a hub name already in the local cache; the hub is never contacted).
+
+Each input file (a byte range of a large .jsonl: --split-mb) is a work unit that one of --workers
+processes reads, parses, encodes and writes on its own; the units are joined in input order at the
+end, so the bytes never depend on --workers. An interrupted run (a crash, SIGKILL, a bad record)
+keeps every finished unit in <prefix>.work/: the same command continues from them and ends with
+the bytes an uninterrupted run writes (cplm_dist/data/preprocess.py). --partition I/N writes part I
+of N of the inputs to <prefix>-0000I-of-0000N (merge the parts with tools/merge_data.py, or give
+them as a glob in data.blend); a part already complete is not redone. Every document written
+decodes back to exactly its text; a bad record (see cplm_dist/data/sources.py), or a text the
+tokenizer would not give back exactly, stops the run with one line naming its file and line and
+exit code 2, or with --on-bad-record skip is skipped, counted, and written to <prefix>.rejects.jsonl.
+--dedup exact drops documents whose text appeared before (also across partitions, by the merge).
+Existing output is never replaced without --overwrite.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from cplm_dist.config.cli import exit_on_usage_error
-from cplm_dist.data.indexed_data import write_indexed_dataset
-from cplm_dist.data.sources import ReadStats, add_input_arguments, inputs_from_args, iter_documents
+from cplm_dist.data.input_files import parse_partition, partition as cut
+from cplm_dist.data.preprocess import Options, partition_prefix, preprocess
+from cplm_dist.data.sources import add_input_arguments, inputs_from_args
 from cplm_dist.data.tokenizer import load_tokenizer
+from cplm_dist.errors import UsageError
 
 
 def parser() -> argparse.ArgumentParser:
@@ -36,25 +48,48 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", required=True, help="SentencePiece .model or Hugging Face tokenizer directory")
     p.add_argument("--tokenizer-backend", choices=["sentencepiece", "huggingface"], default="sentencepiece")
     p.add_argument("--output-prefix", required=True)
-    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--workers", type=int, default=1, help="processes, each working a unit (an input file) at a time")
+    p.add_argument("--partition", metavar="I/N", help="write part I of N of the inputs (0 <= I < N), to "
+                   "<output-prefix>-0000I-of-0000N; a Slurm array: $SLURM_ARRAY_TASK_ID/$SLURM_ARRAY_TASK_COUNT")
+    p.add_argument("--dedup", choices=["exact"], help="drop documents whose exact text came before (first stays)")
+    p.add_argument("--split-mb", type=float, default=1024.0, help="cut an uncompressed .jsonl larger than this "
+                   "into units of about this size (parallelism and restarts within one file)")
     p.add_argument("--no-eod", action="store_true", help="do not append the end-of-document id")
     p.add_argument("--overwrite", action="store_true", help="replace an existing dataset at --output-prefix")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--check", action="store_true", help="resolve the inputs, cut them into the --partition parts, "
+                   "load the tokenizer, print the plan and exit (launch/submit_preprocess.sh runs it before sbatch)")
     return p
+
+
+def print_plan(files, partition, output_prefix) -> None:
+    """Each part's inputs and bytes (every part of --partition's N), or the whole input."""
+    count = partition[1] if partition else 1
+    for i in range(count):
+        part = cut(files, i, count) if partition else files
+        size = sum(f.stat().st_size for f in part if isinstance(f, Path))
+        name = partition_prefix(output_prefix, (i, count) if partition else None)
+        print(f"{name}: {len(part)} inputs, {size / 1e9:.3f} GB ({part[0]} ... {part[-1]})")
 
 
 @exit_on_usage_error
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
+    if args.workers < 1 or args.split_mb <= 0:
+        raise UsageError(f"--workers {args.workers} / --split-mb {args.split_mb}: give a positive number")
+    partition = parse_partition(args.partition) if args.partition else None
     tokenizer = load_tokenizer(args.tokenizer, args.tokenizer_backend)
-    files = inputs_from_args(args)
-    stats = ReadStats()
-    summary = write_indexed_dataset(
-        iter_documents(files, args.text_key, args.on_bad_record, stats), tokenizer, args.output_prefix,
-        workers=args.workers, append_eod=not args.no_eod, overwrite=args.overwrite,
-        progress=not args.no_progress, sources=[str(f) for f in files], on_bad=args.on_bad_record, stats=stats,
-    )
-    print(f"wrote {summary.line()}; skipped: {stats.describe_skipped()}")
+    files = inputs_from_args(args, report=lambda line: print(line, file=sys.stderr))
+    if args.check:
+        print_plan(files, partition, args.output_prefix)
+        return 0
+    opts = Options(text_key=args.text_key, on_bad=args.on_bad_record, append_eod=not args.no_eod,
+                   dedup=args.dedup == "exact", split_bytes=int(args.split_mb * (1 << 20)))
+    summary, skipped = preprocess(files, tokenizer, args.output_prefix, opts=opts, workers=args.workers,
+                                  partition=partition, overwrite=args.overwrite, progress=not args.no_progress)
+    described = ", ".join(f"{n} {why}" for why, n in sorted(skipped.items())) or "none"
+    rejects = f" (listed in {args.output_prefix}*.rejects.jsonl)" if any(k != "empty documents" for k in skipped) else ""
+    print(f"wrote {summary.line()}; skipped: {described}{rejects}")
     return 0
 
 

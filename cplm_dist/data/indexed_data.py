@@ -23,6 +23,7 @@ import os
 import struct
 import sys
 import time
+from collections import deque
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -51,6 +52,7 @@ class WriteSummary:
     bin_bytes: int
     seconds: float
     max_token_id: int
+    duplicates_removed: int = 0  # --dedup exact
 
     @property
     def docs_per_s(self) -> float:
@@ -63,7 +65,8 @@ class WriteSummary:
     def line(self) -> str:
         return (f"{self.prefix}: {self.documents:,} documents, {self.tokens:,} tokens, "
                 f"{self.text_bytes / 1e6:.1f} MB text -> {self.bin_bytes / 1e6:.1f} MB .bin, {self.seconds:.1f}s "
-                f"({self.docs_per_s:,.0f} docs/s, {self.tokens_per_s:,.0f} tokens/s)")
+                f"({self.docs_per_s:,.0f} docs/s, {self.tokens_per_s:,.0f} tokens/s)"
+                + (f", {self.duplicates_removed:,} duplicate documents removed" if self.duplicates_removed else ""))
 
 
 # --- worker side ------------------------------------------------------------------------------
@@ -98,27 +101,137 @@ def _chunks(documents: Iterable[str], size: int) -> Iterator[tuple[list[str], li
 def _encoded(documents: Iterable[str], tokenizer: Tokenizer, workers: int,
              chunk_docs: int) -> Iterator[tuple[list[str], list[str], list[list[int] | str]]]:
     """(texts, wheres, ids or why not) per chunk, in input order; with workers > 1 at most
-    4 * workers chunks in flight."""
+    4 * workers chunks in flight, the reader never waiting for a whole window."""
     chunks = _chunks(documents, chunk_docs)
     if workers <= 1:
         for texts, wheres in chunks:
             yield texts, wheres, tokenizer.encode_exact(texts)
         return
     with mp.get_context("spawn").Pool(workers, initializer=_init_worker, initargs=(tokenizer.spec(),)) as pool:
-        while True:
-            window = [c for _, c in zip(range(4 * workers), chunks)]
-            if not window:
-                return
-            for (texts, wheres), encoded in zip(window, pool.imap(_encode_chunk, [t for t, _ in window])):
-                yield texts, wheres, encoded
+        pending: deque = deque()  # a sliding window: a new chunk goes out as soon as the oldest is back
+        for texts, wheres in chunks:
+            pending.append((texts, wheres, pool.apply_async(_encode_chunk, (texts,))))
+            if len(pending) >= 4 * workers:
+                texts, wheres, result = pending.popleft()
+                yield texts, wheres, result.get()
+        while pending:
+            texts, wheres, result = pending.popleft()
+            yield texts, wheres, result.get()
 
 
 # --- writing ----------------------------------------------------------------------------------
 
 
 def dataset_files(prefix: str | Path) -> dict[str, Path]:
+    """The three files of every dataset."""
     prefix = str(prefix)
     return {"meta": Path(prefix + ".meta.json"), "bin": Path(prefix + ".bin"), "idx": Path(prefix + ".idx")}
+
+
+def all_files(prefix: str | Path) -> dict[str, Path]:
+    """dataset_files and the optional ones preprocessing writes beside them: `dochash` (a record per
+    document, for --dedup exact and its merges) and `rejects` (the bad records skipped)."""
+    return {**dataset_files(prefix), "dochash": Path(f"{prefix}.dochash"), "rejects": Path(f"{prefix}.rejects.jsonl")}
+
+
+HASH_RECORD = np.dtype([("hash", "V16"), ("text_bytes", "<u8")])  # a document's record in a .dochash file
+
+
+def hash_record(text: str) -> bytes:
+    """A document's .dochash record: its exact-duplicate key (16 bytes of BLAKE2b over its UTF-8
+    text) and its text's length in bytes (so a merge that drops duplicates can count what is left)."""
+    data = text.encode("utf-8")
+    return hashlib.blake2b(data, digest_size=16).digest() + len(data).to_bytes(8, "little")
+
+
+@dataclass
+class PieceCounts:
+    """What write_piece wrote."""
+
+    documents: int = 0
+    tokens: int = 0
+    text_bytes: int = 0
+    max_token_id: int = -1
+    rejects: int = 0
+
+
+def write_piece(documents: Iterable[str], tokenizer: Tokenizer, files: dict[str, Path], *, workers: int = 1,
+                append_eod: bool = True, chunk_docs: int = 64, on_bad: str = "stop", stats: ReadStats | None = None,
+                hashes: bool = False, bar=None) -> PieceCounts:
+    """Tokenize `documents` into files["bin"] / files["idx"] (and files["dochash"] with `hashes`, and
+    each skipped bad record as a JSON line in files["rejects"] when `stats.rejected` is a list): no
+    checks, no renames -- the callers write under temporary names and publish. Each document written
+    decodes to exactly its text; any other stops naming its file and line (`on_bad="stop"`) or is
+    skipped and counted; empty ones are dropped. An input with no documents gives an empty piece."""
+    from cplm_dist.megatron_compat import IndexedDatasetBuilder
+
+    stats = stats if stats is not None else ReadStats()
+    counts = PieceCounts()
+    builder = IndexedDatasetBuilder(str(files["bin"]), dtype=token_dtype(tokenizer.vocab_size))
+    hash_file = open(files["dochash"], "wb") if hashes else None
+    reject_file = open(files["rejects"], "w", encoding="utf-8") if stats.rejected is not None else None
+    start = time.perf_counter()
+    try:
+        for texts, wheres, encoded in _encoded(documents, tokenizer, workers, chunk_docs):
+            for text, where, ids in zip(texts, wheres, encoded):
+                if not text:
+                    stats.skipped["empty documents"] += 1
+                    continue
+                if isinstance(ids, str):
+                    bad_record(on_bad, stats, "texts the tokenizer does not reproduce", f"{where}: {ids}")
+                    continue
+                arr = np.asarray(ids + [tokenizer.eod] if append_eod else ids, dtype=np.int64)
+                counts.max_token_id = max(counts.max_token_id, int(arr.max()))
+                builder.add_document(arr, [len(arr)])
+                counts.tokens += len(arr)
+                counts.documents += 1
+                counts.text_bytes += len(text.encode("utf-8"))
+                if hash_file is not None:
+                    hash_file.write(hash_record(text))
+            if reject_file is not None and stats.rejected:
+                reject_file.writelines(json.dumps({"reason": r, "record": m}, ensure_ascii=False) + "\n"
+                                       for r, m in stats.rejected)
+                counts.rejects += len(stats.rejected)
+                stats.rejected.clear()
+            if bar is not None:
+                elapsed = max(time.perf_counter() - start, 1e-9)
+                bar.update(len(encoded))
+                bar.set_postfix_str(f"{counts.documents / elapsed:,.0f} docs/s, {counts.tokens / elapsed:,.0f} tokens/s",
+                                    refresh=False)
+        builder.finalize(str(files["idx"]))
+    finally:
+        for f in (builder.data_file, hash_file, reject_file):
+            if f is not None and not f.closed:
+                f.close()
+    return counts
+
+
+def dataset_meta(summary: WriteSummary, tokenizer: Tokenizer, append_eod: bool, sources: Iterable[str],
+                 **extra) -> dict:
+    """The .meta.json of a dataset written here."""
+    return {**asdict(summary), "tokenizer": str(tokenizer.path), "tokenizer_backend": tokenizer.backend,
+            "tokenizer_sha256": tokenizer.fingerprint, "vocab_size": tokenizer.vocab_size, "eod": tokenizer.eod,
+            "append_eod": append_eod, "dtype": np.dtype(token_dtype(tokenizer.vocab_size)).name,
+            "sources": [str(s) for s in sources], **extra}
+
+
+def publish(tmp: dict[str, Path], final: dict[str, Path]) -> None:
+    """Rename a checked dataset written under `tmp` names to `final`: the old index goes first and
+    the new one comes last, so that no moment pairs an old .idx with a new .bin."""
+    final["idx"].unlink(missing_ok=True)
+    for kind in ("dochash", "rejects"):
+        if tmp[kind].exists():
+            os.replace(tmp[kind], final[kind])
+        else:
+            final[kind].unlink(missing_ok=True)
+    os.replace(tmp["meta"], final["meta"])
+    os.replace(tmp["bin"], final["bin"])
+    os.replace(tmp["idx"], final["idx"])
+
+
+def refuse_existing(prefix: str | Path, overwrite: bool) -> None:
+    if any(f.exists() for f in dataset_files(prefix).values()) and not overwrite:
+        raise DataError(f"dataset {prefix} already exists: choose another --output-prefix or pass --overwrite")
 
 
 def write_indexed_dataset(
@@ -135,79 +248,79 @@ def write_indexed_dataset(
     on_bad: str = "stop",
     stats: ReadStats | None = None,
 ) -> WriteSummary:
-    """Tokenize `documents` into `<prefix>.bin/.idx` (+ `.meta.json`), atomically. Each document
-    written decodes to exactly its text; any other (`Tokenizer.encode_exact`) stops the run naming
-    its file and line (`on_bad="stop"`) or is skipped and counted in `stats`; empty ones are dropped."""
-    from cplm_dist.megatron_compat import IndexedDatasetBuilder
-
+    """Tokenize `documents` into `<prefix>.bin/.idx` (+ `.meta.json`), atomically, in this process
+    (`workers` encode). Each document written decodes to exactly its text; any other
+    (`Tokenizer.encode_exact`) stops the run naming its file and line (`on_bad="stop"`) or is skipped
+    and counted in `stats`; empty ones are dropped. Files on disk are preprocessed resumably, in
+    parallel over files, by cplm_dist.data.preprocess."""
     if on_bad not in ON_BAD:
         raise DataError(f"on_bad={on_bad!r} is not one of {list(ON_BAD)}")
     stats = stats if stats is not None else ReadStats()
-    final = dataset_files(prefix)
-    if any(f.exists() for f in final.values()) and not overwrite:
-        raise DataError(f"dataset {prefix} already exists: choose another --output-prefix or pass --overwrite")
+    refuse_existing(prefix, overwrite)
     Path(prefix).parent.mkdir(parents=True, exist_ok=True)
-    tmp = dataset_files(f"{prefix}.tmp-{os.getpid()}")
-    dtype = token_dtype(tokenizer.vocab_size)
-    bar = _progress(progress)
+    final, tmp = all_files(prefix), all_files(f"{prefix}.tmp-{os.getpid()}")
+    bar = progress_bar(progress)
     start = time.perf_counter()
-    docs = tokens = text_bytes = 0
-    max_id = -1
-    builder = None
     try:
-        builder = IndexedDatasetBuilder(str(tmp["bin"]), dtype=dtype)
-        for texts, wheres, encoded in _encoded(documents, tokenizer, workers, chunk_docs):
-            for text, where, ids in zip(texts, wheres, encoded):
-                if not text:
-                    stats.skipped["empty documents"] += 1
-                    continue
-                if isinstance(ids, str):
-                    bad_record(on_bad, stats, "texts the tokenizer does not reproduce", f"{where}: {ids}")
-                    continue
-                if append_eod:
-                    ids = ids + [tokenizer.eod]
-                arr = np.asarray(ids, dtype=np.int64)
-                max_id = max(max_id, int(arr.max()))
-                builder.add_document(arr, [len(arr)])
-                tokens += len(arr)
-                docs += 1
-                text_bytes += len(text.encode("utf-8"))
-            if bar is not None:
-                elapsed = max(time.perf_counter() - start, 1e-9)
-                bar.update(len(encoded))
-                bar.set_postfix_str(f"{docs / elapsed:,.0f} docs/s, {tokens / elapsed:,.0f} tokens/s", refresh=False)
-        if docs == 0:
+        counts = write_piece(documents, tokenizer, tmp, workers=workers, append_eod=append_eod, chunk_docs=chunk_docs,
+                             on_bad=on_bad, stats=stats, bar=bar)
+        if counts.documents == 0:
             skipped = f" (skipped: {stats.describe_skipped()})" if stats.skipped else ""
             raise DataError(f"no documents to write to {prefix}: the inputs are empty{skipped}")
-        builder.finalize(str(tmp["idx"]))
-        summary = WriteSummary(str(prefix), docs, tokens, text_bytes, tmp["bin"].stat().st_size,
-                               time.perf_counter() - start, max_id)
-        meta = {**asdict(summary), "tokenizer": str(tokenizer.path), "tokenizer_backend": tokenizer.backend,
-                "tokenizer_sha256": tokenizer.fingerprint, "vocab_size": tokenizer.vocab_size, "eod": tokenizer.eod,
-                "append_eod": append_eod, "dtype": np.dtype(dtype).name, "sources": [str(s) for s in sources]}
-        tmp["meta"].write_text(json.dumps(meta, indent=2) + "\n")
+        summary = WriteSummary(str(prefix), counts.documents, counts.tokens, counts.text_bytes, tmp["bin"].stat().st_size,
+                               time.perf_counter() - start, counts.max_token_id)
+        tmp["meta"].write_text(json.dumps(dataset_meta(summary, tokenizer, append_eod, sources), indent=2) + "\n")
         check_indexed_dataset(str(tmp["bin"])[: -len(".bin")])
-        # Publish: drop the old index first, so that no moment pairs an old .idx with a new .bin.
-        final["idx"].unlink(missing_ok=True)
-        os.replace(tmp["meta"], final["meta"])
-        os.replace(tmp["bin"], final["bin"])
-        os.replace(tmp["idx"], final["idx"])
+        publish(tmp, final)
         return summary
     finally:
         if bar is not None:
             bar.close()
-        if builder is not None and not builder.data_file.closed:
-            builder.data_file.close()
         for f in tmp.values():
             f.unlink(missing_ok=True)
 
 
-def _progress(enabled: bool):
+def progress_bar(enabled: bool):
     if not enabled:
         return None
     from tqdm import tqdm
 
     return tqdm(unit=" docs", file=sys.stderr, dynamic_ncols=True, mininterval=0.5)
+
+
+# --- the index, as arrays ---------------------------------------------------------------------
+
+
+@dataclass
+class IndexArrays:
+    dtype: type
+    lengths: np.ndarray  # int32, tokens per sequence
+    doc_idx: np.ndarray  # int64, the sequence each document starts at, and the count at the end
+
+
+def read_index(idx_path: str | Path) -> IndexArrays:
+    """The arrays of a Megatron v1 .idx (memory-mapped; checked by check_indexed_dataset, not here)."""
+    with open(idx_path, "rb") as f:
+        head = f.read(HEADER_BYTES)
+    if len(head) < HEADER_BYTES or head[:9] != INDEX_HEADER:
+        raise DataError(f"{idx_path} is not a Megatron index (bad header); rebuild it with tools/preprocess_data.py")
+    _, code, n_seq, n_doc = struct.unpack("<QBQQ", head[9:])
+    raw = np.memmap(idx_path, dtype=np.uint8, mode="r")
+    return IndexArrays(DTYPES[code], np.frombuffer(raw, np.int32, n_seq, HEADER_BYTES),
+                       np.frombuffer(raw, np.int64, n_doc, HEADER_BYTES + 12 * n_seq))
+
+
+def write_index(idx_path: str | Path, dtype: type, lengths: np.ndarray, doc_idx: np.ndarray) -> None:
+    """A Megatron v1 .idx, the bytes megatron's _IndexWriter writes for the same arrays, at numpy speed."""
+    lengths = np.ascontiguousarray(lengths, dtype=np.int32)
+    pointers = np.zeros(len(lengths), dtype=np.int64)
+    np.cumsum(lengths[:-1].astype(np.int64) * np.dtype(dtype).itemsize, out=pointers[1:])
+    code = next(c for c, t in DTYPES.items() if t == dtype)
+    with open(idx_path, "wb") as f:
+        f.write(INDEX_HEADER + struct.pack("<QBQQ", 1, code, len(lengths), len(doc_idx)))
+        f.write(lengths.tobytes())
+        f.write(pointers.tobytes())
+        f.write(np.ascontiguousarray(doc_idx, dtype=np.int64).tobytes())
 
 
 # --- checking ---------------------------------------------------------------------------------
