@@ -22,7 +22,7 @@ import os
 import tempfile
 from collections import OrderedDict
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 from cplm_dist.errors import DataError
 from cplm_dist.files import sha256_file
@@ -284,12 +284,15 @@ def train_sentencepiece(
     character_coverage: float = 0.9999,
     num_threads: int | None = None,
     sources: Iterable[str] = (),
+    sample: Callable[[], dict] | None = None,
 ) -> dict:
     """Train `out_path` (a .model file) and write `<out_path minus .model>.json` metadata beside it.
 
     Text is kept verbatim (identity normalisation, no whitespace folding, whitespace-only
     pieces allowed), so code round-trips exactly; ids: unk 0, bos 1, eod 2, pad 3, then the
-    extra special tokens (always single pieces). The files appear only when complete.
+    extra special tokens (always single pieces). The files appear only when complete. `sample`:
+    called once the lines are read, says how the documents were drawn (cplm_dist.data.tokenizer_sample's
+    Sample.as_json: the documents each input gave), recorded in the metadata as "sample".
     """
     import sentencepiece as spm
 
@@ -344,6 +347,7 @@ def train_sentencepiece(
             "byte_fallback": byte_fallback,
             "training_lines": n_lines,
             "sources": list(sources),
+            "sample": sample() if sample is not None else None,
             "sha256": sha256_file(Path(prefix + ".model")),
             "sentencepiece_version": spm.__version__,
         }
