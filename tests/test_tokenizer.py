@@ -222,3 +222,17 @@ def test_the_tokenizer_sample_draws_from_every_shard_under_its_seed(tmp_path):
                  "--output", str(in_order)]) == 0
     per_source = json.loads(in_order.with_suffix(".json").read_text())["sample"]["per_source"]
     assert per_source[str(shards[0])] == 20 and per_source[str(shards[3])] == 0  # 2 lines a document
+
+
+def test_a_smaller_tokenizer_is_allowed_and_its_unused_rows_said_once(small_data, capsys):
+    """512 ids under model.vocab_size=1000: one note naming the 488 rows and the fix, once per process;
+    none where the difference is Megatron's padding (within 512 rounded up to 128 x tp)."""
+    tok = load_tokenizer(small_data.tokenizer)
+    for _ in range(2):
+        check_tokenizer_fits_model(tok, 1000)
+    assert capsys.readouterr().err.splitlines() == [
+        f"note: tokenizer {small_data.tokenizer} has 512 ids, model.vocab_size=1000: 488 output rows no target uses; "
+        "set model.vocab_size=512 (rounded up to a multiple of 128 is fine)"]
+    check_tokenizer_fits_model(tok, 512)
+    check_tokenizer_fits_model(tok, 1024, divisible_by=128, tp=8)  # 512 pads to 1024 at tp 8 anyway
+    assert capsys.readouterr().err == ""
