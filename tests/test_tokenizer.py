@@ -181,3 +181,58 @@ def test_encode_exact_says_why_a_text_would_not_come_back(tmp_path, small_data, 
     out = tok.encode_exact([fine, text, fine])
     assert out[1] == why
     assert out[0] == out[2] == tok.encode(fine) and tok.decode(out[0]) == fine
+
+
+SHARD_WORDS = ("zebra", "quokka", "narwhal", "axolotl")
+
+
+def _shards(root: Path) -> list[Path]:
+    """Four shards, each with its own word (what a tokenizer learnt from the first shard would miss)."""
+    out = []
+    for i, word in enumerate(SHARD_WORDS):
+        path = root / f"part-{i:05d}.jsonl"
+        path.parent.mkdir(exist_ok=True)
+        path.write_text("".join(json.dumps({"text": f"{word} {k} {word}s\n{word}{word}"}) + "\n" for k in range(60)))
+        out.append(path)
+    return out
+
+
+def test_the_tokenizer_sample_draws_from_every_shard_under_its_seed(tmp_path):
+    """--sample-docs 40 over 4 shards: 10 documents from each (from each one's first 40 records),
+    the same ones under the same seed and others under another; the trained vocabulary holds every
+    shard's word and the metadata says what each shard gave. --sample-docs 0 reads in order, so a
+    --max-lines cut leaves the later shards out."""
+    from cplm_dist.data.tokenizer_sample import sample_documents
+    from cplm_dist_tools.train_tokenizer import main
+
+    shards = _shards(tmp_path / "parts")
+    first, again, other = (sample_documents([tmp_path / "parts"], 40, seed) for seed in (7, 7, 8))
+    assert first.per_source == {str(s): 10 for s in shards}
+    assert [d.where for d in first.documents] == [d.where for d in again.documents] != [d.where for d in other.documents]
+    assert max(int(d.where.rsplit(":", 1)[1]) for d in first.documents) <= 40  # each share from its shard's head
+    out = tmp_path / "tok.model"
+    assert main(["--input", str(tmp_path / "parts"), "--vocab-size", "320", "--sample-docs", "40", "--seed", "7",
+                 "--max-lines", "40", "--output", str(out)]) == 0
+    meta = json.loads(out.with_suffix(".json").read_text())
+    assert meta["sample"] == {"documents": 40, "seed": 7, "read_factor": 4, "per_source": {str(s): 10 for s in shards}}
+    tok = load_tokenizer(out)
+    assert all(tok.sp.piece_to_id(word) != tok.sp.unk_id() for word in SHARD_WORDS)
+    in_order = tmp_path / "in-order.model"
+    assert main(["--input", str(tmp_path / "parts"), "--vocab-size", "280", "--sample-docs", "0", "--max-lines", "40",
+                 "--output", str(in_order)]) == 0
+    per_source = json.loads(in_order.with_suffix(".json").read_text())["sample"]["per_source"]
+    assert per_source[str(shards[0])] == 20 and per_source[str(shards[3])] == 0  # 2 lines a document
+
+
+def test_a_smaller_tokenizer_is_allowed_and_its_unused_rows_said_once(small_data, capsys):
+    """512 ids under model.vocab_size=1000: one note naming the 488 rows and the fix, once per process;
+    none where the difference is Megatron's padding (within 512 rounded up to 128 x tp)."""
+    tok = load_tokenizer(small_data.tokenizer)
+    for _ in range(2):
+        check_tokenizer_fits_model(tok, 1000)
+    assert capsys.readouterr().err.splitlines() == [
+        f"note: tokenizer {small_data.tokenizer} has 512 ids, model.vocab_size=1000: 488 output rows no target uses; "
+        "set model.vocab_size=512 (rounded up to a multiple of 128 is fine)"]
+    check_tokenizer_fits_model(tok, 512)
+    check_tokenizer_fits_model(tok, 1024, divisible_by=128, tp=8)  # 512 pads to 1024 at tp 8 anyway
+    assert capsys.readouterr().err == ""

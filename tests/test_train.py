@@ -513,6 +513,12 @@ def test_bad_input_one_line_exit_2_nothing_written(small_data, tmp_path):
         *([(argv(small_data, fresh, "copy.impl=flex"), None,
              "error: copy.impl=flex trains on CUDA only (FlexAttention has no CPU backward): set copy.impl=auto "
              "(flex on CUDA, chunked elsewhere) or copy.impl=chunked")] if not torch.cuda.is_available() else []),
+        (argv(small_data, fresh, "model.vocab_size=256"), None,  # a tokenizer larger than the model
+         f"error: tokenizer {small_data.tokenizer} has 512 ids but model.vocab_size=256: set model.vocab_size=512 "
+         "(or use the tokenizer the model was made for)"),
+        (argv(small_data, fresh, f"data.blend=[{{path: {tmp_path}/parts/web-*, weight: tokens}}]"), None,
+         f"error: data.blend[0].path={tmp_path}/parts/web-* matches no dataset (no {tmp_path}/parts/web-*.idx): fix the "
+         "pattern (it matches dataset prefixes, e.g. data/parts/web-* for web-00000.bin/.idx ...)"),
         (argv(small_data, fresh) + ["--resume", str(tmp_path / "nothing-here")], None,
          f"error: --resume {tmp_path / 'nothing-here'}: no complete checkpoint in {tmp_path / 'nothing-here'}; "
          "give a run directory, its checkpoints/ directory or one step-* directory, or --resume auto for a new out_dir"),

@@ -7,6 +7,8 @@
     validation.py  cross-field checks at load; the parallel layout (Layout), and the batch's once the world is known (BatchLayout)
     editing.py     a run config's YAML edited as text, comments and order kept (plan --write)
     curriculum.py  data.stages: the staged data mixture, which stage a step reads, the sources
+    budget.py      train.train_tokens / data.stages[].from_tokens -> steps, at load
+    notes.py       what loading decided for the user, said once (`note: ...` on stderr, first rank)
     backbones/     each backbone's record of features beside its HF adapter (validation reads the records)
 
 Every error is a `ConfigError`: one line naming the field, the value and what would be valid.

@@ -4,7 +4,7 @@ from_step + 1; the first stage has from_step 0. `data.blend` is the one-stage fo
 
     plan = stages_of(cfg)                  # [DataStage], data.blend as one stage at 0
     stage_for_step(plan, step)             # the stage optimizer step `step` (1-based) reads
-    names = source_names(cfg)              # every blend entry of every stage, by path: a source id each
+    names = source_names(cfg)              # every blend entry of every stage, by path (a glob's parts: by the glob)
     ids = source_ids(cfg, stage)           # stage-local dataset_id -> source id
 
 Each stage has its own megatron dataset (seed data.seed + its index, as many samples as its steps
@@ -48,9 +48,15 @@ def stage_steps(stages: list[DataStage], train_steps: int) -> list[int]:
     return [max(0, min(b, train_steps) - min(a, train_steps)) for a, b in zip(bounds, bounds[1:])]
 
 
+def source_of(entry: BlendEntry) -> str:
+    """The source an entry's metrics count under: the config's entry (a glob's parts share their glob)."""
+    return entry.source or entry.path
+
+
 def source_paths(cfg: Config) -> list[str]:
-    """The distinct dataset paths over all stages, in order of first appearance: source i is path i."""
-    return list(dict.fromkeys(e.path for e in all_entries(cfg)))
+    """The distinct sources over all stages (a dataset path, or the glob parts were expanded from:
+    cplm_dist.data.blend), in order of first appearance: source i is path i."""
+    return list(dict.fromkeys(source_of(e) for e in all_entries(cfg)))
 
 
 def source_names(cfg: Config) -> list[str]:
@@ -63,7 +69,7 @@ def source_names(cfg: Config) -> list[str]:
 def source_ids(cfg: Config, stage: int) -> list[int]:
     """stage-local dataset_id (the entry's index in that stage's blend) -> the run's source id."""
     index = {p: i for i, p in enumerate(source_paths(cfg))}
-    return [index[e.path] for e in stages_of(cfg)[stage].blend]
+    return [index[source_of(e)] for e in stages_of(cfg)[stage].blend]
 
 
 def _plan(data: dict) -> list[tuple[int, list[tuple[str, float]]]]:

@@ -3,7 +3,11 @@
     cfg = load_config("configs/models/tiny.yaml", ["model.num_layers=4", "copy.mix=joint"])
 
 A YAML file may start from another with `base: <path or name>` (resolved next to the file, then
-in the shipped `configs/`); its own keys override the base's. Every error is a `ConfigError`
+in the shipped `configs/`); its own keys override the base's. The data mixture is one thing:
+a file that sets data.stages over a base that sets data.blend (or data.blend over inherited
+data.stages) replaces the inherited one, said once (cplm_dist.config.notes); both set in one file
+is refused. train.train_tokens and data.stages[].from_tokens become steps here
+(cplm_dist.config.budget). Every error is a `ConfigError`
 whose message is one line naming the field, the value and what would be valid; entry points turn
 it into exit code 2. The tree is cplm_dist.config.tree; `load_config` validates it
 (cplm_dist.config.validation).
@@ -21,6 +25,8 @@ from typing import Any, Literal, Mapping, Sequence
 
 import yaml
 
+from cplm_dist.config.budget import resolve_token_budget
+from cplm_dist.config.notes import say_once
 from cplm_dist.config.tree import Config
 from cplm_dist.config.validation import validate
 from cplm_dist.errors import ConfigError
@@ -71,7 +77,22 @@ def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
     base = data.pop("base", None)
     if base is None:
         return data
-    return _merge(_read_yaml(resolve_config_path(base, path.parent), seen + (path,)), data)
+    inherited = _read_yaml(resolve_config_path(base, path.parent), seen + (path,))
+    return _merge(_one_mixture(inherited, data, path), data)
+
+
+def _one_mixture(inherited: dict, data: Mapping, path: Path) -> dict:
+    """`inherited` without its data.blend where `data` (the file over it) sets data.stages, and
+    without its data.stages where `data` sets data.blend: the derived file's mixture wins."""
+    mine, theirs = data.get("data"), inherited.get("data")
+    if not isinstance(mine, Mapping) or not isinstance(theirs, dict):
+        return inherited
+    for given, other in (("stages", "blend"), ("blend", "stages")):
+        if mine.get(given) and theirs.get(other) and other not in mine:
+            say_once(f"config {path} sets data.{given} over the data.{other} of its base: the inherited data.{other} "
+                     "is dropped (the derived file's mixture wins)")
+            return {**inherited, "data": {k: v for k, v in theirs.items() if k != other}}
+    return inherited
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -128,7 +149,9 @@ def apply_overrides(data: dict, overrides: Sequence[str]) -> dict:
 def load_config(path_or_name: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
     """Read YAML (or start from the defaults when None), apply dotted overrides, validate."""
     data = {} if path_or_name is None else _read_yaml(resolve_config_path(path_or_name))
-    cfg = from_dict(apply_overrides(data, overrides))
+    given = apply_overrides(data, overrides)
+    cfg = from_dict(given)
+    resolve_token_budget(cfg, given)
     validate(cfg)
     return cfg
 
@@ -177,7 +200,9 @@ def _check_type(name: str, value: Any, hint: Any) -> Any:
                 return _check_type(name, value, arg)
             except ConfigError as e:
                 errors.append(str(e))
-        raise ConfigError(errors[0] if errors else f"{name}={value!r} has the wrong type")
+        words = [w for arg in args if typing.get_origin(arg) is Literal for w in typing.get_args(arg)]
+        also = f" or one of {words}" if words and len(errors) > 1 else ""  # data.blend[].weight: a number or 'tokens'
+        raise ConfigError(errors[0] + also if errors else f"{name}={value!r} has the wrong type")
     if origin in (list, tuple):
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{name}={value!r} must be a list")

@@ -121,10 +121,16 @@ class LossConfig:
 
 @dataclass
 class BlendEntry:
-    """One Megatron indexed dataset (path prefix of its .bin/.idx) and its sampling weight."""
+    """One Megatron indexed dataset (path prefix of its .bin/.idx) and its sampling weight.
+
+    `path` may be a glob of prefixes (data/parts/web-*: web-00000.idx, ...) and `weight` may be
+    `tokens` (the dataset's token count, from its .idx); cplm_dist.data.blend expands them before the
+    data is read: one entry per part, its weight the entry's split by the parts' tokens, `source`
+    the entry's own path, so per-source metrics stay one per entry as the config gives it."""
 
     path: str
-    weight: float = 1.0
+    weight: float | Literal["tokens"] = 1.0
+    source: str | None = None  # set on an entry expanded from a glob: the glob (its metrics' source)
 
 
 @dataclass
@@ -133,6 +139,8 @@ class DataStage:
 
     from_step: int = 0  # the stage begins after this many optimizer steps (its first step is from_step + 1)
     blend: list[BlendEntry] = field(default_factory=list)
+    # or after this many tokens: from_step = ceil(from_tokens / (global_batch_size x seq_length)), set at load
+    from_tokens: int | None = None
 
 
 @dataclass
@@ -224,6 +232,9 @@ class TrainConfig:
     micro_batch_size: int = resumable(4)  # sequences per rank per forward
     global_batch_size: int = resumable(32)  # sequences per optimizer step = micro x accumulation x dp
     train_steps: int = resumable(1000)
+    # the run's length in tokens: when set, train_steps = ceil(train_tokens / (global_batch_size x
+    # data.seq_length)), set at load (an explicit, different train_steps is then ignored, said once)
+    train_tokens: int | None = resumable(None)
     precision: Precision = "bf16"
     zero_stage: int = resumable(1)
     activation_checkpointing: bool = resumable(False)  # recompute each transformer layer in backward
@@ -302,5 +313,13 @@ RESUMABLE_CHANGES = resumable_fields()
 
 
 def to_dict(cfg: Any) -> dict:
-    """The resolved tree as plain data (for checkpoints, logs and `--print-config`)."""
-    return dataclasses.asdict(cfg)
+    """The resolved tree as plain data (for checkpoints, logs and `--print-config`). A blend entry's
+    `source` appears only where it is set (expanded from a glob), so a config saved before the field
+    existed reads the same."""
+    out = dataclasses.asdict(cfg)
+    if isinstance(cfg, Config):
+        data = out["data"]
+        for entry in data["blend"] + [e for stage in data["stages"] for e in stage["blend"]]:
+            if entry.get("source") is None:
+                entry.pop("source", None)
+    return out

@@ -171,9 +171,7 @@ def validate_data(cfg: Config) -> None:
         )
     if d.num_workers < 0:
         raise ConfigError(f"data.num_workers={d.num_workers} must be >= 0")
-    for i, entry in enumerate(d.blend):
-        if not entry.weight > 0:
-            raise ConfigError(f"data.blend[{i}].weight={entry.weight} must be > 0 (drop the entry instead)")
+    validate_blend(d.blend, "data.blend")
     parse_split(d.split)
     validate_stages(cfg)
 
@@ -199,9 +197,20 @@ def validate_stages(cfg: Config) -> None:
                               f"{cfg.train.train_steps}: the stage would never run; drop it or raise train.train_steps")
         if not stage.blend:
             raise ConfigError(f"data.stages[{i}].blend is empty: add at least one {{path: <prefix>, weight: 1.0}}")
-        for j, entry in enumerate(stage.blend):
-            if not entry.weight > 0:
-                raise ConfigError(f"data.stages[{i}].blend[{j}].weight={entry.weight} must be > 0 (drop the entry instead)")
+        validate_blend(stage.blend, f"data.stages[{i}].blend")
+
+
+def validate_blend(blend: list, name: str) -> None:
+    """Each weight > 0 or `tokens`; a blend weighs all its entries by tokens or all by numbers (a
+    number beside token counts would mean nothing)."""
+    by_tokens = [j for j, e in enumerate(blend) if e.weight == "tokens"]
+    for j, entry in enumerate(blend):
+        if entry.weight != "tokens" and not entry.weight > 0:
+            raise ConfigError(f"{name}[{j}].weight={entry.weight} must be > 0 or 'tokens' (drop the entry instead)")
+    numbers = [j for j in range(len(blend)) if j not in by_tokens]
+    if by_tokens and numbers:
+        raise ConfigError(f"{name} mixes weight: tokens ({name}[{by_tokens[0]}]) with a number ({name}[{numbers[0]}]"
+                          f".weight={blend[numbers[0]].weight}): weigh every entry by tokens, or give every entry a number")
 
 
 def validate_monitors(cfg: Config) -> None:

@@ -2,7 +2,8 @@
 BlendedMegatronDatasetBuilder (document shuffling, sample packing across documents, weighted
 blending and their on-disk index cache are theirs).
 
-Ours are only the checks before megatron touches anything: every prefix is validated
+Ours are only the checks before megatron touches anything: the blend's globs and `weight: tokens`
+are resolved (cplm_dist.data.blend), every prefix is validated
 (cplm_dist.data.indexed_data), the tokenizer must fit the model's vocabulary, and each dataset
 must have been made with that tokenizer's vocabulary.
 """
@@ -18,6 +19,7 @@ import torch.distributed as dist
 
 from cplm_dist.config import Config, parse_split
 from cplm_dist.config.curriculum import all_entries, stages_of
+from cplm_dist.data.blend import resolve_blend
 from cplm_dist.data.indexed_data import check_indexed_dataset, content_fingerprint, split_token_counts
 from cplm_dist.data.node_local import copy_from_rank0, copy_plan
 from cplm_dist.data.tokenizer import Tokenizer, check_tokenizer_fits_model, load_tokenizer
@@ -40,15 +42,17 @@ def tokenizer_for(cfg: Config) -> Tokenizer:
     if not cfg.data.tokenizer:
         raise DataError("data.tokenizer is not set: point it at the tokenizer the data was made with")
     tok = load_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_backend)
-    check_tokenizer_fits_model(tok, cfg.model.vocab_size)
+    check_tokenizer_fits_model(tok, cfg.model.vocab_size, cfg.model.make_vocab_size_divisible_by, cfg.parallel.tp)
     return tok
 
 
 def check_data(cfg: Config, samples: tuple[int, int, int] = (0, 0, 0)) -> Tokenizer:
-    """Everything about the data that can be wrong, checked before any of it is read."""
+    """Everything about the data that can be wrong, checked before any of it is read; cfg's blend
+    resolved in place (cplm_dist.data.blend: globs expanded, weights by tokens counted)."""
     d = cfg.data
     if not d.blend and not d.stages:
         raise DataError("data.blend is empty: add at least one {path: <prefix>, weight: 1.0} made by tools/preprocess_data.py")
+    resolve_blend(cfg)
     tokenizer = tokenizer_for(cfg)
     fractions = parse_split(d.split)
     for name, n, frac in zip(SPLITS, samples, fractions):
@@ -103,6 +107,7 @@ def build_datasets(cfg: Config, samples: tuple[int, int, int], tokenizer: Tokeni
     """
     if tokenizer is None:
         tokenizer = check_data(cfg, samples)
+    resolve_blend(cfg)  # a no-op after check_data
     if not dist.is_initialized():
         raise RuntimeError("build_datasets needs a process group (megatron's builder synchronises ranks): "
                            "call cplm_dist.distributed.init_distributed first")

@@ -22,8 +22,9 @@ import os
 import tempfile
 from collections import OrderedDict
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
+from cplm_dist.config.notes import say_once
 from cplm_dist.errors import DataError
 from cplm_dist.files import sha256_file
 
@@ -245,13 +246,23 @@ def load_tokenizer(path: str | os.PathLike, backend: str = "sentencepiece") -> T
     raise DataError(f"tokenizer backend {backend!r} is not one of ['sentencepiece', 'huggingface']")
 
 
-def check_tokenizer_fits_model(tokenizer: Tokenizer, model_vocab_size: int) -> None:
-    """Refuse, before training starts, a tokenizer that emits ids the model has no row for."""
-    if tokenizer.vocab_size > model_vocab_size:
+def check_tokenizer_fits_model(tokenizer: Tokenizer, model_vocab_size: int, divisible_by: int = 128, tp: int = 1) -> None:
+    """Refuse, before training starts, a tokenizer that emits ids the model has no row for; say
+    once (cplm_dist.config.notes) what a smaller tokenizer leaves unused. No note where the
+    difference is Megatron's own padding: model.vocab_size within the tokenizer's size rounded up to
+    a multiple of `divisible_by` x `tp` (model.make_vocab_size_divisible_by x parallel.tp) pads to
+    the same rows as the tokenizer's size would."""
+    size = tokenizer.vocab_size
+    if size > model_vocab_size:
         raise DataError(
-            f"tokenizer {tokenizer.path} has {tokenizer.vocab_size} ids but model.vocab_size={model_vocab_size}: "
-            f"set model.vocab_size={tokenizer.vocab_size} (or use the tokenizer the model was made for)"
+            f"tokenizer {tokenizer.path} has {size} ids but model.vocab_size={model_vocab_size}: "
+            f"set model.vocab_size={size} (or use the tokenizer the model was made for)"
         )
+    unit = max(1, divisible_by) * max(1, tp)
+    if model_vocab_size > -(-size // unit) * unit:
+        say_once(f"tokenizer {tokenizer.path} has {size} ids, model.vocab_size={model_vocab_size}: "
+                 f"{model_vocab_size - size} output rows no target uses; set model.vocab_size={size} "
+                 f"(rounded up to a multiple of {unit} is fine)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -280,17 +291,15 @@ def train_sentencepiece(
     model_type: str = "bpe",
     special_tokens: Iterable[str] = (),
     byte_fallback: bool = True,
-    max_lines: int = 2_000_000,
-    character_coverage: float = 0.9999,
-    num_threads: int | None = None,
-    sources: Iterable[str] = (),
+    max_lines: int = 2_000_000, character_coverage: float = 0.9999, num_threads: int | None = None,
+    sources: Iterable[str] = (), sample: Callable[[], dict] | None = None,
 ) -> dict:
     """Train `out_path` (a .model file) and write `<out_path minus .model>.json` metadata beside it.
 
     Text is kept verbatim (identity normalisation, no whitespace folding, whitespace-only
     pieces allowed), so code round-trips exactly; ids: unk 0, bos 1, eod 2, pad 3, then the
-    extra special tokens (always single pieces). The files appear only when complete.
-    """
+    extra special tokens (always single pieces). The files appear only when complete. `sample()`,
+    called once the lines are read, is the metadata's "sample" (cplm_dist.data.tokenizer_sample)."""
     import sentencepiece as spm
 
     out_path = Path(out_path)
@@ -344,6 +353,7 @@ def train_sentencepiece(
             "byte_fallback": byte_fallback,
             "training_lines": n_lines,
             "sources": list(sources),
+            "sample": sample() if sample is not None else None,
             "sha256": sha256_file(Path(prefix + ".model")),
             "sentencepiece_version": spm.__version__,
         }

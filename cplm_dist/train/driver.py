@@ -36,6 +36,7 @@ import torch.distributed as dist
 from cplm_dist.checkpoint import Checkpointer, Manifest, RunLock, check_async_save, check_out_dir, find_resume
 from cplm_dist.config import BatchLayout, Config
 from cplm_dist.config.cli import config_parser, exit_on_usage_error, load_from_args
+from cplm_dist.data.blend import budget_lines, resolve_blend
 from cplm_dist.data.gpt_data import check_data
 from cplm_dist.data.staged_loader import StagedLoader, build_train_data
 from cplm_dist.distributed import ParallelDims, default_device, destroy_distributed, init_distributed, synchronize
@@ -131,6 +132,7 @@ def run(argv, stop: StopRequest) -> int:
     world = LaunchEnv.from_environ(mpi_rendezvous=False).world_size
     batch = BatchLayout.of(cfg, world)  # tp x cp x pp dividing the world, then micro x accumulation x dp
     dp, accumulation = batch.dp, batch.accumulation
+    resolve_blend(cfg)  # globs and weights by tokens expanded: the form a checkpoint saves and a resume compares
     resume = find_resume(cfg, args.resume, cfg.parallel.tp, dp, args.reshape, args.allow_data_change)
     if cfg.model.init_from and resume is None:  # one of our checkpoints or a HF Llama (cplm_dist.interop.init_from)
         init_source(cfg)
@@ -342,6 +344,10 @@ def banner(cfg: Config, dims: ParallelDims, accumulation: int, resume_tag: str |
             + f"dp={dims.dp_size} ZeRO-{t.zero_stage} {t.precision}, global batch {t.global_batch_size} = "
             f"{t.micro_batch_size} x {accumulation} x {dims.dp_size}, "
             f"{t.global_batch_size * cfg.data.seq_length:,} tokens/step" + (f", resuming {resume_tag}" if resume_tag else "")
+            + f"\nbudget: {t.train_steps:,} steps x {t.global_batch_size * cfg.data.seq_length:,} tokens = "
+            f"{t.train_steps * t.global_batch_size * cfg.data.seq_length:,} tokens"
+            + (f" (train.train_tokens={t.train_tokens:,}, rounded up to whole steps)" if t.train_tokens is not None else "")
+            + "".join(f"\n{line}" for line in budget_lines(cfg))
             + (f"\npipeline (balanced by parameters): {stage_summary(cfg, dims.pp_size)}" if dims.pp_size > 1 else ""))
 
 
