@@ -77,6 +77,7 @@ _WORKER_TOKENIZER: Tokenizer | None = None
 def _init_worker(spec: tuple[str, str]) -> None:
     global _WORKER_TOKENIZER
     _WORKER_TOKENIZER = load_tokenizer(*spec)
+    _WORKER_TOKENIZER.threads = 1  # a process a core
 
 
 def _encode_chunk(texts: list[str]) -> list[list[int] | str]:

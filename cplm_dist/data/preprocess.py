@@ -81,6 +81,7 @@ _TOKENIZER: Tokenizer | None = None
 def _init_worker(spec: tuple[str, str]) -> None:
     global _TOKENIZER
     _TOKENIZER = load_tokenizer(*spec)
+    _TOKENIZER.threads = 1  # a process a core
 
 
 def _run_unit(task: tuple[Unit, str, str, Options]) -> dict:

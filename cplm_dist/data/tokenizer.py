@@ -59,6 +59,7 @@ class Tokenizer:
     vocab_size: int
     eod: int
     pad: int
+    threads: int = -1  # threads one batch is encoded / decoded on (SentencePiece; -1: every core); worker processes use 1
 
     def encode(self, text: str) -> list[int]:
         raise NotImplementedError
@@ -156,13 +157,13 @@ class SentencePieceTokenizer(Tokenizer):
         return self.sp.encode(text)
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return self.sp.encode(texts)
+        return self.sp.encode(texts, num_threads=self.threads)
 
     def decode(self, ids: Iterable[int]) -> str:
         return self.sp.decode([int(i) for i in ids])
 
     def decode_batch(self, ids: list[list[int]]) -> list[str]:
-        return self.sp.decode(ids) if ids else []
+        return self.sp.decode(ids, num_threads=self.threads) if ids else []
 
     def piece(self, token_id: int) -> str:
         return self.sp.id_to_piece(token_id)
