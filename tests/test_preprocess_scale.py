@@ -16,7 +16,7 @@ import pytest
 
 from cplm_dist.data.indexed_data import dataset_files, read_index
 from cplm_dist.data.input_files import partition, work_units
-from cplm_dist.data.sources import ReadStats, read_unit
+from cplm_dist.data.sources import ReadStats, iter_documents, read_unit
 from cplm_dist.data.tokenizer import load_tokenizer
 from cplm_dist_tools.merge_data import main as merge_main
 from cplm_dist_tools.preprocess_data import main as preprocess_main
@@ -184,6 +184,10 @@ def test_damaged_shards_and_mismatched_merges_are_one_line(shards, small_data, w
     r = run(small_data, tmp_path / "d", "--input", cut, expect=2)
     assert "not a complete gzip stream" in r.stderr and "Traceback" not in r.stderr
     assert not list(tmp_path.glob("d*"))  # nothing finished: nothing left
+    (cut / "b.jsonl.zst").write_bytes((raw / "02.jsonl.zst").read_bytes()[:-40])  # zstd ends quietly: not here
+    stats = ReadStats()
+    list(iter_documents([cut], on_bad="skip", stats=stats))
+    assert stats.skipped["damaged compressed files"] == 2
     # parts of another tokenizer (a dataset of 512-entry uint16 ids vs none) cannot merge
     other = tmp_path / "other"
     (tmp_path / "other.bin").write_bytes(np.arange(10, dtype=np.int32).tobytes())

@@ -66,13 +66,53 @@ def open_binary(path: Path) -> Iterator[io.BufferedIOBase]:
         with gzip.open(path, "rb") as f:
             yield f
     elif compression == ".zst":
-        import zstandard
-
-        with open(path, "rb") as raw, zstandard.ZstdDecompressor().stream_reader(raw) as z:
-            yield io.BufferedReader(z, buffer_size=1 << 20)
+        with open(path, "rb") as raw:
+            yield io.BufferedReader(_ZstdFrames(raw), buffer_size=1 << 20)
     else:
         with open(path, "rb") as f:
             yield f
+
+
+class _ZstdFrames(io.RawIOBase):
+    """The decompressed bytes of a .zst file of one or more frames (zstd's CLI, pzstd), raising
+    zstandard.ZstdError when the file ends inside a frame: zstandard's stream_reader ends quietly
+    there, which would pass a truncated copy off as a shorter file."""
+
+    def __init__(self, raw):
+        import zstandard
+
+        self._raw, self._zstd, self._out, self._in_frame = raw, zstandard, b"", False
+        self._d = zstandard.ZstdDecompressor().decompressobj()
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        while not self._out:
+            chunk = self._raw.read(1 << 20)
+            if not chunk:
+                if self._in_frame:
+                    raise self._zstd.ZstdError("the file ends inside a frame")
+                return 0
+            while chunk:
+                self._out += self._d.decompress(chunk)
+                self._in_frame = not self._d.eof
+                chunk = self._d.unused_data if self._d.eof else b""
+                if self._d.eof:  # the next frame, if any, starts in what is left
+                    self._d = self._zstd.ZstdDecompressor().decompressobj()
+        n = min(len(buffer), len(self._out))
+        buffer[:n] = self._out[:n]
+        self._out = self._out[n:]
+        return n
+
+
+def decompression_errors() -> tuple[type[BaseException], ...]:
+    """What reading a damaged or truncated gzip / zstd stream raises (a BadGzipFile is an OSError)."""
+    import zlib
+
+    import zstandard
+
+    return EOFError, OSError, zlib.error, zstandard.ZstdError
 
 
 def decompression_error(path: Path, e: Exception) -> DataError:

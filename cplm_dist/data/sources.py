@@ -49,7 +49,7 @@ from typing import Iterable, Iterator
 
 from cplm_dist.data.hf_datasets import DatasetInput, MissingColumn, hub_input, iter_values, offline_datasets
 from cplm_dist.data.input_files import (  # noqa: F401  (expand_inputs: the readers' callers import it from here)
-    JSONL, Input, Unit, decompression_error, expand_inputs, name_parts, open_binary,
+    JSONL, Input, Unit, decompression_error, decompression_errors, expand_inputs, name_parts, open_binary,
 )
 from cplm_dist.data.tokenizer import not_unicode
 from cplm_dist.errors import DataError, UsageError
@@ -448,11 +448,11 @@ def read_unit(unit: Unit, text_key: str = "text", on_bad: str = "stop", stats: R
             where, text = next(records)
         except StopIteration:
             return
-        except (EOFError, OSError, ValueError) as e:  # gzip / zstd: a damaged or truncated stream
-            if isinstance(item, Path) and name_parts(item)[1] and not isinstance(e, DataError):
-                bad_record(on_bad, stats, "damaged compressed files", str(decompression_error(item, e)))
-                return
-            raise
+        except decompression_errors() as e:  # gzip / zstd: a damaged or truncated stream
+            if not (isinstance(item, Path) and name_parts(item)[1]):
+                raise
+            bad_record(on_bad, stats, "damaged compressed files", str(decompression_error(item, e)))
+            return
         if not text:
             stats.skipped["empty documents"] += 1
             continue
