@@ -80,7 +80,7 @@ def whole(shards, small_data, tmp_path_factory):
     return out, r
 
 
-def test_a_vendor_directory_reads_its_data_files_only(shards, small_data, whole):
+def test_a_vendor_directory_reads_its_data_files_only(shards, small_data, whole, capsys):
     raw, docs = shards
     out, r = whole
     assert "skipped 2 files (2 not a data file" in r.stderr  # the README and _SUCCESS, said once
@@ -91,18 +91,19 @@ def test_a_vendor_directory_reads_its_data_files_only(shards, small_data, whole)
     assert dedup["duplicates_removed"] == 20 and dedup["documents"] == len(docs) - 20
     assert decoded(out / "dedup", load_tokenizer(small_data.tokenizer)) == docs[:-20]
     # --pattern picks files by glob instead of by kind
-    only = run(small_data, out / "gz", "--input", raw, "--pattern", "*.gz")
-    assert "skipped 5 files (5 not matching --pattern *.gz)" in only.stderr
+    assert preprocess_main(["--input", str(raw), "--pattern", "*.gz", "--tokenizer", str(small_data.tokenizer),
+                            "--output-prefix", str(out / "gz"), "--no-progress"]) == 0
+    assert "skipped 5 files (5 not matching --pattern *.gz)" in capsys.readouterr().err
     assert decoded(out / "gz", load_tokenizer(small_data.tokenizer)) == docs[60:120]
 
 
 def test_partitions_merged_equal_one_run_byte_for_byte(shards, small_data, whole, tmp_path):
     raw, _ = shards
     out, _ = whole
-    for i in range(3):  # a Slurm array's tasks, each one part, two workers
+    for i in range(3):  # a Slurm array's tasks, each one part (the last on two workers)
         assert preprocess_main(["--input", str(raw), "--tokenizer", str(small_data.tokenizer), "--output-prefix",
-                                str(tmp_path / "web"), "--partition", f"{i}/3", "--workers", "2", "--dedup", "exact",
-                                "--no-progress"]) == 0
+                                str(tmp_path / "web"), "--partition", f"{i}/3", "--workers", str(1 + i // 2),
+                                "--dedup", "exact", "--no-progress"]) == 0
     parts = sorted(p.name for p in tmp_path.glob("web-*-of-00003.idx"))
     assert parts == [f"web-{i:05d}-of-00003.idx" for i in range(3)]
     assert merge_main(["--inputs", str(tmp_path / "web-*-of-00003"), "--output-prefix", str(tmp_path / "merged")]) == 0
@@ -215,3 +216,29 @@ def test_the_array_submission_checks_before_it_queues(shards, small_data, tmp_pa
     assert "afterok" in merge and "merge_data" in merge and "w-\\\\\\*-of-00002" in merge and "exact" in merge
     too_many = subprocess.run(base + ["--parts", "9", "--dry-run"] + tail, capture_output=True, text=True, timeout=120, env=env)
     assert too_many.returncode == 2 and "fewer than 9 parts" in too_many.stderr
+
+
+def test_an_array_job_on_a_real_slurm_writes_the_parts_and_merges_them(shards, small_data, whole, tmp_path):
+    """launch/submit_preprocess.sh on Debian's slurmctld/slurmd (tests/slurm_cluster.py): two array
+    tasks each write their partition, the dependent merge job joins them into the bytes of one run."""
+    from tests.slurm_cluster import LocalSlurm, ensure_slurm
+
+    reason = ensure_slurm()
+    if reason:
+        pytest.skip(reason)
+    raw, _ = shards
+    out, _ = whole
+    slurm = LocalSlurm(tmp_path / "slurm").start()
+    try:
+        cmd = ["bash", str(REPO / "launch" / "submit_preprocess.sh"), "--parts", "2", "--time", "00:05:00", "--merge",
+               "--wait", "--log-dir", str(tmp_path / "logs"), "--", "--input", str(raw), "--tokenizer",
+               str(small_data.tokenizer), "--output-prefix", str(tmp_path / "web"), "--dedup", "exact"]
+        env = {**os.environ, **slurm.env, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+        logs = {p.name: p.read_text() for p in (tmp_path / "logs").glob("*.out")}
+        assert proc.returncode == 0, (proc.stderr[-1500:], logs)
+    finally:
+        slurm.stop()
+    assert sorted(logs) == ["cplm-preprocess-1_0.out", "cplm-preprocess-1_1.out", "cplm-preprocess-merge-2.out"]
+    assert "task 1/2" in logs["cplm-preprocess-1_1.out"]
+    same_bytes(tmp_path / "web", out / "dedup")
