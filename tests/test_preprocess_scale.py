@@ -106,8 +106,15 @@ def test_partitions_merged_equal_one_run_byte_for_byte(shards, small_data, whole
                                 "--dedup", "exact", "--no-progress"]) == 0
     parts = sorted(p.name for p in tmp_path.glob("web-*-of-00003.idx"))
     assert parts == [f"web-{i:05d}-of-00003.idx" for i in range(3)]
-    assert merge_main(["--inputs", str(tmp_path / "web-*-of-00003"), "--output-prefix", str(tmp_path / "merged")]) == 0
+    # the prefix the array wrote under stands for its parts, in the merge and in a blend
+    assert merge_main(["--inputs", str(tmp_path / "web"), "--output-prefix", str(tmp_path / "merged")]) == 0
     same_bytes(tmp_path / "merged", out / "all")  # kept whole: duplicates are across parts
+    from cplm_dist.config import load_config
+    from cplm_dist.data.blend import resolve_blend
+    cfg = load_config("tiny", [f"data.blend=[{{path: {tmp_path / 'web'}, weight: tokens}}]"])
+    resolve_blend(cfg)
+    assert [(Path(e.path).name, e.source) for e in cfg.data.blend] == \
+        [(f"web-{i:05d}-of-00003", str(tmp_path / "web")) for i in range(3)]
     # the shell's expansion (.bin/.idx/.meta.json names) merges the same, and --dedup exact drops
     # the later copies across parts, as one deduplicated run does
     names = [str(p) for p in sorted(tmp_path.glob("web-*"))]
@@ -134,6 +141,12 @@ def test_a_sigkilled_run_continues_to_the_same_bytes(shards, small_data, whole, 
     assert "continuing:" in again.stdout + again.stderr
     same_bytes(tmp_path / "k", out / "all")
     assert not (tmp_path / "k.work").exists()
+    # killed while publishing: the old index gone, its .meta.json already this job's, a temporary left
+    dataset_files(tmp_path / "k")["idx"].unlink()
+    (tmp_path / "k.tmp-99999999.bin").write_bytes(b"partial")
+    run(small_data, tmp_path / "k", *args)
+    same_bytes(tmp_path / "k", out / "all")
+    assert sorted(p.name for p in tmp_path.glob("k*")) == ["k.bin", "k.idx", "k.meta.json"]
 
 
 def test_line_ranges_know_their_lines_and_partitions_cover_the_inputs(tmp_path):

@@ -13,7 +13,8 @@ A glob entry stands for the merged dataset of its parts: one megatron blend entr
 (sorted), the entry's weight split over them by their tokens (`weight: tokens`: each part its
 token count), each part carrying `source: <the glob>`, so per-source metrics stay one per entry as
 the config gives it (cplm_dist.config.curriculum). A path that exists as a prefix is never read as
-a glob. The expanded form is what a checkpoint saves and a resume compares (the driver resolves
+a glob; a prefix with no dataset of its own but the parts `tools/preprocess_data.py --partition`
+wrote under it (`<prefix>-0000I-of-0000N`) stands for them. The expanded form is what a checkpoint saves and a resume compares (the driver resolves
 before it looks for a checkpoint), and what the manifest fingerprints, part by part. A glob
 matching no `.idx` is one line (DataError, exit code 2). Megatron samples a blend by its weights
 normalised, so weights by tokens sample every dataset in proportion to its size: one epoch of each
@@ -27,6 +28,7 @@ import glob
 from cplm_dist.config import BlendEntry, Config
 from cplm_dist.config.curriculum import source_names, source_of, source_paths, stage_steps, stages_of
 from cplm_dist.data.indexed_data import check_indexed_dataset, dataset_files
+from cplm_dist.data.merge import partitions_of
 from cplm_dist.errors import DataError
 
 _tokens: dict[tuple[str, int, int], int] = {}  # (prefix, .idx mtime, size) -> tokens: each .idx read once per process
@@ -43,8 +45,10 @@ def dataset_tokens(prefix: str) -> int:
 
 def _parts(path: str, name: str) -> list[str] | None:
     """The dataset prefixes a glob `path` matches (sorted), or None where `path` is one dataset."""
-    if not glob.has_magic(path) or dataset_files(path)["idx"].exists():
+    if dataset_files(path)["idx"].exists():
         return None
+    if not glob.has_magic(path):  # the parts of a --partition run written under this prefix, if any
+        return partitions_of(path) or None
     found = sorted(m[: -len(".idx")] for m in glob.glob(path + ".idx"))
     if not found:
         raise DataError(f"{name}.path={path} matches no dataset (no {path}.idx): fix the pattern (it matches "

@@ -120,6 +120,12 @@ def join(prefixes: list[Path | str], out: dict[str, Path], *, dedup: bool = Fals
             "text_bytes": text_bytes, "duplicates_removed": removed}
 
 
+def partitions_of(prefix: str) -> list[str]:
+    """The parts `tools/preprocess_data.py --partition I/N --output-prefix PREFIX` writes
+    (PREFIX-0000I-of-0000N), sorted; [] when there are none."""
+    return sorted(x[: -len(".idx")] for x in glob.glob(f"{glob.escape(prefix)}-[0-9]*-of-[0-9]*.idx"))
+
+
 def dataset_prefixes(inputs: list[str]) -> list[Path]:
     """Dataset prefixes from what a user gives: prefixes, globs of prefixes (quoted or expanded by the
     shell, so `part-*` may arrive as its .bin/.idx/.meta.json files), or directories (every dataset
@@ -134,7 +140,7 @@ def dataset_prefixes(inputs: list[str]) -> list[Path]:
             for ext in (".bin", ".idx", ".meta.json", ".dochash", ".rejects.jsonl"):
                 stem = stem.removesuffix(ext) if stem.endswith(ext) else stem
             matches = sorted(x[: -len(".idx")] for x in glob.glob(stem + ".idx")) if glob.has_magic(stem) \
-                else [stem] if Path(stem + ".idx").exists() else []
+                else [stem] if Path(stem + ".idx").exists() else partitions_of(stem)
         if not matches:
             raise DataError(f"--inputs {raw}: no dataset there (no {raw}.idx, nor a directory or glob of .idx files): "
                             "give the prefixes tools/preprocess_data.py wrote")

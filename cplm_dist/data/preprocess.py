@@ -24,6 +24,7 @@ them with tools/merge_data.py or name them as a glob in data.blend.
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import multiprocessing as mp
@@ -126,6 +127,14 @@ def _done(work: Path, key: str, opts: Options) -> dict | None:
     return None if opts.on_bad == "stop" and record.get("skipped") else record
 
 
+def _job_of(prefix: str) -> str | None:
+    """The job recorded in the .meta.json at `prefix` (None: none there, or not ours)."""
+    try:
+        return json.loads(dataset_files(prefix)["meta"].read_text()).get("job")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def _finished(prefix: str, job: str) -> WriteSummary | None:
     """The summary of the dataset at `prefix` when a run of this very job wrote it."""
     meta_path = dataset_files(prefix)["meta"]
@@ -202,10 +211,11 @@ def preprocess(items: list[Input], tokenizer: Tokenizer, prefix: str | Path, *, 
     if not overwrite and (summary := _finished(prefix, job)) is not None:
         report(f"{prefix}: already complete for these inputs ({summary.documents:,} documents); nothing to do")
         return summary, Counter(json.loads(dataset_files(prefix)["meta"].read_text()).get("skipped") or {})
-    refuse_existing(prefix, overwrite)
+    refuse_existing(prefix, overwrite or _job_of(prefix) == job)  # a run of this job killed while publishing
     work = Path(f"{prefix}.work")
     work.mkdir(parents=True, exist_ok=True)
-    for stale in work.glob("*.tmp-*"):  # a killed run's unfinished pieces
+    # a killed run's unfinished pieces, and its unpublished dataset (temporary names beside the prefix)
+    for stale in [*work.glob("*.tmp-*"), *Path(prefix).parent.glob(f"{glob.escape(Path(prefix).name)}.tmp-*")]:
         stale.unlink(missing_ok=True)
     records = {k: r for k in keys if (r := _done(work, k, opts)) is not None}
     pending = [(u, k) for u, k in zip(units, keys) if k not in records]
