@@ -77,7 +77,9 @@ def print_table(results: dict, valid: dict | None) -> None:
         for r in rows:
             setting = " ".join(f"{k}={v}" for k, v in r["setting"].items())
             score = (f"exact match {r['exact_match']:.3f}" if "exact_match" in r
-                     else f"accuracy {r['accuracy']:.3f}  loss {r['loss']:.3f}")
+                     else f"accuracy {r['accuracy']:.3f}  loss {r['loss']:.3f}"
+                     + (f"  (lm alone {r['lm_accuracy']:.3f}, copy pointer {r['copy_pointer_accuracy']:.3f}, "
+                        f"copy share {r['copy_share']:.3f})" if "copy_share" in r else ""))
             print(f"  {task:<10} {setting:<24} {score}  (n={r['n']})")
 
 

@@ -6,7 +6,8 @@ on the live model every train.eval_interval steps, so that a ladder's runs have 
 
 Bounded: per task at most three of its default settings that fit data.seq_length (the shortest,
 the middle and the longest), train.eval_task_samples samples each. dp-sharded: dp rank r scores
-samples r, r + dp, ...; the sums (nll, hits, scored positions) are all-reduced over dp, so every
+samples r, r + dp, ...; the sums (nll, hits, scored positions, and where the answers' probability
+comes from: tasks.PARTS, `lm_accuracy`, `copy_pointer_accuracy`, `copy_share`) are all-reduced over dp, so every
 rank has the figures one process would compute on all the samples. Every tp rank of a replica
 scores the same samples (the model is tp-sharded). The seeds are fixed: every evaluation of a run
 sees the same samples. It draws no random number from torch and leaves no gradient, so training
@@ -22,10 +23,13 @@ import torch
 import torch.distributed as dist
 
 from cplm_dist.evaluation.long_context import long_samples, score_tokens
-from cplm_dist.evaluation.tasks import GENERATORS, EvalContext, default_settings, score_generation, score_positions
+from cplm_dist.evaluation.tasks import (
+    GENERATORS, PARTS, EvalContext, default_settings, score_generation, score_positions,
+)
 
 SEED = 0
 MAX_SETTINGS = 3
+COLUMNS = 3 + len(PARTS)
 
 
 def task_settings(task: str, max_len: int) -> list[dict]:
@@ -40,21 +44,25 @@ def _label(setting: dict) -> str:
 
 
 def _sums(model, task: str, samples: list, tokenizer) -> list[float]:
-    """[summed nll, hits, scored] of this rank's samples (zeros for none)."""
+    """[summed nll, hits, scored, then the PARTS summed (tasks.score_positions)] of this rank's
+    samples (zeros for none, and for the parts of what does not give them)."""
     if not samples:
-        return [0.0, 0.0, 0.0]
+        return [0.0] * COLUMNS
     if samples[0].prompt_len:  # a generation task: exact match, no loss
         hits = score_generation(model, samples, tokenizer)["exact_match"] * len(samples)
-        return [0.0, round(hits), float(len(samples))]
+        return [0.0, round(hits), float(len(samples))] + [0.0] * len(PARTS)
     score = score_positions(model, samples) if task != "by_length" else score_tokens(model, samples)
     n = score["n"] if "n" in score else score["queries"]
-    return [score["loss"] * n, round(score["accuracy"] * n), float(n)]
+    return [score["loss"] * n, round(score["accuracy"] * n), float(n)] + [score.get(k, 0.0) * n for k in PARTS]
 
 
-def _figures(sums: list[float], generation: bool) -> dict:
-    nll, hits, n = sums
+def _figures(sums: list[float], generation: bool, parts: bool) -> dict:
+    nll, hits, n = sums[:3]
     out = {"accuracy": hits / n if n else float("nan"), "n": int(n)}
-    return out if generation else {"loss": nll / n if n else float("nan"), **out}
+    if generation:
+        return out
+    out = {"loss": nll / n if n else float("nan"), **out}
+    return {**out, **{k: v / n if n else float("nan") for k, v in zip(PARTS, sums[3:])}} if parts else out
 
 
 @torch.no_grad()
@@ -78,13 +86,13 @@ def in_loop_eval(model, cfg, dims, tokenizer=None) -> dict:
     rank, size = dims.dp_rank, dims.dp_size
     sums = [_sums(model, "by_length" if section == "by_length" else task, samples[rank::size], tokenizer)
             for section, task, _, _, samples in runs]
-    totals = torch.tensor(sums, dtype=torch.float64).reshape(-1, 3)
+    totals = torch.tensor(sums, dtype=torch.float64).reshape(-1, COLUMNS)
     if size > 1 and len(runs):
         totals = totals.to(next(model.parameters()).device)
         dist.all_reduce(totals, group=dims.dp_group)
     out = {"tasks": {}, "by_length": {}}
     for (section, task, label, generation, _), row in zip(runs, totals.cpu().tolist()):
-        out[section].setdefault(task, {})[label] = _figures(row, generation)
+        out[section].setdefault(task, {})[label] = _figures(row, generation, section == "tasks")
     model.train(was_training)
     out["seconds"] = time.perf_counter() - start
     return out

@@ -282,11 +282,26 @@ def whole_score(model, ids: torch.Tensor, targets: torch.Tensor):
     return logp.masked_fill(targets < 0, 0.0), (lp.argmax(-1) == safe) & (targets >= 0)
 
 
+PARTS = ("lm_accuracy", "copy_pointer_accuracy", "copy_share")  # next_token.components
+
+
 @torch.no_grad()
-def position_totals(model, samples: list[Sample], batch_size: int, score: Callable = whole_score) -> tuple[float, int, int]:
+def parts_score(model, ids: torch.Tensor, targets: torch.Tensor):
+    """whole_score's pair and, for a CPLM, next_token.components at the targets (where the answer's
+    probability comes from: the LM head alone, the copy head's pointer, the mix's copy share);
+    a model without `score` (the reference models in tests): whole_score's pair and no parts."""
+    if not hasattr(model, "score"):
+        return (*whole_score(model, ids, targets), {})
+    return model.score(ids, targets, parts=True)
+
+
+@torch.no_grad()
+def position_totals(model, samples: list[Sample], batch_size: int, score: Callable = whole_score,
+                    parts: dict | None = None) -> tuple[float, int, int]:
     """(negative log-likelihood, correct, count) summed over every sample's scored positions'
     next ids, `batch_size` samples (of one length) a batch through `score(model, ids, targets)`:
-    whole_score, or the by-length prefill in chunks (long_context.chunked_score)."""
+    whole_score, parts_score, or the by-length prefill in chunks (long_context.chunked_score). A
+    score that also gives per-position parts (parts_score) has them summed into `parts`."""
     nll, correct, count, device = 0.0, 0, 0, device_of(model)
     for start in range(0, len(samples), batch_size):
         batch = samples[start:start + batch_size]
@@ -294,17 +309,21 @@ def position_totals(model, samples: list[Sample], batch_size: int, score: Callab
         targets, positions = torch.full_like(ids, -100), [torch.tensor(s.scored, device=device) for s in batch]
         for b, pos in enumerate(positions):
             targets[b, pos] = ids[b, pos + 1]
-        logp, greedy = score(model, ids, targets)
+        logp, greedy, *more = score(model, ids, targets)
         for b, pos in enumerate(positions):
             nll -= float(logp[b, pos].sum())
             correct += int(greedy[b, pos].sum())
             count += len(pos)
+            for name, values in (more[0] if more and parts is not None else {}).items():
+                parts[name] = parts.get(name, 0.0) + float(values[b, pos].sum())
     return nll, correct, count
 
 
 def score_positions(model, samples: list[Sample], batch_size: int = 16) -> dict:
-    nll, correct, count = position_totals(model, samples, batch_size)
-    return {"loss": nll / count, "accuracy": correct / count, "n": count}
+    """Loss and accuracy at the scored positions and, for a CPLM, the PARTS' means there."""
+    parts: dict = {}
+    nll, correct, count = position_totals(model, samples, batch_size, parts_score, parts)
+    return {"loss": nll / count, "accuracy": correct / count, "n": count, **{k: v / count for k, v in parts.items()}}
 
 
 @torch.no_grad()

@@ -47,7 +47,7 @@ from cplm_dist.model.copy_lse import candidate_mask
 from cplm_dist.model.core_attention import Masks
 from cplm_dist.model.documents import check_positions, document_index
 from cplm_dist.model.initialization import init_parameters
-from cplm_dist.model.next_token import CopyOver, full_log_probs, mixed_shard
+from cplm_dist.model.next_token import CopyOver, components, full_log_probs, mixed_shard
 from cplm_dist.model.parallel.context import ContextInputs, ContextShard, context_inputs
 from cplm_dist.model.parts import Embedding, Head, PartSpec
 from cplm_dist.model.positions import layer_rope
@@ -237,16 +237,18 @@ class CPLM(torch.nn.Module):
 
     @torch.no_grad()
     def score(self, input_ids: torch.Tensor, targets: torch.Tensor, state: StaticCache | None = None,
-              rows: int = SCORE_ROWS, position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              rows: int = SCORE_ROWS, position_ids: torch.Tensor | None = None, parts: bool = False):
         """(log p(targets[:, t] | what precedes and input_ids[:, :t + 1]), whether targets[:, t] is
         the mixture's most likely id), each (B, T), for `input_ids` (B, T) fed after what `state`
         holds (none: a fresh sequence; the state is extended as by `next_token_logprobs`). The
         distribution `next_token_logprobs` gives, read at the targets without gathering the
         vocabulary, `rows` tokens at a time (B x T x V floats never exist: about rows x V/tp at
-        once). Targets of IGNORE_INDEX: 0, False. position_ids: as `next_token_logprobs` takes them."""
+        once). Targets of IGNORE_INDEX: 0, False. position_ids: as `next_token_logprobs` takes them.
+        parts=True adds a third element, next_token.components at the targets: whether the LM head
+        alone and the copy head's pointer rank each target first, and the mix's copy share."""
         state, slots, h, q = self.feed(input_ids, state, position_ids)
         block = max(1, rows // h.shape[0])
-        logps, greedy = [], []
+        logps, greedy, read = [], [], []
         for t0 in range(0, h.shape[1], block):
             t1 = min(h.shape[1], t0 + block)
             logits, copy = self.head_over(h[:, t0:t1], None if q is None else q[:, :, t0:t1], state, slots[t0:t1],
@@ -255,6 +257,11 @@ class CPLM(torch.nn.Module):
             lp, top = loss.target_log_probs(shard, targets[:, t0:t1], self.tp_group)
             logps.append(lp)
             greedy.append(top)
+            if parts:
+                read.append(components(logits, copy, self.copy_cfg.mix, targets[:, t0:t1], self.tp_group))
+        if parts:
+            return torch.cat(logps, dim=1), torch.cat(greedy, dim=1), {k: torch.cat([r[k] for r in read], dim=1)
+                                                                     for k in read[0]}
         return torch.cat(logps, dim=1), torch.cat(greedy, dim=1)
 
 

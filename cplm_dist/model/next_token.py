@@ -114,3 +114,27 @@ def full_log_probs(logits: torch.Tensor, copy: CopyOver | None, mix: str, vocab_
     shard, copy_part = mixed_shard(logits, copy, mix, tp_group)
     gather = lambda t: loss.gather_vocab(t, tp_group)[..., :vocab_size]  # noqa: E731
     return gather(shard), (gather(copy_part) if with_copy_part and copy_part is not None else None)
+
+
+@torch.no_grad()
+def components(logits: torch.Tensor, copy: CopyOver | None, mix: str, targets: torch.Tensor,
+               tp_group=None) -> dict[str, torch.Tensor]:
+    """Where a target's probability comes from, per position (B, T), float: `lm_accuracy` (the LM
+    head alone ranks the target first), `copy_pointer_accuracy` (the copy head's most probable
+    candidate slot pastes the target: the pointer, whatever the mix makes of it) and `copy_share`
+    (the mix's weight on the copy side, 1 - exp(w.lm)); without a copy head, 0 and 0. Targets
+    below 0 (IGNORE_INDEX): all 0."""
+    valid = targets >= 0
+    lm_top = loss.target_log_probs(logits.float(), targets, tp_group)[1] & valid
+    if copy is None:
+        zero = torch.zeros_like(lm_top, dtype=torch.float32)
+        return {"lm_accuracy": lm_top.float(), "copy_pointer_accuracy": zero, "copy_share": zero}
+    best = copy.weights.argmax(dim=-1)  # (B, T): the first most probable slot
+    pasted = copy.src.gather(1, best)  # (B, T)
+    cand = copy.cand if copy.cand.dim() == 3 else copy.cand.unsqueeze(0)
+    pointer = (pasted == targets) & cand.any(dim=-1) & valid
+    lse = loss.vocab_parallel_lse(logits.float(), tp_group)
+    t = copy.terms
+    w = loss.mix_weights(lse, CopyTerms(t.copy_all.float(), None, None if t.gate is None else t.gate.float()), mix)
+    share = torch.where(valid, -torch.expm1(w.lm), torch.zeros_like(lse))
+    return {"lm_accuracy": lm_top.float(), "copy_pointer_accuracy": pointer.float(), "copy_share": share}
