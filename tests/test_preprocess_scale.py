@@ -168,6 +168,16 @@ def test_line_ranges_know_their_lines_and_partitions_cover_the_inputs(tmp_path):
         assert sum((partition(items, i, n) for i in range(n)), []) == items
 
 
+def test_one_file_in_three_partitions_merges_to_what_the_writer_wrote(small_data, tmp_path):
+    """Fewer files than parts: the .jsonl is cut by lines; the merged parts are, byte for byte, the
+    dataset megatron's builder wrote from the same file (tests/conftest.py's small_data)."""
+    for i in range(3):
+        assert preprocess_main(["--input", str(small_data.raw["copy"]), "--tokenizer", str(small_data.tokenizer),
+                                "--output-prefix", str(tmp_path / "p"), "--partition", f"{i}/3", "--no-progress"]) == 0
+    assert merge_main(["--inputs", str(tmp_path / "p"), "--output-prefix", str(tmp_path / "m")]) == 0
+    same_bytes(tmp_path / "m", small_data.prefixes["copy"])
+
+
 def test_a_bad_record_stops_naming_it_and_keeps_finished_units(shards, small_data, whole, tmp_path):
     raw, docs = shards
     out, _ = whole
@@ -227,8 +237,8 @@ def test_the_array_submission_checks_before_it_queues(shards, small_data, tmp_pa
     array, merge = ok.stdout.strip().splitlines()
     assert "--array 0-1%1" in array and "preprocess.sbatch" in array and "--cpus-per-task 4" in array
     assert "afterok" in merge and "merge_data" in merge and "w-\\\\\\*-of-00002" in merge and "exact" in merge
-    too_many = subprocess.run(base + ["--parts", "9", "--dry-run"] + tail, capture_output=True, text=True, timeout=120, env=env)
-    assert too_many.returncode == 2 and "fewer than 9 parts" in too_many.stderr
+    too_many = subprocess.run(base + ["--parts", "99", "--dry-run"] + tail, capture_output=True, text=True, timeout=120, env=env)
+    assert too_many.returncode == 2 and "fewer than 99 parts" in too_many.stderr
 
 
 def test_an_array_job_on_a_real_slurm_writes_the_parts_and_merges_them(shards, small_data, whole, tmp_path):

@@ -35,7 +35,7 @@ import sys
 from pathlib import Path
 
 from cplm_dist.config.cli import exit_on_usage_error
-from cplm_dist.data.input_files import parse_partition, partition as cut
+from cplm_dist.data.input_files import parse_partition, partition as cut, partition_units
 from cplm_dist.data.preprocess import Options, partition_prefix, preprocess
 from cplm_dist.data.sources import add_input_arguments, inputs_from_args
 from cplm_dist.data.tokenizer import load_tokenizer
@@ -49,7 +49,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer-backend", choices=["sentencepiece", "huggingface"], default="sentencepiece")
     p.add_argument("--output-prefix", required=True)
     p.add_argument("--workers", type=int, default=1, help="processes, each working a unit (an input file) at a time")
-    p.add_argument("--partition", metavar="I/N", help="write part I of N of the inputs (0 <= I < N), to "
+    p.add_argument("--partition", metavar="I/N", help="write part I of N of the inputs (0 <= I < N; a .jsonl is cut "
+                   "by lines where the files are fewer than N), to "
                    "<output-prefix>-0000I-of-0000N; a Slurm array: $SLURM_ARRAY_TASK_ID/$SLURM_ARRAY_TASK_COUNT")
     p.add_argument("--dedup", choices=["exact"], help="drop documents whose exact text came before (first stays)")
     p.add_argument("--split-mb", type=float, default=1024.0, help="cut an uncompressed .jsonl larger than this "
@@ -62,14 +63,15 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def print_plan(files, partition, output_prefix) -> None:
+def print_plan(files, partition, output_prefix, split_bytes: int) -> None:
     """Each part's inputs and bytes (every part of --partition's N), or the whole input."""
     count = partition[1] if partition else 1
+    units = partition_units(files, count, split_bytes)
     for i in range(count):
-        part = cut(files, i, count) if partition else files
-        size = sum(f.stat().st_size for f in part if isinstance(f, Path))
+        part = cut(units, i, count)
+        size = sum((u.end or u.input.stat().st_size) - u.start for u in part if isinstance(u.input, Path))
         name = partition_prefix(output_prefix, (i, count) if partition else None)
-        print(f"{name}: {len(part)} inputs, {size / 1e9:.3f} GB ({part[0]} ... {part[-1]})")
+        print(f"{name}: {len(part)} units, {size / 1e9:.3f} GB ({part[0].name} ... {part[-1].name})")
 
 
 @exit_on_usage_error
@@ -81,7 +83,7 @@ def main(argv=None) -> int:
     tokenizer = load_tokenizer(args.tokenizer, args.tokenizer_backend)
     files = inputs_from_args(args, report=lambda line: print(line, file=sys.stderr))
     if args.check:
-        print_plan(files, partition, args.output_prefix)
+        print_plan(files, partition, args.output_prefix, int(args.split_mb * (1 << 20)))
         return 0
     opts = Options(text_key=args.text_key, on_bad=args.on_bad_record, append_eod=not args.no_eod,
                    dedup=args.dedup == "exact", split_bytes=int(args.split_mb * (1 << 20)))

@@ -16,8 +16,9 @@ skipped and counted, and one line per directory says how many files it skipped a
 `work_units` cuts the inputs into the units preprocessing works, resumes and parallelises on: one
 per input file, except that an uncompressed JSON-lines file larger than `split_bytes` becomes
 several byte ranges, each starting at a line start and knowing its first line's number (found in
-one pass over the file's bytes). `partition(items, i, n)` is contiguous part i of n of the inputs,
-balanced by size: parts written side by side and merged in order equal one run over them all.
+one pass over the file's bytes). `partition(units, i, n)` is contiguous part i of n of them,
+balanced by size (`partition_units` cuts JSON-lines files finer where the files are fewer than the
+parts): parts written side by side and merged in order equal one run over them all.
 """
 
 from __future__ import annotations
@@ -248,18 +249,32 @@ def parse_partition(text: str) -> tuple[int, int]:
     return i, n
 
 
-def _size(item: Input) -> int:
+def _size(item: Input | Unit) -> int:
+    if isinstance(item, Unit):
+        return (item.end - item.start) if item.end is not None else _size(item.input)
     return os.path.getsize(item) if isinstance(item, Path) else 1
 
 
-def partition(items: list[Input], index: int, count: int) -> list[Input]:
-    """Contiguous part `index` of `count` of `items` (in their order): part k ends at the first
-    item where the running size reaches (k+1)/count of the total, every part holding at least one
-    item; the parts in order are the inputs."""
+def partition_units(items: list[Input], count: int, split_bytes: int | None) -> list[Unit]:
+    """The inputs as work units, enough of them for `count` parts: where the files are fewer than
+    the parts, JSON-lines files are cut into ranges of about total / (2 x count) bytes."""
+    units = work_units(items, split_bytes)
+    if len(units) < count:
+        total = sum(_size(i) for i in items if splittable(i))
+        finer = max(1, total // (2 * count))
+        units = work_units(items, min(split_bytes or finer, finer))
+    return units
+
+
+def partition(items: list, index: int, count: int) -> list:
+    """Contiguous part `index` of `count` of `items` (inputs or work units, in their order): part k
+    ends at the first item where the running size reaches (k+1)/count of the total, every part
+    holding at least one item; the parts in order are the inputs."""
     n = len(items)
     if count > n:
-        raise UsageError(f"--partition .../{count}: the inputs are {n} files, fewer than {count} parts; "
-                         f"use at most {n} partitions (or give more, smaller files)")
+        raise UsageError(f"--partition .../{count}: the inputs make {n} work units, fewer than {count} parts "
+                         f"(compressed or columnar files are not cut); use at most {n} partitions, or give more, "
+                         "smaller files")
     prefix = [0]
     for item in items:
         prefix.append(prefix[-1] + max(1, _size(item)))

@@ -17,7 +17,8 @@ same bytes as an uninterrupted run. Nothing completed is ever deleted: a bad rec
 the work directory is removed only after the dataset is published. A finished dataset whose
 .meta.json records the same job is not redone (a requeued Slurm array task returns at once).
 
-`partition=(i, n)` writes part i of n of the inputs (input_files.partition) to
+`partition=(i, n)` writes part i of n of the inputs' work units (input_files.partition; JSON-lines
+files cut finer where the files are fewer than the parts) to
 `<prefix>-0000i-of-0000n`, so N array tasks (or N processes) write N datasets side by side; merge
 them with tools/merge_data.py or name them as a glob in data.blend.
 """
@@ -41,7 +42,7 @@ from cplm_dist.data.indexed_data import (
     WriteSummary, all_files, check_indexed_dataset, dataset_files, dataset_meta, progress_bar, publish, refuse_existing,
     write_piece,
 )
-from cplm_dist.data.input_files import Input, Unit, partition as cut, work_units
+from cplm_dist.data.input_files import Input, Unit, partition as cut, partition_units, work_units
 from cplm_dist.data.merge import join
 from cplm_dist.data.sources import ON_BAD, ReadStats, read_unit
 from cplm_dist.data.tokenizer import Tokenizer, load_tokenizer
@@ -203,9 +204,12 @@ def preprocess(items: list[Input], tokenizer: Tokenizer, prefix: str | Path, *, 
     if opts.on_bad not in ON_BAD:
         raise DataError(f"on_bad={opts.on_bad!r} is not one of {list(ON_BAD)}")
     start = time.perf_counter()
-    items = cut(items, *partition) if partition else items
+    if partition:
+        units = cut(partition_units(items, partition[1], opts.split_bytes), *partition)
+        items = list(dict.fromkeys(u.input for u in units))
+    else:
+        units = work_units(items, opts.split_bytes)
     prefix = partition_prefix(prefix, partition)
-    units = work_units(items, opts.split_bytes)
     keys = [unit_key(u, tokenizer, opts) for u in units]
     job = hashlib.sha256(json.dumps([keys, opts.dedup]).encode()).hexdigest()[:24]
     if not overwrite and (summary := _finished(prefix, job)) is not None:
