@@ -11,17 +11,72 @@ mappings allocate their all-gather / reduce-scatter buffers with
 those three modules (tensor_parallel.layers, tensor_parallel.mappings, core.utils) see a torch
 whose `cuda.current_device()` is the CPU, so the same megatron code runs on gloo (the tests).
 With CUDA nothing is changed.
+
+Versions: DeepSpeed and megatron-core are used down to their internals (DeepSpeed 0.19's ZeRO and
+pipeline code: cplm_dist/training/zero_partitions.py, engine.py; megatron-core's parallel state,
+tp layers and datasets as of 0.14-0.16), so `SUPPORTED` holds the ranges this code accepts, the
+same that pyproject.toml states (tests/test_packaging.py keeps them equal). An installed version
+outside them is refused here, before either is imported: one line on stderr, exit 2
+(`CPLM_ALLOW_UNTESTED_VERSIONS=1` makes it a one-line warning, to try a newer release).
 """
 
 import contextlib
 import functools
 import logging
 import os
+import re
 import sys
 import types
 import warnings
+from importlib import metadata
 
-import torch
+# distribution -> (lowest accepted, first refused): pyproject.toml says `name>=low,<high`
+SUPPORTED = {"deepspeed": ("0.19", "0.20"), "megatron-core": ("0.14", "0.17")}
+ALLOW_UNTESTED = "CPLM_ALLOW_UNTESTED_VERSIONS"
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """The release numbers of a version string: '0.19.8' -> (0, 19, 8); '0.16.0rc1+local' -> (0, 16, 0)."""
+    found = re.match(r"\d+(?:\.\d+)*", version.strip())
+    return tuple(int(p) for p in found.group().split(".")) if found else ()
+
+
+def version_problem(name: str, installed: str) -> str | None:
+    """What is wrong with `installed` of `name` (outside SUPPORTED), in words, or None."""
+    low, high = SUPPORTED[name]
+    if _release(low) <= _release(installed) < _release(high):
+        return None
+    return f"{name} {installed} is installed, but cplm_dist accepts {name}>={low},<{high}"
+
+
+def check_versions(installed: dict[str, str] | None = None, environ=None) -> list[str]:
+    """Refuse (one line on stderr, SystemExit 2) an installed DeepSpeed or megatron-core outside
+    SUPPORTED; with CPLM_ALLOW_UNTESTED_VERSIONS=1 warn in one line instead. `installed`: name ->
+    version (default: what importlib.metadata finds; a library it cannot find is left to its import
+    to report). Returns the problems it let pass."""
+    environ = os.environ if environ is None else environ
+    if installed is None:
+        installed = {}
+        for name in SUPPORTED:
+            try:
+                installed[name] = metadata.version(name)
+            except metadata.PackageNotFoundError:
+                pass
+    problems = {n: p for n, p in ((n, version_problem(n, v)) for n, v in installed.items()) if p}
+    for name, problem in problems.items():
+        low, high = SUPPORTED[name]
+        if environ.get(ALLOW_UNTESTED) != "1":
+            print(f"error: {problem}: pip install '{name}>={low},<{high}' (the tested versions: pip install -c "
+                  f"tools/constraints-cluster.txt -e '.[cluster]', docs/cluster.md), or set {ALLOW_UNTESTED}=1 "
+                  "to try this one", file=sys.stderr)
+            raise SystemExit(2)
+        print(f"warning: {problem}; trying it anyway ({ALLOW_UNTESTED}=1)", file=sys.stderr)
+    return list(problems.values())
+
+
+check_versions()
+
+import torch  # noqa: E402  (after the check: a refused install stops before megatron and torch load)
 
 
 @contextlib.contextmanager

@@ -1,9 +1,15 @@
 # Sourced by every launch script: the environment a training process runs with, in one place.
 # Override any of these by exporting it before launching.
 
-# Threads: one OpenMP/MKL pool per process, sized to the cores the scheduler gave it
-# (on GPU nodes the data loader and host work need few).
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-${SLURM_CPUS_PER_TASK:-1}}
+# Threads: one OpenMP/MKL pool per process, sized to the cores the scheduler gave it: a Slurm
+# task's --cpus-per-task (launch/submit.sh sets it from the node's cores / tasks per node), shared
+# by the CPLM_TASK_PROCS processes one task runs (slurm-torchrun.sbatch: a torchrun per node
+# starting a process per GPU; else 1). Each rank's data workers follow the same share
+# (cplm_dist/data/loader.py caps data.num_workers to it less one).
+_procs=${CPLM_TASK_PROCS:-1}
+_share=$(( ${SLURM_CPUS_PER_TASK:-1} / (_procs > 0 ? _procs : 1) ))
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( _share > 0 ? _share : 1 ))}
+unset _procs _share
 export MKL_NUM_THREADS=${MKL_NUM_THREADS:-$OMP_NUM_THREADS}
 export TOKENIZERS_PARALLELISM=${TOKENIZERS_PARALLELISM:-false}
 

@@ -168,3 +168,16 @@ def test_bad_data_configs_are_refused_before_reading(small_data, tmp_path):
         check_data(data_config(small_data, "model.vocab_size=500"))
     with pytest.raises(DataError, match=r"100 valid samples requested but data.split='100,0,0' gives the valid split no documents"):
         check_data(data_config(small_data, "data.split=100,0,0"), (10, 100, 0))
+
+
+def test_data_workers_follow_the_slurm_tasks_cpus():
+    """Under Slurm a rank's workers are at most its share of the task's CPUs less one (the share
+    launch/env.sh gives OpenMP: SLURM_CPUS_PER_TASK over CPLM_TASK_PROCS processes); elsewhere as configured."""
+    from cplm_dist.data.loader import worker_count
+
+    assert worker_count(2, {}) == 2 and worker_count(6, {"CPLM_TASK_PROCS": "8"}) == 6
+    assert worker_count(2, {"SLURM_CPUS_PER_TASK": "1"}) == 0
+    assert worker_count(2, {"SLURM_CPUS_PER_TASK": "2"}) == 1
+    assert worker_count(2, {"SLURM_CPUS_PER_TASK": "12"}) == 2
+    assert worker_count(4, {"SLURM_CPUS_PER_TASK": "96", "CPLM_TASK_PROCS": "8"}) == 4
+    assert worker_count(4, {"SLURM_CPUS_PER_TASK": "16", "CPLM_TASK_PROCS": "8"}) == 1

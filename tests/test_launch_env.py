@@ -141,3 +141,12 @@ def test_host_checks_judge_machines_not_launchers():
     assert one_host.ranks_at("Connection closed by peer [127.0.0.1]:4242") == "" and one_host.on_host(1) == ""
     assert hosts.JoinedHosts().on_host(0) == "" and hosts.JoinedHosts().host_of(0) is None  # a one-process job
     assert hosts._ranges([0, 1, 2, 5, 7, 8]) == "0-2, 5, 7-8"
+
+
+def test_where_names_the_rank_its_launch_gave():
+    from cplm_dist.distributed.launch_env import where
+
+    line = where({"RANK": "5", "WORLD_SIZE": "16", "LOCAL_RANK": "1", "MASTER_ADDR": "node001", "MASTER_PORT": "29500"})
+    assert line.startswith("rank 5 of 16 (local rank 1) on ") and line.endswith(", launcher torchrun, rendezvous node001:29500")
+    with pytest.raises(ConfigError, match="MASTER_ADDR or MASTER_PORT is not"):
+        where({"RANK": "0", "WORLD_SIZE": "2"})

@@ -113,3 +113,57 @@ def test_launch_scripts_refuse_bad_usage():
     ]:
         proc = subprocess.run([str(REPO / "launch" / script), *args], capture_output=True, text=True, env=launch_env())
         assert proc.returncode == 2 and proc.stderr.startswith(message), (script, proc.stderr)
+
+
+def submit_dry_run(*options, path=None):
+    """launch/submit.sh ... --dry-run -- --config ...; PYTHON=true skips the layout check before
+    sbatch (its own test is above): what these tests read is the sbatch line."""
+    env = {**os.environ, "PYTHON": "true", "PATH": path or os.environ["PATH"]}
+    return subprocess.run([str(REPO / "launch/submit.sh"), "--nodes", "2", "--gpus-per-node", "8", "--time", "24:00:00",
+                           *options, "--dry-run", "--", "--config", "configs/runs/cplm-1.7b.yaml"],
+                          capture_output=True, text=True, env=env, timeout=60)
+
+
+def test_submit_passes_other_sbatch_options_through_and_sizes_cpus_per_task(tmp_path):
+    """Options submit.sh does not take itself reach sbatch as given (`--opt=v`, `--opt v`, a bare
+    flag), after its own and before the script; --cpus-per-task is a node's CPUs (sinfo: the
+    partition's smallest node) / tasks per node. The sinfo here is a stand-in for a cluster's,
+    answering `sinfo -h -o '%P %c' -p gpu` as one with 96- and 128-CPU nodes would."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sinfo").write_text('#!/bin/sh\n[ "$*" = "-h -o %P %c -p gpu" ] || exit 1\nprintf "gpu 128+\\ngpu 96\\n"\n')
+    (bin_dir / "sinfo").chmod(0o755)
+    proc = submit_dry_run("--partition", "gpu", "--qos", "high", "--exclusive", "--mem=0", "--constraint", "h100",
+                          "--foo=bar", "--requeue", path=f"{bin_dir}:{os.environ['PATH']}")
+    assert proc.returncode == 0, proc.stderr
+    words = proc.stdout.split()
+    assert words[words.index("--cpus-per-task") + 1] == "12"  # 96 CPUs / 8 tasks
+    script = next(i for i, w in enumerate(words) if w.endswith("slurm.sbatch"))
+    assert words[script - 8:script] == ["--qos", "high", "--exclusive", "--mem=0", "--constraint", "h100", "--foo=bar",
+                                        "--requeue"], proc.stdout
+    # --torchrun: one task a node, so it gets the node's CPUs; an explicit --cpus-per-task wins
+    torchrun = submit_dry_run("--torchrun", "--partition=gpu", path=f"{bin_dir}:{os.environ['PATH']}").stdout.split()
+    assert torchrun[torchrun.index("--cpus-per-task") + 1] == "96" and "--partition" in torchrun
+    given = submit_dry_run("--partition", "gpu", "--cpus-per-task=4", path=f"{bin_dir}:{os.environ['PATH']}").stdout.split()
+    assert given[given.index("--cpus-per-task") + 1] == "4"
+    per_gpu = submit_dry_run("--partition", "gpu", "--cpus-per-gpu", "12", path=f"{bin_dir}:{os.environ['PATH']}").stdout
+    assert "--cpus-per-gpu 12" in per_gpu and "--cpus-per-task" not in per_gpu  # sbatch takes one of the two
+    # where no sinfo answers, none is set and one line says so
+    (tmp_path / "down").mkdir()
+    (tmp_path / "down" / "sinfo").write_text("#!/bin/sh\necho 'sinfo: error: Unable to contact slurm controller' >&2\nexit 1\n")
+    (tmp_path / "down" / "sinfo").chmod(0o755)
+    unknown = submit_dry_run("--partition", "gpu", path=f"{tmp_path / 'down'}:{os.environ['PATH']}")
+    assert unknown.returncode == 0 and "--cpus-per-task" not in unknown.stdout, unknown.stdout
+    assert unknown.stderr.startswith("note: --cpus-per-task not set: sinfo could not tell the CPUs of a node of partition gpu")
+
+
+@pytest.mark.parametrize("options, message", [
+    (["-q", "high"], "error: short option -q: give sbatch options in their long form (e.g. --qos=high for -q high)"),
+    (["--ntasks-per-node", "4"], "error: --ntasks-per-node is set by launch/submit.sh: use --tasks-per-node"),
+    (["--output=x.log"], "error: --output is set by launch/submit.sh: the log is <--log-dir>/<name>-<jobid>.out"),
+    (["--wrap", "hostname"], "error: --wrap does not fit launch/submit.sh: it submits launch/slurm.sbatch"),
+    (["stray"], "error: unexpected argument 'stray' before -- (training arguments go after --"),
+], ids=["short-option", "ntasks-per-node", "output", "wrap", "stray-word"])
+def test_submit_refuses_sbatch_options_that_do_not_fit_this_job(options, message):
+    proc = submit_dry_run(*options)
+    assert proc.returncode == 2 and not proc.stdout and proc.stderr.startswith(message), proc.stderr

@@ -7,6 +7,8 @@ One cluster serves the module; each test starts its processes inside it and the 
 down at the end, also after a failure (the last test checks that nothing is left behind)."""
 
 import os
+import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -90,6 +92,37 @@ def test_torchrun_two_hosts_by_two_processes_equals_one_host(cluster, small_data
         assert rc == 0, log[-3000:]
     assert "tp=2 dp=2" in results[0][1] + results[1][1]
     assert_same_losses(losses(out), reference, 1e-4)
+
+
+def documented_torchrun_line() -> list[str]:
+    """docs/training.md's multi-node torchrun line, its options up to `-m` (what a user types on each node)."""
+    text = (REPO / "docs/training.md").read_text()
+    line = next(l for l in text.splitlines() if l.startswith("torchrun --nnodes 2 "))
+    words = shlex.split(line.split("\\")[0])
+    return words[1:words.index("-m")] if "-m" in words else words[1:]
+
+
+def test_the_documented_torchrun_line_gives_each_host_its_own_ranks(cluster):
+    """The c10d line of docs/training.md, as printed but for its placeholders (the first node's
+    name, one process a node), on both hosts with no node rank: each host's process reports a rank
+    of its own (`python -m cplm_dist.distributed.launch_env where`). The static rendezvous
+    torchrun falls back to without --rdzv-backend would make both node rank 0."""
+    options = documented_torchrun_line()
+    assert options[options.index("--rdzv-backend") + 1] == "c10d" and "--rdzv-id" in options, options
+    port = free_port()
+    fill = {"$HEAD:29500": f"node1:{port}", "$JOB": f"doc-{port}", "8": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", *[fill.get(w, w) for w in options],
+           "-m", "cplm_dist.distributed.launch_env", "where"]
+    procs = [cluster.popen(h, cmd, cwd=REPO, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for h in cluster.names]
+    results = finish(procs, 120)
+    seen = {}
+    for (rc, log), host in zip(results, cluster.names):
+        assert rc == 0, log[-3000:]
+        found = re.findall(r"^rank (\d+) of (\d+) \(local rank 0\) on (\S+), launcher torchrun", log, re.M)
+        assert len(found) == 1 and found[0][1:] == ("2", host), log[-3000:]
+        seen[host] = found[0][0]
+    assert sorted(seen.values()) == ["0", "1"], seen
 
 
 def remote_start_env(cluster):
@@ -221,6 +254,7 @@ def test_slurm_torchrun_across_two_hosts(slurm, small_data, tmp_path, reference)
     log = "".join(p.read_text() for p in logs.glob("*.out"))
     assert state.get("JobState") == "COMPLETED", (state, log[-3000:])
     assert "torchrun on 2 nodes x 1" in log
+    assert state.get("CPUs/Task") == "2", state  # submit.sh's default: a node's 2 CPUs (sinfo) for its one torchrun
     assert_same_losses(losses(out), reference, 1e-4)
 
 

@@ -96,3 +96,85 @@ def test_tools_share_code_through_the_library_only():
     """A tool parses arguments and calls the library: what two tools need lives in cplm_dist, not
     in one tool that the other imports."""
     assert [(at, m) for at, m in imports((REPO / "tools").glob("*.py")) if m.split(".")[0] in ("tools", "cplm_dist_tools")] == []
+
+
+# --- what a cluster installs: the ranges, the extras, the pins -----------------------------------
+
+
+def project() -> dict:
+    import tomllib
+
+    return tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+
+
+def requirement_name(req: str) -> str:
+    return req.split(";")[0].split("[")[0].split(">")[0].split("<")[0].split("=")[0].split("!")[0].strip().lower()
+
+
+def pins(path: Path) -> dict[str, str]:
+    lines = [line.split("#")[0].strip() for line in path.read_text().splitlines()]
+    return dict(line.lower().split("==") for line in lines if line)
+
+
+def test_pyproject_states_the_ranges_the_import_refuses_outside():
+    from cplm_dist.megatron_compat import SUPPORTED
+
+    deps = project()["dependencies"]
+    for name, (low, high) in SUPPORTED.items():
+        assert f"{name}>={low},<{high}" in deps, (name, [d for d in deps if d.startswith(name)])
+    # and the tested pins lie inside them
+    tested = pins(REPO / "tools/constraints.txt")
+    from cplm_dist.megatron_compat import version_problem
+
+    assert [version_problem(name, tested[name]) for name in SUPPORTED] == [None, None]
+
+
+def test_every_requirement_is_pinned_and_the_cluster_install_leaves_torch_and_tests_out():
+    """The cluster constraints are tools/constraints.txt less its torch line; every package the
+    project names has a tested pin; [cluster] holds no test or evaluation package, [dev] holds
+    every extra's."""
+    tested, cluster = pins(REPO / "tools/constraints.txt"), pins(REPO / "tools/constraints-cluster.txt")
+    assert "torch" in tested and cluster == {k: v for k, v in tested.items() if k != "torch"}, (
+        "tools/constraints-cluster.txt must be tools/constraints.txt without its torch line")
+    extras = project()["optional-dependencies"]
+    named = {requirement_name(r) for r in project()["dependencies"] + sum(extras.values(), [])}
+    assert named - set(tested) == set(), "pin these in tools/constraints.txt (and constraints-cluster.txt)"
+    cluster_extra = {requirement_name(r) for r in extras["cluster"]}
+    assert cluster_extra == {"mpi4py", "wandb", "tokenizers"}
+    dev = {requirement_name(r) for r in extras["dev"]}
+    assert {requirement_name(r) for name, reqs in extras.items() if name != "dev" for r in reqs} <= dev
+    assert {"pytest", "lm-eval", "transformers"} <= dev
+
+
+def test_a_version_outside_the_ranges_stops_the_import_with_one_line(tmp_path):
+    """An installed DeepSpeed 0.18 (its metadata first on the path, as pip leaves it): importing
+    the library's one megatron/DeepSpeed import ends with one line and exit 2, before megatron loads."""
+    info = tmp_path / "deepspeed-0.18.3.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: deepspeed\nVersion: 0.18.3\n")
+    env = {k: v for k, v in os.environ.items() if k != "CPLM_ALLOW_UNTESTED_VERSIONS"}
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), str(REPO)])
+    code = "import sys, cplm_dist.megatron_compat; print('megatron' in sys.modules)"
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and not proc.stdout, proc.stdout + proc.stderr
+    assert proc.stderr.startswith("error: deepspeed 0.18.3 is installed, but cplm_dist accepts deepspeed>=0.19,<0.20: "
+                                  "pip install 'deepspeed>=0.19,<0.20'") and proc.stderr.count("\n") == 1, proc.stderr
+
+
+def test_version_bounds_and_the_untested_escape(capsys):
+    from cplm_dist.megatron_compat import check_versions, version_problem
+
+    assert version_problem("deepspeed", "0.19.0") is None and version_problem("deepspeed", "0.19.8+cu124") is None
+    assert version_problem("deepspeed", "0.20.0") and version_problem("deepspeed", "0.18.99")
+    assert version_problem("megatron-core", "0.14.0") is None and version_problem("megatron-core", "0.16.1") is None
+    assert version_problem("megatron-core", "0.17.0rc1") and version_problem("megatron-core", "0.13.2")
+    assert check_versions({"deepspeed": "0.19.8", "megatron-core": "0.16.1"}, environ={}) == []
+    passed = check_versions({"megatron-core": "0.19.2"}, environ={"CPLM_ALLOW_UNTESTED_VERSIONS": "1"})
+    assert passed == ["megatron-core 0.19.2 is installed, but cplm_dist accepts megatron-core>=0.14,<0.17"]
+    assert capsys.readouterr().err == f"warning: {passed[0]}; trying it anyway (CPLM_ALLOW_UNTESTED_VERSIONS=1)\n"
+    try:
+        check_versions({"megatron-core": "0.19.2"}, environ={})
+    except SystemExit as e:
+        assert e.code == 2 and capsys.readouterr().err.startswith("error: megatron-core 0.19.2 is installed")
+    else:
+        raise AssertionError("an untested megatron-core passed without CPLM_ALLOW_UNTESTED_VERSIONS=1")

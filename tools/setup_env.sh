@@ -3,7 +3,8 @@
 # later calls return at once unless the constraints, pyproject.toml or setup.py changed.
 # torch goes in first, pinned: on this project's machines `torch==2.13.0` is a CPU build on local
 # disk; letting another package pull an unpinned torch would download a CUDA build of several GB.
-# On a GPU cluster, install the site's torch first and then `pip install -e .` (ranges only).
+# On a GPU cluster keep the site's torch and pin the rest: pip install -c tools/constraints-cluster.txt
+# -c site-torch.txt -e ".[cluster]" (docs/cluster.md, "Install").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=${CPLM_VENV:-.venv}

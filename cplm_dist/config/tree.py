@@ -162,7 +162,7 @@ class DataConfig:
     # packed documents do not see each other: position_ids restart after each end-of-document id, attention
     # and the copy head's candidates stay inside a document (cplm_dist.model.documents; needs data made with eod)
     document_mask: bool = False
-    num_workers: int = resumable(2)  # DataLoader worker processes per rank
+    num_workers: int = resumable(2)  # DataLoader worker processes per rank (under Slurm at most its CPUs less one: data/loader.py)
 
 
 @dataclass

@@ -12,11 +12,26 @@ exactly the next samples: none repeated, none skipped, whatever the prefetching 
 from __future__ import annotations
 
 import functools
+import os
+from typing import Mapping
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 IGNORE_INDEX = -100  # a label that is not trained on (Megatron's and torch's convention): the loss skips it
+
+
+def worker_count(configured: int, environ: Mapping[str, str] | None = None) -> int:
+    """data.num_workers for this process: under Slurm at most its share of the task's CPUs less one
+    (SLURM_CPUS_PER_TASK / CPLM_TASK_PROCS, the processes one task runs: launch/env.sh sizes the
+    OpenMP threads from the same share), so that workers never crowd a task of one or two CPUs;
+    elsewhere as configured."""
+    env = os.environ if environ is None else environ
+    try:
+        cpus = int(env["SLURM_CPUS_PER_TASK"]) // max(1, int(env.get("CPLM_TASK_PROCS", "1")))
+    except (KeyError, ValueError):
+        return configured
+    return min(configured, max(0, cpus - 1))
 
 
 class PretrainingBatchSampler(Sampler[list[int]]):

@@ -19,7 +19,7 @@ from __future__ import annotations
 from cplm_dist.config import Config
 from cplm_dist.config.curriculum import source_ids, stage_for_step, stage_steps, stages_of
 from cplm_dist.data.gpt_data import Datasets, build_datasets
-from cplm_dist.data.loader import ResumableLoader
+from cplm_dist.data.loader import ResumableLoader, worker_count
 
 
 class StagedLoader:
@@ -106,7 +106,7 @@ def build_train_data(cfg: Config, dims, tokenizer, valid_samples: int, saved: di
         if built.train is None:
             continue
         loaders[i] = ResumableLoader(built.train, cfg.train.micro_batch_size, dims.dp_rank, dims.dp_size,
-                                     num_workers=cfg.data.num_workers, consumed_samples=positions[i]["consumed_samples"],
+                                     num_workers=worker_count(cfg.data.num_workers), consumed_samples=positions[i]["consumed_samples"],
                                      pin_memory=pin_memory, context=context, sources=source_ids(cfg, i))
     consumed = [p["consumed_samples"] for p in positions]
     return data, StagedLoader(cfg, loaders, consumed, sizes, step)

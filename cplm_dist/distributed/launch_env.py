@@ -119,9 +119,26 @@ def _mpi_rendezvous(launcher: str, addr: str | None, port: int | None) -> tuple[
     return comm.bcast(mine, root=0)
 
 
+def where(env: Mapping[str, str] | None = None) -> str:
+    """One line: this process's rank, world, local rank, host and rendezvous as the launch gave them
+    (`python -m cplm_dist.distributed.launch_env where` under a launcher, to check a multi-node launch
+    gives every node its own ranks before a long job: docs/cluster.md)."""
+    e = LaunchEnv.from_environ(env, mpi_rendezvous=False)
+    return (f"rank {e.rank} of {e.world_size} (local rank {e.local_rank}) on {socket.gethostname()}, "
+            f"launcher {e.launcher}, rendezvous {e.master_addr}:{e.master_port}")
+
+
 if __name__ == "__main__":
     import sys
 
-    if sys.argv[1:] != ["slurm-port"]:
-        sys.exit("usage: python -m cplm_dist.distributed.launch_env slurm-port")
-    print(slurm_port(os.environ))
+    if sys.argv[1:] == ["slurm-port"]:
+        print(slurm_port(os.environ))
+    elif sys.argv[1:] == ["where"]:
+        try:
+            print(where(), flush=True)
+        except ConfigError as e:
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)
+    else:
+        print("usage: python -m cplm_dist.distributed.launch_env slurm-port|where", file=sys.stderr)
+        sys.exit(2)
