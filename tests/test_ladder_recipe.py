@@ -17,7 +17,7 @@ from cplm_dist.experiments.ladder_recipe import DEEPSEEK_BATCH, Job, Recipe
 
 BASE = "configs/runs/cplm-135m.yaml"
 TARGETS = [1.35e8, 4e8, 1.7e9]
-JOB = Job(max_nodes=4, gpus_per_node=8)  # the user of issue 58: 4 nodes x 8 H100
+JOB = Job(max_nodes=4, gpus_per_node=8, slurm=True)  # the user of issue 58: 4 nodes x 8 H100
 
 
 def _plan(tmp_path, recipe=None, overrides=()):
@@ -95,6 +95,9 @@ def test_slurm_points_are_sized_by_their_recipe_and_evaluated_in_jobs_of_their_o
     options = shlex.split("--nodes 4 --gpus-per-node 8 --time 12:00:00 --partition gpu --account lab --max-requeues 2 "
                           "--dry-run")
     assert job_of(shlex.join(options)) == JOB and world_of("torchrun --nproc-per-node 8 --nnodes=2") == 16
+    cpu = job_of("--nodes 2 --tasks-per-node 2 --gpus-per-node 0 --time 00:10:00")  # 4 data-parallel CPU ranks
+    cpu_plan = plan_ladder(Ladder(BASE, [1.35e8], ["off"], out=tmp_path / "cpu", job=cpu))[0]
+    assert cpu_plan["recipe"]["global_batch"] % (4 * cpu_plan["recipe"]["micro_batch"]) == 0 and not cpu_plan["submit_options"]
     points = _plan(tmp_path)
     large = points[1.7e9]
     cmd = submit_command(large, options, tmp_path / "slurm")

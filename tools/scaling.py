@@ -103,9 +103,13 @@ def _option(words: list[str], names: tuple[str, ...], default: int) -> int:
 
 
 def job_of(slurm: str | None) -> Job:
-    """The job size a ladder's Slurm points may use: its options' --nodes and --gpus-per-node."""
-    words = shlex.split(slurm or "")
-    return Job(max_nodes=max(1, _option(words, ("--nodes",), 1)), gpus_per_node=_option(words, ("--gpus-per-node",), 0))
+    """The job size a ladder's Slurm points may use: its options' --nodes, --gpus-per-node and
+    --tasks-per-node (no --slurm: the points train here)."""
+    if slurm is None:
+        return Job()
+    words = shlex.split(slurm)
+    return Job(slurm=True, max_nodes=max(1, _option(words, ("--nodes",), 1)), gpus_per_node=_option(words, ("--gpus-per-node",), 0),
+               tasks_per_node=max(1, _option(words, ("--tasks-per-node",), 1)))
 
 
 def world_of(launcher: str) -> int:

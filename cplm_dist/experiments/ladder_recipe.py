@@ -53,10 +53,13 @@ DEEPSEEK_BATCH = (0.2920, 0.3271)  # B_opt = 0.2920 C^0.3271 tokens
 
 @dataclass(frozen=True)
 class Job:
-    """The Slurm job size a ladder may use: --nodes (the most) and --gpus-per-node of its options."""
+    """The Slurm job size a ladder may use: --nodes (the most), --gpus-per-node and (CPU jobs)
+    --tasks-per-node of its options."""
 
     max_nodes: int = 1
     gpus_per_node: int = 0
+    tasks_per_node: int = 1
+    slurm: bool = False  # False: the points train here, on the --launcher's ranks
 
 
 @dataclass(frozen=True)
@@ -156,7 +159,8 @@ class Recipe:
         micro = int(row.get("micro_batch", micro))
         model_parallel = base.parallel.tp * base.parallel.pp * base.parallel.cp
         gpus, nodes = self._job(flops, job, model_parallel, row)
-        dp = max(1, (gpus or world) // model_parallel)
+        ranks = gpus or (job.max_nodes * job.tasks_per_node if job.slurm else world)
+        dp = max(1, ranks // model_parallel)
         unit = micro * dp
         batch = int(row.get("global_batch", -(-max(batch, unit) // unit) * unit))
         source = f"table row params={float(row['params']):g}, else " if "params" in row else ""
@@ -165,7 +169,7 @@ class Recipe:
 
     def _job(self, flops: float, job: Job, model_parallel: int, row: dict) -> tuple[int, int]:
         """(GPUs, nodes) of the point's job: the table's, else the fewest that fit in `hours`."""
-        if job.gpus_per_node <= 0:
+        if job.gpus_per_node <= 0:  # here, or a CPU job: the options' size
             return 0, job.max_nodes
         most = job.max_nodes * job.gpus_per_node
         if "gpus" in row or "nodes" in row:
