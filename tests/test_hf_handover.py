@@ -127,15 +127,12 @@ def _our_lm(adapter):
     return Ours()
 
 
-def _evaluate(model, tasks) -> dict:
+def _evaluate(model, tasks, task_manager) -> dict:
     """{task: (metrics, every request's log-likelihood)} of lm-eval on the shipped tasks."""
     from lm_eval import simple_evaluate
-    from lm_eval.tasks import TaskManager
 
-    from cplm_dist.evaluation.harness_tasks import TASKS_DIR
-
-    out = simple_evaluate(model=model, tasks=tasks, limit=LIMIT, task_manager=TaskManager(include_path=str(TASKS_DIR)),
-                          log_samples=True, bootstrap_iters=0, random_seed=0, numpy_random_seed=0, torch_random_seed=0)
+    out = simple_evaluate(model=model, tasks=tasks, limit=LIMIT, task_manager=task_manager, log_samples=True,
+                          bootstrap_iters=0, random_seed=0, numpy_random_seed=0, torch_random_seed=0)
     scores = {}
     for task in tasks:
         metrics = {k: v for k, v in out["results"][task].items() if isinstance(v, float) and "stderr" not in k}
@@ -167,11 +164,15 @@ def _handover_worker(trained, tokenizer, directory):
     out["weights"] = full_state_dict([model.state_dict()], model)
     if importlib.util.find_spec("accelerate") is None:  # lm-eval's hf model imports it (lm-eval[hf])
         return out
-    tasks = ["cplm_kv_mc", "cplm_corpus_ppl"]
-    out["ours"] = _evaluate(_our_lm(HarnessAdapter(model, load_tokenizer(tokenizer), batch_size=4)), tasks)
     from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
 
-    out["hf"] = _evaluate(HFLM(pretrained=str(Path(directory) / "sharded"), device="cpu", dtype="float32", batch_size=4), tasks)
+    from cplm_dist.evaluation.harness_tasks import TASKS_DIR
+
+    tasks, manager = ["cplm_kv_mc", "cplm_corpus_ppl"], TaskManager(include_path=str(TASKS_DIR))
+    out["ours"] = _evaluate(_our_lm(HarnessAdapter(model, load_tokenizer(tokenizer), batch_size=4)), tasks, manager)
+    hf = HFLM(pretrained=str(Path(directory) / "sharded"), device="cpu", dtype="float32", batch_size=4)
+    out["hf"] = _evaluate(hf, tasks, manager)
     return out
 
 
