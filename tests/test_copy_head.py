@@ -1,6 +1,7 @@
 """The copy head and both mixing paths (training: A_t, M_t -> nll; evaluation: the full
 distribution) against the mixture written out position by position (tests/reference.py)."""
 
+import json
 import math
 
 import pytest
@@ -274,25 +275,64 @@ def test_flex_gradients_through_its_lse_equal_the_dense_path(monkeypatch):
     assert grads[1][0].abs().sum() > 0 and grads[1][1].abs().sum() > 0
 
 
-def test_copy_impl_picks_its_path_and_flex_refuses_to_train_on_cpu():
-    """auto trains chunked on CPU (dense within one block); flex is for training only (evaluation
-    takes chunked), and training it on CPU is refused with one line."""
+@pytest.fixture
+def flex_recorded(tmp_path, monkeypatch):
+    """A record that flex ran on a GPU with this torch, as tools/bench_copy_head.py --record-flex
+    writes it, read through CPLM_FLEX_RECORD."""
+    from cplm_dist.model.flex_record import ENV, write_record
+
+    monkeypatch.setenv(ENV, str(tmp_path / "flex_gpu_record.json"))
+    return write_record([{"seq_len": 2048, "max_abs_diff_lse": 2e-6, "max_rel_diff_grad": 3e-5}], 1e-3, "a test GPU")
+
+
+def test_copy_impl_picks_its_path_and_flex_refuses_to_train_on_cpu(tmp_path, monkeypatch):
+    """auto trains chunked on CPU (dense within one block), and on CUDA too until a GPU check has
+    recorded flex for this torch; flex is for training only (evaluation takes chunked), and
+    training it on CPU is refused with one line."""
+    from cplm_dist.model.flex_record import ENV, RECORD, read_record, record_path, torch_minor, write_record
+
     h, ids, labels, _ = inputs()
     q = torch.zeros(1, 1, T, 8, requires_grad=True)
     assert make_head("joint", "next", 2, impl="auto").lse_path(q, q) == "chunked"
     assert make_head("gate", "next", 1, impl="auto", chunk_size=T).lse_path(q, q) == "dense"
-    on_cuda = make_head("joint", "next", 2, impl="auto")
-    on_cuda._flex_trains_on = lambda device: True  # where FlexAttention trains: lengths in whole 128-blocks only
-    whole = torch.zeros(1, 1, 256, 8, requires_grad=True)
-    assert on_cuda.lse_path(whole, whole) == "flex" and on_cuda.lse_path(q, q) == "chunked"
-    flex = make_head("joint", "next", 2, impl="flex")
+    whole = torch.zeros(1, 1, 256, 8, requires_grad=True)  # where FlexAttention trains: lengths in whole 128-blocks
+
+    def on_cuda():
+        head = make_head("joint", "next", 2, impl="auto")
+        head._flex_trains_on = lambda device: True
+        return head
+
+    monkeypatch.delenv(ENV, raising=False)
+    assert record_path() == RECORD  # the record ships beside the code
+    record = tmp_path / "flex_gpu_record.json"
+    monkeypatch.setenv(ENV, str(record))
+    assert read_record() is None and on_cuda().lse_path(whole, whole) == "chunked"  # not run on a GPU: chunked
+    write_record([{"seq_len": 2048, "max_abs_diff_lse": 2e-6, "max_rel_diff_grad": 3e-5},
+                  {"seq_len": 8192, "max_abs_diff_lse": 4e-6, "max_rel_diff_grad": 1e-5}], 1e-3, "a test GPU")
+    saved = read_record()
+    assert (saved["device"], saved["torch"], saved["max_abs_diff_lse"], saved["max_rel_diff_grad"]) == (
+        "a test GPU", torch_minor(), 4e-6, 3e-5)
+    head = on_cuda()
+    assert head.lse_path(whole, whole) == "flex" and head.lse_path(q, q) == "chunked"
+    record.write_text(json.dumps({**saved, "torch": "1.13"}))  # recorded with another torch: chunked again
+    assert read_record() is None and on_cuda().lse_path(whole, whole) == "chunked"
+    monkeypatch.setenv(ENV, "")  # none
+    assert read_record() is None and torch_minor("2.9.1+cu128") == "2.9"
+    flex = make_head("joint", "next", 2, impl="flex")  # chosen outright, record or not
     with torch.no_grad():
         assert flex.lse_path(q, q) == "chunked"
     with pytest.raises(ConfigError, match=r"^copy\.impl=flex trains on CUDA only .*set copy\.impl=auto"):
         flex(h.requires_grad_(True), ids, labels)
 
 
-def test_auto_goes_on_chunked_when_the_flex_kernel_fails(caplog):
+def test_only_a_checked_flex_path_is_recorded(capsys):
+    from cplm_dist_tools.bench_copy_head import main
+
+    assert main(["--record-flex", "--check", "1e-3"]) == 2  # no flex among the paths
+    assert "--record-flex records a checked flex path" in capsys.readouterr().err
+
+
+def test_auto_goes_on_chunked_when_the_flex_kernel_fails(caplog, flex_recorded):
     """copy.impl=auto whose first flex call fails (here a real failure: told that this CPU trains
     flex, FlexAttention refuses its backward) warns once and trains with chunked's terms and
     gradients, then does not try flex again."""

@@ -24,7 +24,9 @@ UNTIED = ["model.tie_embeddings=false"]  # training runs keep the test tokenizer
 QWEN3 = ["model.arch=qwen3", "model.head_dim=24"]  # q is 8 x 24 = 192 wide for a 128-wide model: head_dim its own
 
 
-TEST_TOKENIZER_IDS = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 3}  # the tests' SentencePiece (conftest)
+# the tests' SentencePiece (conftest) as an export carries it: bos and eos its end-of-document id (tokenizer_files.py)
+TEST_TOKENIZER_IDS = {"bos_token_id": 2, "eos_token_id": 2, "pad_token_id": 3}
+TOKENIZER_FILES = ["tokenizer.json", "tokenizer.model", "tokenizer_config.json"]
 
 
 def _assert_generation_config(directory: Path, hf, ids: dict) -> None:
@@ -205,7 +207,7 @@ def test_a_checkpoint_loads_at_any_tp_and_exports(from_llama, loaded, tmp_path):
                           capture_output=True, text=True, timeout=300, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert sorted(p.name for p in out.iterdir()) == sorted(["config.json", "generation_config.json", "model.safetensors",
-                                                            "tokenizer.model", *REMOTE_FILES])
+                                                            *TOKENIZER_FILES, *REMOTE_FILES])
     assert "modeling_cplm.py" in REMOTE_FILES
     hf = _hf_model(out, remote=True)
     with torch.no_grad():

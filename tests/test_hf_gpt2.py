@@ -14,8 +14,8 @@ import torch
 
 from cplm_dist.config import load_config
 from tests.spawn import run_ranks
-from tests.test_hf import (PADDED_UNTIED, REPO, TEST_TOKENIZER_IDS, UNTIED, _assert_generation_config, _hf_model, _ids,
-                           _random_hf, _variant, assert_imports)
+from tests.test_hf import (PADDED_UNTIED, REPO, TEST_TOKENIZER_IDS, TOKENIZER_FILES, UNTIED, _assert_generation_config,
+                           _hf_model, _ids, _random_hf, _variant, assert_imports)
 from tests.test_train import argv, run_cli, train
 
 # --- GPT-2: a stock GPT2LMHeadModel both ways, our remote class for copy on ----------------------------
@@ -189,8 +189,8 @@ def test_a_gpt2_run_from_a_hf_gpt2_exports_the_same_gpt2(from_gpt2):
     from transformers import GPT2LMHeadModel
 
     source, out = from_gpt2
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors",
-                                                     "tokenizer.model"]
+    assert sorted(p.name for p in out.iterdir()) == sorted(["config.json", "generation_config.json", "model.safetensors",
+                                                            *TOKENIZER_FILES])
     saved, want = load_file(str(out / "model.safetensors")), load_file(str(source / "model.safetensors"))
     assert sorted(saved) == sorted(want)
     for name, tensor in want.items():

@@ -512,7 +512,7 @@ def test_bad_input_one_line_exit_2_nothing_written(small_data, tmp_path):
          "tools/preprocess_data.py, or fix data.blend)"),
         *([(argv(small_data, fresh, "copy.impl=flex"), None,
              "error: copy.impl=flex trains on CUDA only (FlexAttention has no CPU backward): set copy.impl=auto "
-             "(flex on CUDA, chunked elsewhere) or copy.impl=chunked")] if not torch.cuda.is_available() else []),
+             "(chunked; flex on CUDA once a GPU check recorded it) or copy.impl=chunked")] if not torch.cuda.is_available() else []),
         (argv(small_data, fresh, "model.vocab_size=256"), None,  # a tokenizer larger than the model
          f"error: tokenizer {small_data.tokenizer} has 512 ids but model.vocab_size=256: set model.vocab_size=512 "
          "(or use the tokenizer the model was made for)"),

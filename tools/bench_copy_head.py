@@ -7,7 +7,9 @@ from the dense ones (a benchmark: figures go to the console and JSON, never into
     python tools/bench_copy_head.py --impls dense chunked flex --check 1e-3     # on a GPU
 
 --check TOL exits 1 when a path's A_t, M_t differ from dense by more than TOL or its gradients by
-more than TOL relative (tools/gpu_check.sh checks the fused flex kernel and its backward so).
+more than TOL relative (tools/gpu_check.sh checks the fused flex kernel and its backward so);
+--record-flex then records a passing flex path (cplm_dist/model/flex_record.py), after which
+copy.impl=auto trains flex on CUDA.
 
 Each (T, impl) point runs in a fresh process on CPU, so that its peak resident set is its own; on
 CUDA the allocator's peak counter is reset per point instead.
@@ -126,6 +128,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--json", help="write the rows here")
     p.add_argument("--check", type=float, metavar="TOL", help="exit 1 if a path differs from dense by more than TOL")
+    p.add_argument("--record-flex", action="store_true",
+                   help="with --check and flex: when flex passes, write cplm_dist/model/flex_gpu_record.json (or "
+                        "$CPLM_FLEX_RECORD), after which copy.impl=auto trains flex on CUDA with this torch")
     p.add_argument("--point", nargs=2, metavar=("T", "IMPL"), help=argparse.SUPPRESS)  # one point, in a child
     return p
 
@@ -137,6 +142,8 @@ def main(argv=None) -> int:
         raise UsageError("--chunk must be >= 1 and every --seq-lens value >= 2")
     if "flex" in args.impls and torch.device(args.device).type != "cuda":
         raise UsageError("--impls flex needs a CUDA --device: FlexAttention has no CPU backward")
+    if args.record_flex and ("flex" not in args.impls or args.check is None):
+        raise UsageError("--record-flex records a checked flex path: give --impls ... flex and --check TOL")
     if args.point:
         print(json.dumps(measure(args, int(args.point[0]), args.point[1])))
         return 0
@@ -180,6 +187,13 @@ def main(argv=None) -> int:
         for r in off:
             print(f"CHECK FAILED: T={r['seq_len']} {r['impl']} differs from dense by {r['max_abs_diff_lse']:.1e} "
                   f"(A, M) and {r['max_rel_diff_grad']:.1e} (gradients, relative) > {args.check}", file=sys.stderr)
+        if args.record_flex and not off:
+            from cplm_dist.model.flex_record import write_record
+
+            path = write_record([r for r in rows if r["impl"] == "flex"], args.check,
+                                torch.cuda.get_device_name(torch.device(args.device)))
+            print(f"flex matched dense within {args.check}: recorded in {path} (copy.impl=auto now trains flex on CUDA)",
+                  file=sys.stderr)
         return 1 if off else 0
     return 0
 

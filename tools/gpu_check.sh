@@ -2,8 +2,10 @@
 # The GPU check for one lent H200 (docs/benchmarks.md, "GPU"): the card's bf16 matrix-product and
 # copy ceilings, then cplm-135m and cplm-1.7b (bf16, sequence 2048): throughput, MFU, memory against
 # the estimator, train.compile on and off, the copy head's overhead in training and in KV-cache
-# decoding, the copy head alone (dense, chunked and the fused flex kernel that copy.impl=auto trains
-# with on CUDA, values and gradients checked against dense: tools/bench_copy_head.py --check), the
+# decoding, the copy head alone (dense, chunked and the fused flex kernel, values and gradients
+# checked against dense: tools/bench_copy_head.py --check; a passing flex is recorded in
+# cplm_dist/model/flex_gpu_record.json, printed at the end of copy_head.md, and from then on
+# copy.impl=auto trains flex on CUDA, in this check's later runs too; until then chunked), the
 # chunked LM loss, ZeRO-2, Muon (optim.name=muon) beside AdamW and transformers' Llama on the same shapes.
 # Runs go most valuable first under one time budget (GPU_CHECK_BUDGET_S, default 420 s): a run
 # that would start past it is recorded as skipped, a failing run is recorded and the others go on.
@@ -35,7 +37,7 @@ if [ -n "${GPU_CHECK_SMOKE:-}" ]; then
   decode=(--decode-batches 1 --decode-prompts 16 --new-tokens 4 --no-compile); trace=()  # compiling: test_decoding.py
 else
   small=cplm-135m; large=cplm-1.7b; seq=2048; steps=(--warmup 3 --steps 10 --breakdown-steps 2 --rounds 3); micro_small=16
-  extra=(train.precision=bf16); copy_bench=(--seq-lens 2048 8192 --batch 8 --hidden 2048 --vocab 64 --impls dense chunked flex --check 1e-3)
+  extra=(train.precision=bf16); copy_bench=(--seq-lens 2048 8192 --batch 8 --hidden 2048 --vocab 64 --impls dense chunked flex --check 1e-3 --record-flex)
   decode=(--decode-batches 1 8 --decode-prompts 512 2048 --new-tokens 64 model.max_seq_len=2112 --peer --decode-eager); trace=(--trace "$work/trace-135m.json")
   { nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader
     "$PY" tools/gpu_ceiling.py; } 2>&1 | tee "$OUT/device.txt"
@@ -51,8 +53,9 @@ run() {  # name, the run's own cap in seconds, then cplm_profile.py arguments
 }
 shape() { echo --config "$1" "${extra[@]}" "train.micro_batch_size=$2" "model.max_seq_len=$seq" "data.seq_length=$seq"; }
 # The copy head alone, first: every run below trains it with copy.impl=auto, which is the flex
-# kernel on CUDA. If flex differs from dense or fails (exit 1 or 2), the rest runs copy.impl=chunked;
-# a timeout (124) only says the bench ran out of time.
+# kernel on CUDA once the bench has recorded it (--record-flex: flex matched dense), chunked before.
+# If flex differs from dense or fails (exit 1 or 2), the rest runs copy.impl=chunked; a timeout
+# (124) only says the bench ran out of time.
 t=$(left); ((t > 180)) && t=180
 if ((${#copy_bench[@]} == 0)); then
   :
@@ -64,6 +67,9 @@ elif ((t >= 30)); then
     echo "copy-head bench (timed out after ${t} s)" >> "$OUT/failures.txt"
   elif ((rc != 0)); then
     echo "copy-head bench (exit $rc): the remaining runs use copy.impl=chunked" >> "$OUT/failures.txt"; extra+=(copy.impl=chunked)
+  elif [ -f cplm_dist/model/flex_gpu_record.json ]; then  # it comes back in copy_head.md: commit it as that file
+    { echo; echo "flex recorded (commit as cplm_dist/model/flex_gpu_record.json):"; echo '```json'
+      cat cplm_dist/model/flex_gpu_record.json; echo '```'; } >> "$OUT/copy_head.md"
   fi
 else
   echo "copy-head bench (skipped: ${BUDGET} s budget spent)" >> "$OUT/failures.txt"

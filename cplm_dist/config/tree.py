@@ -105,8 +105,9 @@ class CopyConfig:
     rope: bool = False  # rotary position on the copy q/k
     init_std: float = 0.02
     gate_bias_init: float = 0.0  # gate mix: sigmoid(0) = half the mass to the LM head at init
-    # auto: flex (fused FlexAttention kernels) training on CUDA, chunked elsewhere; chunked: scores
-    # recomputed in backward per row block; dense: the reference (docs/copy_head.md)
+    # auto: chunked, and flex (fused FlexAttention kernels) training on CUDA once a GPU check has
+    # recorded it for this torch (cplm_dist/model/flex_record.py); chunked: scores recomputed in
+    # backward per row block; dense: the reference (docs/copy_head.md)
     impl: CopyImpl = "auto"
     chunk_size: int = 256  # query rows per block of the chunked path
 

@@ -9,6 +9,9 @@ ladder_report.py fits the rows and writes the report.
     evaluate_points(points, [sys.executable, "-m", evaluation_module], ["induction"], 16, log)
     rows = collect(points)
 
+Each point's learning rate, micro-batch, global batch and (under Slurm) job size come from the
+ladder's recipe (ladder_recipe.py: rules with their sources, or the ladder file's table); the
+shape alone is not enough (a 1.7B point on a 135M config would keep the 135M's lr and batch).
 A point trains with --resume auto into <out>/points/<variant>-<size>-seed<k>; a point whose last
 checkpoint is written is finished and not trained again, so a driver run again continues an
 interrupted ladder. Every command goes through what is installed (runs.py).
@@ -16,6 +19,7 @@ interrupted ladder. Every command goes through what is installed (runs.py).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
@@ -23,8 +27,9 @@ from pathlib import Path
 
 from cplm_dist.config import load_config
 from cplm_dist.errors import UsageError
+from cplm_dist.experiments.ladder_recipe import Job, Recipe
 from cplm_dist.experiments.runs import VARIANTS, finished, mean_score, run
-from cplm_dist.experiments.scaling import shape_for, token_budget, training_flops
+from cplm_dist.experiments.scaling import shape_for, token_budget, training_flops, with_overrides
 
 
 @dataclass(frozen=True)
@@ -42,6 +47,9 @@ class Ladder:
     head_dim: int = 64
     tokens_per_parameter: float = 20.0
     out: Path = Path("runs/scaling")
+    recipe: Recipe = field(default_factory=Recipe)  # each point's lr, batches and job (ladder_recipe.py)
+    job: Job = field(default_factory=Job)  # the Slurm job size the points may use (--slurm's --nodes, --gpus-per-node)
+    world: int = 1  # ranks a local point trains on (the --launcher's processes)
 
 
 def log_spaced(low: float, high: float, points: int) -> list[float]:
@@ -61,27 +69,34 @@ def variant_overrides(spec: str) -> tuple[str, list[str]]:
 
 
 def plan_ladder(ladder: Ladder) -> list[dict]:
-    """Every point: variant, size, seed, shape, tokens, steps and the training arguments; each
-    point's config is loaded here, so a bad point fails before anything runs."""
+    """Every point: variant, size, seed, shape, its recipe (lr, batches, job size), tokens, steps and
+    the training arguments; each point's config is loaded here, so a bad point fails before
+    anything runs."""
     base = load_config(ladder.base_config, ladder.overrides)
-    per_step = base.train.global_batch_size * base.data.seq_length
+    given = frozenset(o.partition("=")[0] for o in ladder.overrides)
     points = []
     for target in sorted(ladder.targets):
         shape = shape_for(base, target, aspect=ladder.aspect, head_dim=ladder.head_dim)
-        steps = max(1, math.ceil(token_budget(shape.parameters, ladder.tokens_per_parameter) / per_step))
+        budget = token_budget(shape.parameters, ladder.tokens_per_parameter)
+        flops = training_flops(with_overrides(base, list(shape.overrides)), budget, base.data.seq_length)
+        recipe = ladder.recipe.for_point(base, target, shape.layers, shape.hidden, flops, ladder.job, ladder.world, given)
+        per_step = recipe.global_batch * base.data.seq_length
+        steps = max(1, math.ceil(budget / per_step))
         for spec in ladder.variants:
             name, overrides = variant_overrides(spec)
             for seed in ladder.seeds:
                 point = f"{name}-{shape.label}-seed{seed}"
                 run_dir = Path(ladder.out) / "points" / point
-                train = [*ladder.overrides, *shape.overrides, *overrides, f"seed={seed}", f"data.seed={seed}",
+                train = [*ladder.overrides, *shape.overrides, *recipe.overrides(), *overrides, f"seed={seed}", f"data.seed={seed}",
                          f"train.train_steps={steps}", f"optim.warmup_steps={max(1, steps // 10)}",
                          f"train.eval_interval={steps}", f"train.save_interval={steps}",
                          f"train.log_interval={max(1, steps // 20)}", f"train.out_dir={run_dir}"]
                 cfg = load_config(ladder.base_config, train)
-                points.append({"point": point, "variant": name, "target": target, "seed": seed, "layers": shape.layers,
+                points.append({"point": point, "variant": name, "target": target, "seed": seed, "tp": cfg.parallel.tp,
+                               "layers": shape.layers,
                                "hidden": shape.hidden, "parameters": shape.parameters, "steps": steps,
                                "tokens": steps * per_step, "flops": training_flops(cfg, steps * per_step, cfg.data.seq_length),
+                               "recipe": dataclasses.asdict(recipe), "submit_options": recipe.submit_options(ladder.job),
                                "run_dir": str(run_dir), "train_args": ["--config", ladder.base_config, *train]})
     return points
 

@@ -24,9 +24,10 @@ Three paths in cplm_dist.model.copy_lse compute the per-head (A, M), chosen by `
     linear in T for a fixed block. A sequence that fits in one block (T <= chunk_size) takes the
     dense path: the same peak memory, no recomputation;
   - flex: two fused FlexAttention kernels (one per log-sum-exp) on CUDA, memory linear in T;
-  - auto (default): flex for training on CUDA where Triton is installed and the lengths are
-    whole 128-blocks, chunked otherwise. If the kernel fails to build, the run warns once and
-    goes on chunked.
+  - auto (default): chunked (dense within one block), and flex for training on CUDA once the
+    flex path has run on a GPU with this torch (the record tools/gpu_check.sh writes,
+    cplm_dist/model/flex_record.py), where Triton is installed and the lengths are whole
+    128-blocks. If the kernel then fails to build, the run warns once and goes on chunked.
 
 Under train.compile the pointwise parts (the projections' layout, casts and RoPE, the heads'
 combination and the gate) run as compiled graphs (`compile_pointwise`); the log-sum-exps are
@@ -56,6 +57,7 @@ from cplm_dist.errors import ConfigError
 from cplm_dist.model.compiled import unavailable_reason
 from cplm_dist.model.copy_lse import (FLEX_BLOCK, candidate_mask, chunked_copy_lse, dense_copy_lse, flex_copy_lse,
                                       masked_logsumexp, per_head, query_positions)
+from cplm_dist.model.flex_record import read_record
 from cplm_dist.model.loss import NEG_INF, CopyTerms
 from cplm_dist.model.mixes import MIXES
 from cplm_dist.model.parallel.sequence import ReplicatedLinear, active, gather_sequence, sum_grad_over
@@ -65,7 +67,7 @@ log = logging.getLogger(__name__)
 
 
 FLEX_NEEDS_CUDA = ("copy.impl=flex trains on CUDA only (FlexAttention has no {device} backward): set copy.impl=auto "
-                   "(flex on CUDA, chunked elsewhere) or copy.impl=chunked")
+                   "(chunked; flex on CUDA once a GPU check recorded it) or copy.impl=chunked")
 
 
 def check_copy_impl(copy: CopyConfig, cuda: bool) -> None:
@@ -95,6 +97,7 @@ class CopyHead(torch.nn.Module):
             self.sentinel = torch.nn.Parameter(torch.empty(cfg.num_heads, cfg.head_dim, device=device, dtype=dtype))
         self._arrange, self._terms = self.arrange, self.terms  # compiled by compile_pointwise
         self._flex_failed: str | None = None  # copy.impl=auto: why the flex kernel could not run here
+        self._flex_record: dict | None = None  # copy.impl=auto: flex_record.read_record(), read once ({}: none)
         self._flex_probed = False  # copy.impl=auto: the first flex call ran forward and backward once
         self.last_path: str | None = None  # the path the last forward took (lse_path), for the profiler
 
@@ -218,7 +221,7 @@ class CopyHead(torch.nn.Module):
             raise ConfigError(FLEX_NEEDS_CUDA.format(device=q.device.type))
         whole_blocks = q.shape[2] % FLEX_BLOCK == 0 and k.shape[2] % FLEX_BLOCK == 0  # no padded rows for mask_mod to index
         if (impl == "auto" and training and whole_blocks and self._flex_trains_on(q.device)
-                and self._flex_unavailable(q.device) is None):
+                and self._flex_has_run_on_a_gpu() and self._flex_unavailable(q.device) is None):
             return "flex"
         if impl == "flex" and training:
             return "flex"
@@ -229,6 +232,13 @@ class CopyHead(torch.nn.Module):
     @staticmethod
     def _flex_trains_on(device: torch.device) -> bool:
         return device.type == "cuda"  # torch has FlexAttention's backward on CUDA only
+
+    def _flex_has_run_on_a_gpu(self) -> bool:
+        """auto takes flex only once a GPU check recorded it for this torch (flex_record.py);
+        until then chunked, the path the GPU figures were measured with."""
+        if self._flex_record is None:
+            self._flex_record = read_record() or {}
+        return bool(self._flex_record)
 
     def _flex_unavailable(self, device: torch.device) -> str | None:
         if self._flex_failed is None:

@@ -1,8 +1,10 @@
 """Hugging Face directories <-> CPLM, for every backbone: reading a `save_pretrained` directory
-(`model.init_from`: check_hf_dir, read_hf, initialise_from_hf) and writing an export
-(tools/export_hf.py: write_hf_dir, with its generation_config.json and, copy on, the remote-code
-files). What maps a family's config and weights is its record's adapter (`backbone(m).hf`,
-cplm_dist.config.backbones.hf_adapter); nothing here names a family.
+(`model.init_from`: check_hf_dir, read_hf, initialise_from_hf; sharded or not) and writing an
+export (tools/export_hf.py: write_hf_dir: the weights as save_pretrained writes them, sharded past
+a size with model.safetensors.index.json; config.json, generation_config.json and, copy on, the
+remote-code files; the tokenizer's files: tokenizer_files.py). What maps a family's config and
+weights is its record's adapter (`backbone(m).hf`, cplm_dist.config.backbones.hf_adapter); nothing
+here names a family.
 
 Import: a transformers model saved with `save_pretrained` (config.json and *.safetensors) whose
 model_type is the run's backbone's initialises the backbone at any tp; the copy head starts fresh.
@@ -23,11 +25,14 @@ from cplm_dist.config import CopyConfig, ModelConfig
 from cplm_dist.config.backbones import BACKBONES, backbone
 from cplm_dist.errors import HFImportError
 
-__all__ = ["HFImportError", "REMOTE_CODE", "REMOTE_FILES", "check_hf_dir", "families", "generation_config",
-           "initialise_from_hf", "read_hf", "transformers_config", "write_hf_dir"]
+__all__ = ["DEFAULT_MAX_SHARD", "HFImportError", "REMOTE_CODE", "REMOTE_FILES", "SHARD_INDEX", "check_hf_dir", "families",
+           "generation_config", "initialise_from_hf", "parse_size", "read_hf", "transformers_config", "write_configs",
+           "write_hf_dir", "write_weights"]
 
 REMOTE_CODE = Path(__file__).resolve().parent / "remote"  # the transformers side of a copy-on export
 REMOTE_FILES = tuple(sorted(p.name for p in REMOTE_CODE.glob("*.py") if p.name != "__init__.py"))  # every file, copied
+DEFAULT_MAX_SHARD = 5 * 10**9  # bytes a weights file (the Hub's long-standing 5GB; transformers 5's save_pretrained: 50GB)
+SHARD_INDEX = "model.safetensors.index.json"
 
 
 def families(field: str) -> str:
@@ -95,23 +100,67 @@ def generation_config(tokens: dict | None = None) -> dict:
 
 
 def write_hf_dir(full: dict[str, torch.Tensor], m: ModelConfig, copy: CopyConfig, directory: Path, dtype: torch.dtype,
-                 extra: dict | None = None, tokens: dict | None = None) -> None:
-    """model.safetensors, config.json, generation_config.json (and for a copy-on model the
-    remote-code files) into an existing empty `directory`, through the backbone's adapter;
-    `tokens`: the tokenizer's {bos,eos,pad}_token_id (those it has), into both configs."""
+                 extra: dict | None = None, tokens: dict | None = None, max_shard_size: int = DEFAULT_MAX_SHARD) -> None:
+    """The weights (write_weights), config.json and generation_config.json (write_configs) and for
+    a copy-on model the remote-code files into an existing empty `directory`, through the
+    backbone's adapter; `tokens`: the tokenizer's {bos,eos,pad}_token_id (those it has), into both
+    configs."""
     import shutil
 
-    from safetensors.torch import save_file
-
-    adapter = backbone(m).hf
-    save_file({k: v.to(dtype).contiguous() for k, v in adapter.to_hf(full, m).items()}, str(directory / "model.safetensors"),
-              metadata={"format": "pt"})
-    config = {**adapter.hf_config(m, copy), **(tokens or {}), "torch_dtype": str(dtype).removeprefix("torch."), **(extra or {})}
-    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    (directory / "generation_config.json").write_text(json.dumps(generation_config(tokens), indent=2) + "\n")
+    write_weights(backbone(m).hf.to_hf(full, m), directory, dtype, max_shard_size)
+    write_configs(m, copy, directory, dtype, extra, tokens)
     if copy.enabled:
         for name in REMOTE_FILES:
             shutil.copy2(REMOTE_CODE / name, directory / name)
+
+
+def write_configs(m: ModelConfig, copy: CopyConfig, directory: Path, dtype: torch.dtype, extra: dict | None = None,
+                  tokens: dict | None = None) -> None:
+    """config.json (the adapter's, with the token ids, the dtype and `extra`) and generation_config.json."""
+    config = {**backbone(m).hf.hf_config(m, copy), **(tokens or {}), "torch_dtype": str(dtype).removeprefix("torch."),
+              **(extra or {})}
+    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (directory / "generation_config.json").write_text(json.dumps(generation_config(tokens), indent=2) + "\n")
+
+
+def write_weights(hf_state: dict[str, torch.Tensor], directory: Path, dtype: torch.dtype,
+                  max_shard_size: int = DEFAULT_MAX_SHARD) -> list[str]:
+    """The weights as save_pretrained writes them (huggingface_hub's split, in `dtype`): one
+    model.safetensors, or model-0000k-of-0000n.safetensors of at most `max_shard_size` bytes each (a
+    larger tensor alone in its own) and model.safetensors.index.json (total_size, total_parameters,
+    weight_map). Returns the file names written."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+    from safetensors.torch import save_file
+
+    state = {k: _own_storage(v.to(dtype).contiguous()) for k, v in hf_state.items()}
+    split = split_torch_state_dict_into_shards(state, filename_pattern="model{suffix}.safetensors",
+                                               max_shard_size=max_shard_size)
+    for filename, names in split.filename_to_tensors.items():
+        save_file({k: state[k] for k in names}, str(directory / filename), metadata={"format": "pt"})
+    if split.is_sharded:
+        index = {"metadata": {"total_parameters": sum(v.numel() for v in state.values()), **split.metadata},
+                 "weight_map": split.tensor_to_filename}
+        (directory / SHARD_INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    return sorted(split.filename_to_tensors)
+
+
+def _own_storage(t: torch.Tensor) -> torch.Tensor:
+    """`t`, copied when it is a view of a larger tensor (an adapter's split of a fused weight):
+    the split counts a tensor's whole storage, and a file should hold only its own bytes."""
+    return t if t.untyped_storage().nbytes() == t.numel() * t.element_size() else t.clone()
+
+
+def parse_size(text: str) -> int:
+    """Bytes from a size as save_pretrained's max_shard_size takes it ("5GB", "500MB", "100KB",
+    decimal units) or a plain number of bytes; ValueError (its message one line) otherwise."""
+    import re
+
+    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+    match = re.fullmatch(r"(\d+(?:\.\d*)?)\s*([KMGT]?B)?", str(text).strip().upper())
+    size = int(float(match[1]) * units[match[2] or ""]) if match else 0
+    if size < 1:
+        raise ValueError(f"{text!r} is not a size: give bytes or a number with KB, MB, GB or TB (e.g. 5GB)")
+    return size
 
 
 def transformers_config(m: ModelConfig, **kwargs):
