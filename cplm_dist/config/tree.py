@@ -282,6 +282,8 @@ class TrainConfig:
     wandb: bool = resumable(False)
     wandb_project: str = resumable("cplm_dist")
     wandb_entity: str | None = resumable(None)  # the W&B team or user (None: the login's default)
+    wandb_group: str | None = resumable(None)  # W&B's run group (e.g. a ladder or an ablation's name)
+    wandb_tags: list[str] = resumable(default_factory=list)
 
 
 @dataclass
