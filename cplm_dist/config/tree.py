@@ -284,6 +284,9 @@ class TrainConfig:
     wandb_entity: str | None = resumable(None)  # the W&B team or user (None: the login's default)
     wandb_group: str | None = resumable(None)  # W&B's run group (e.g. a ladder or an ablation's name)
     wandb_tags: list[str] = resumable(default_factory=list)
+    # torch.profiler over steps [a, b] (1-based, inclusive) of this run: a Chrome trace per rank in
+    # <out_dir>/logs/profile/rank<r>-step<a>-<b>.json (cplm_dist.training.step_profile); [] = off
+    profile_steps: list[int] = resumable(default_factory=list)
 
 
 @dataclass
