@@ -4,7 +4,8 @@ before it starts.
 A save is: every rank writes its DeepSpeed files (cplm_dist.checkpoint.safe_io names them) with
 our client state; rank 0 copies the tokenizer in; a barrier; rank 0 writes the manifest
 `complete.json` into the tag (cplm_dist.checkpoint.manifest), then replaces `latest` (written to a
-temporary file, fsynced, renamed); then older tags beyond `train.keep_last` are deleted. A process
+temporary file, fsynced, renamed); then older tags are deleted (cplm_dist.checkpoint.pruning:
+`train.keep_last`, `train.keep_every`, the last one before a WSD decay). A process
 killed anywhere in between leaves `latest` on the previous complete checkpoint. Every rank learns
 whether any failed to write; on a failure the partial directory is removed on all.
 
@@ -32,6 +33,7 @@ from cplm_dist.checkpoint.manifest import (COMPLETE, LATEST, Layout, Manifest, c
                                            write_manifest)
 from cplm_dist.checkpoint.parameter_record import ParameterRecord
 from cplm_dist.checkpoint.reshape import load_reshaped
+from cplm_dist.checkpoint.pruning import decay_start, tags_to_delete
 from cplm_dist.checkpoint.safe_io import os_error, use_safe_loading
 from cplm_dist.config import Config, to_dict
 from cplm_dist.distributed import ParallelDims
@@ -257,9 +259,9 @@ class Checkpointer:
                               "start a new out_dir (or restore the files)")
 
     def _prune(self, keep: int, newest: str) -> None:
-        for tag in complete_tags(self.root)[:-keep]:
-            if tag != newest:
-                shutil.rmtree(self.root / tag, ignore_errors=True)
+        t = self.cfg.train  # keep_last, keep_every and the checkpoint before a WSD decay (cplm_dist.checkpoint.pruning)
+        for tag in tags_to_delete(complete_tags(self.root), newest, keep, t.keep_every, decay_start(self.cfg)):
+            shutil.rmtree(self.root / tag, ignore_errors=True)
         # tags older than the newest complete one that never completed: a save killed midway
         for p in self.root.glob("step-*"):
             if not (p / COMPLETE).is_file() and p.name < newest:

@@ -255,6 +255,9 @@ class TrainConfig:
     eval_batches: int = resumable(10)  # micro-batches per rank in one validation pass
     save_interval: int = resumable(500)
     keep_last: int = resumable(3)  # checkpoints kept (older ones are deleted after a newer one is complete)
+    # beside keep_last: checkpoints at multiples of this step count are never deleted (0 = none); under
+    # optim.schedule=wsd the last checkpoint before the decay starts is kept too (cplm_dist.checkpoint.pruning)
+    keep_every: int = resumable(0)
     # the step loop blocks only while states are copied to host memory; files, hashes and the manifest
     # are written by a background thread (cplm_dist/checkpoint/async_save.py)
     async_save: bool = resumable(False)
