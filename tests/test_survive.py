@@ -3,9 +3,51 @@ crash requeues apart; a reshape's conversion waits outside the collective timeou
 own; checkpoints kept by keep_every and before a WSD decay; the async-save memory check reads the
 job's cgroup; tools/chaos.py's weight comparison reads a pipeline checkpoint's layer files."""
 
+import time
+
 from cplm_dist.checkpoint.pruning import decay_start, tags_to_delete
 from cplm_dist.config import load_config
-from tests.test_train import argv, train
+from tests.spawn import run_ranks
+from tests.test_train import argv, losses, train
+
+# --- the reshape conversion: its own timeout, not the collective one ------------------------------
+
+
+def test_a_reshape_longer_than_the_collective_timeout_waits_within_its_own(small_data, tmp_path):
+    """One rank saves at step 2; two ranks continue at tp=2 with --reshape while rank 0's
+    conversion is slowed by 9 s (the test-only fault-injection hook) under a collective timeout of
+    6 s: the other rank waits on the marker file, not in a collective, and the run trains on."""
+    common = ("train.global_batch_size=4", "train.micro_batch_size=4")
+    assert train(1, argv(small_data, tmp_path / "saved", *common, "train.train_steps=2")) == [0]
+    source = tmp_path / "saved" / "checkpoints" / "step-00000002"
+    args = argv(small_data, tmp_path / "tp2", *common, "parallel.tp=2", "train.train_steps=3",
+                "train.collective_timeout_minutes=0.1") + ["--resume", str(source), "--reshape"]
+    assert train(2, args, env={"CPLM_FAULT_SLOW_RESHAPE_S": "9"}) == [0, 0]
+    assert sorted(losses(tmp_path / "tp2")) == [3]
+    assert not [p.name for p in (tmp_path / "tp2").iterdir() if p.name.startswith(".reshape")]
+
+
+def _late_conversion(marker):
+    from cplm_dist.checkpoint.rank_zero_work import rank_zero_does
+    from cplm_dist.distributed import init_distributed
+    from cplm_dist.errors import CheckpointError
+
+    dims = init_distributed(1)
+    try:
+        rank_zero_does(lambda: time.sleep(4), marker, dims.rank, dims.world_size, 0.02, "converting step-00000002")
+    except CheckpointError as e:
+        return str(e)
+    return None
+
+
+def test_a_conversion_longer_than_its_own_timeout_is_one_line_on_every_rank(tmp_path):
+    """rank 0's work takes 4 s against train.reshape_timeout_minutes=0.02 (1.2 s): the waiting rank
+    gives up at its bound, rank 0 when its work ends, both with the same line."""
+    first, other = run_ranks(_late_conversion, 2, args=(tmp_path / "marker",))
+    assert first == other == ("converting step-00000002 took longer than train.reshape_timeout_minutes=0.02 on rank 0: "
+                              "raise train.reshape_timeout_minutes (the conversion reads and writes the whole "
+                              "checkpoint with its optimizer states) and resume again")
+
 
 # --- pruning -----------------------------------------------------------------------------------------
 

@@ -304,6 +304,7 @@ def test_profile_and_keep_fields_refuse_bad_values_with_one_line():
         (["train.profile_steps=[3]"], r"^train\.profile_steps=\[3\] must be \[first, last\] steps with 1 <= first <= last"),
         (["train.train_steps=10", "optim.warmup_steps=2", "train.profile_steps=[5, 11]"], r"<= train\.train_steps=10 \(\[\] = no profile\)$"),
         (["train.keep_every=-1"], r"^train\.keep_every=-1 must be >= 0 \(0: only train\.keep_last decides\)$"),
+        (["train.reshape_timeout_minutes=0"], r"^train\.reshape_timeout_minutes=0 must be > 0 \(e\.g\. 120\)$"),
     ]:
         with pytest.raises(ConfigError, match=pattern):
             load_config("tiny", overrides)

@@ -263,6 +263,9 @@ class TrainConfig:
     async_save: bool = resumable(False)
     max_bad_steps: int = resumable(5)  # consecutive non-finite steps before the run stops
     collective_timeout_minutes: float = resumable(10.0)  # a collective waiting longer ends the job (a hung or lost rank)
+    # --reshape: rank 0 converts the checkpoint while the others wait on a marker file, not in a collective,
+    # at most this long (cplm_dist.checkpoint.reshape; a 7B checkpoint with its optimizer is ~100 GB)
+    reshape_timeout_minutes: float = resumable(120.0)
     join_timeout_minutes: float = resumable(5.0)  # joining the job (every rank arriving, the host checks) takes at most this
     lock_stale_minutes: float = resumable(10.0)  # out_dir's run lock: a holder on another host silent this long is gone (checkpoint.run_lock)
     exit_at_step: int | None = resumable(None)  # save and exit once this step is done (a time-sliced job; Megatron's --exit-interval)

@@ -284,6 +284,8 @@ def validate_train(cfg: Config) -> None:
         raise ConfigError(f"train.join_timeout_minutes={t.join_timeout_minutes} must be > 0 (e.g. 5)")
     if not t.lock_stale_minutes > 0:
         raise ConfigError(f"train.lock_stale_minutes={t.lock_stale_minutes} must be > 0 (e.g. 10)")
+    if not t.reshape_timeout_minutes > 0:
+        raise ConfigError(f"train.reshape_timeout_minutes={t.reshape_timeout_minutes:g} must be > 0 (e.g. 120)")
     if t.keep_every < 0:
         raise ConfigError(f"train.keep_every={t.keep_every} must be >= 0 (0: only train.keep_last decides)")
     a, b = (t.profile_steps + [0, 0])[:2]
