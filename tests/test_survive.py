@@ -4,11 +4,15 @@ own; checkpoints kept by keep_every and before a WSD decay; the async-save memor
 job's cgroup; tools/chaos.py's weight comparison reads a pipeline checkpoint's layer files."""
 
 import time
+from pathlib import Path
 
+from cplm_dist.checkpoint.host_memory import available_memory
 from cplm_dist.checkpoint.pruning import decay_start, tags_to_delete
 from cplm_dist.config import load_config
 from tests.spawn import run_ranks
 from tests.test_train import argv, losses, train
+
+GiB = 1 << 30
 
 # --- the reshape conversion: its own timeout, not the collective one ------------------------------
 
@@ -71,3 +75,37 @@ def test_a_run_keeps_every_kth_checkpoint_and_the_last_before_its_decay(small_da
     assert train(1, args) == [0]
     assert sorted(p.name for p in (out / "checkpoints").glob("step-*")) == [
         "step-00000003", "step-00000004", "step-00000006"]
+
+
+# --- the async save's memory: the job's cgroup --------------------------------------------------
+
+
+def _write(root: Path, files: dict) -> None:
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+
+
+def test_available_memory_is_the_least_room_under_any_cgroup_limit(tmp_path):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text(f"MemTotal: {200 * GiB // 1024} kB\nMemAvailable: {100 * GiB // 1024} kB\n")
+    v2 = tmp_path / "v2"
+    _write(v2, {"cgroup.controllers": "cpu memory", "memory.max": "max",
+                "job_1/memory.max": str(8 * GiB), "job_1/memory.current": str(6 * GiB),
+                "job_1/memory.stat": f"anon {5 * GiB}\ninactive_file {GiB}\n",
+                "job_1/step_0/memory.max": "max", "job_1/step_0/memory.current": str(6 * GiB)})
+    (tmp_path / "self").write_text("0::/job_1/step_0\n")
+    assert available_memory(meminfo, v2, tmp_path / "self") == 3 * GiB  # the job's 8 GiB - 6 GiB + cache
+    _write(v2, {"job_1/step_0/memory.max": str(int(2.5 * GiB)), "job_1/step_0/memory.current": str(GiB)})
+    assert available_memory(meminfo, v2, tmp_path / "self") == int(1.5 * GiB)  # the step's own, lower
+    (tmp_path / "self").write_text("0::/elsewhere\n")  # a namespaced view: our cgroup is the root we see
+    assert available_memory(meminfo, v2, tmp_path / "self") == 100 * GiB
+    v1 = tmp_path / "v1"
+    _write(v1, {"memory/memory.limit_in_bytes": "9223372036854771712",
+                "memory/slurm/job_2/memory.limit_in_bytes": str(4 * GiB),
+                "memory/slurm/job_2/memory.usage_in_bytes": str(GiB),
+                "memory/slurm/job_2/memory.stat": "total_inactive_file 0\n"})
+    (tmp_path / "self").write_text("5:cpu,cpuacct:/slurm/job_2\n4:memory:/slurm/job_2\n0::/\n")  # hybrid: v1 decides
+    assert available_memory(meminfo, v1, tmp_path / "self") == 3 * GiB
+    assert available_memory(meminfo, tmp_path / "none", tmp_path / "self") == 100 * GiB  # no cgroup: the node's
+    assert available_memory(tmp_path / "no-meminfo", tmp_path / "none", tmp_path / "none") is None

@@ -28,12 +28,13 @@ import torch
 import torch.distributed as dist
 
 from cplm_dist.checkpoint.async_save import BackgroundSave, checkpoint_files, describe, run_id, start_save
+from cplm_dist.checkpoint.host_memory import available_memory
 from cplm_dist.checkpoint.manifest import (COMPLETE, LATEST, Layout, Manifest, carry_tokenizer, check_layout, complete_tags,
                                            damaged_files, latest_tag, read_manifest, tag_for, tokenizer_files, versions,
                                            write_manifest)
 from cplm_dist.checkpoint.parameter_record import ParameterRecord
-from cplm_dist.checkpoint.reshape import load_reshaped
 from cplm_dist.checkpoint.pruning import decay_start, tags_to_delete
+from cplm_dist.checkpoint.reshape import load_reshaped
 from cplm_dist.checkpoint.safe_io import os_error, use_safe_loading
 from cplm_dist.config import Config, to_dict
 from cplm_dist.distributed import ParallelDims
@@ -75,8 +76,10 @@ def check_out_dir(cfg: Config) -> None:
 
 def check_async_save(cfg: Config, world: int) -> None:
     """train.async_save keeps a host copy of each rank's part of a checkpoint until the background
-    thread has written it: refused at start-up when this node's free memory cannot hold its ranks'
-    copies (the local ranks from the launcher's environment; 1 when it gives none). Writes nothing."""
+    thread has written it: refused at start-up when the memory this job may still take on this node
+    (the least of the node's MemAvailable and the room under its cgroup's limit:
+    cplm_dist.checkpoint.host_memory) cannot hold its ranks' copies (the local ranks from the
+    launcher's environment; 1 when it gives none). Writes nothing."""
     if not cfg.train.async_save:
         return
     local = next((int(v) for k in ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS")
@@ -84,19 +87,9 @@ def check_async_save(cfg: Config, world: int) -> None:
     need, free = checkpoint_bytes(cfg) / world * min(local, world), available_memory()
     if free is not None and need > free:
         raise UsageError(f"train.async_save=true: the host copy of a checkpoint takes about {need / 1e9:.1f} GB on this "
-                         f"node ({min(local, world)} of {world} ranks) but {free / 1e9:.1f} GB of memory is available: "
+                         f"node ({min(local, world)} of {world} ranks) but {free / 1e9:.1f} GB of memory is available to "
+                         "this job (its cgroup limit, e.g. Slurm's --mem, or the node's free memory): "
                          "set train.async_save=false, or spread the job over more nodes")
-
-
-def available_memory() -> int | None:
-    """MemAvailable of /proc/meminfo in bytes (None where there is none)."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
 
 
 # --- RNG --------------------------------------------------------------------------------------------
