@@ -3,8 +3,12 @@ crash requeues apart; a reshape's conversion waits outside the collective timeou
 own; checkpoints kept by keep_every and before a WSD decay; the async-save memory check reads the
 job's cgroup; tools/chaos.py's weight comparison reads a pipeline checkpoint's layer files."""
 
+import signal
+import subprocess
 import time
 from pathlib import Path
+
+import pytest
 
 from cplm_dist.checkpoint.host_memory import available_memory
 from cplm_dist.checkpoint.pruning import decay_start, tags_to_delete
@@ -12,7 +16,86 @@ from cplm_dist.config import load_config
 from tests.spawn import run_ranks
 from tests.test_train import argv, losses, train
 
+REPO = Path(__file__).resolve().parent.parent
 GiB = 1 << 30
+
+# --- Slurm: planned and crash requeues counted apart ------------------------------------------------
+
+FAKE_SRUN = """#!/bin/bash
+echo $$ > "$FAKE/srun.pid"
+if [ "$FAKE_RC" = wait ]; then
+  trap 'echo saved >> "$FAKE/ranks.log"; exit 0' USR1 TERM
+  for _ in $(seq 600); do sleep 0.05; done  # a bound: never outlives the test
+  exit 9
+fi
+exit "$FAKE_RC"
+"""
+
+
+def _job(tmp_path: Path, script: str, restart: int, rc: str, max_requeues: int = 2):
+    """One start of the batch script as Slurm runs it, with stand-ins for Slurm's srun (exits `rc`,
+    or waits for a signal: "wait") and scontrol (records its arguments). (exit code, output, scontrol calls)."""
+    fake = tmp_path / "fake"
+    (fake / "bin").mkdir(parents=True, exist_ok=True)
+    (fake / "bin" / "srun").write_text(FAKE_SRUN)
+    (fake / "bin" / "scontrol").write_text('#!/bin/bash\necho "$*" >> "$FAKE/scontrol.log"\n')
+    for tool in ("srun", "scontrol"):
+        (fake / "bin" / tool).chmod(0o755)
+    (fake / "scontrol.log").unlink(missing_ok=True)
+    (fake / "srun.pid").unlink(missing_ok=True)
+    (tmp_path / "submit").mkdir(exist_ok=True)
+    env = {"PATH": f"{fake / 'bin'}:/usr/bin:/bin", "FAKE": str(fake), "FAKE_RC": rc, "CPLM_ROOT": str(REPO),
+           "PYTHON": "/bin/false", "SLURM_SUBMIT_DIR": str(tmp_path / "submit"), "SLURM_JOB_ID": "77",
+           "SLURM_RESTART_COUNT": str(restart), "SLURM_JOB_NODELIST": "node1", "SLURM_NTASKS": "1",
+           "SLURM_JOB_NUM_NODES": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999",
+           "CPLM_MAX_REQUEUES": str(max_requeues)}
+    proc = subprocess.Popen(["bash", str(REPO / "launch" / script)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    if rc == "wait":  # the time limit's warning, once the ranks run
+        deadline = time.monotonic() + 60
+        while not (fake / "srun.pid").is_file() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGUSR1)
+    output, _ = proc.communicate(timeout=60)
+    calls = (fake / "scontrol.log").read_text().splitlines() if (fake / "scontrol.log").is_file() else []
+    return proc.returncode, output, calls
+
+
+@pytest.mark.parametrize("script", ["slurm.sbatch", "slurm-torchrun.sbatch"])
+def test_time_limit_requeues_leave_the_crash_budget_whole(tmp_path, script):
+    """A job with CPLM_MAX_REQUEUES=2 requeued three times at its time limit (restarts 0-2, the
+    ranks save on the signal) still has both crash requeues (restarts 3 and 4); the third crash,
+    and any usage error, ends it. Counting every restart, as before, would have refused the first crash."""
+    for restart in range(3):
+        code, output, calls = _job(tmp_path, script, restart, "wait")
+        assert code == 0 and calls == ["requeue 77"], output
+        assert "SIGUSR1 received: ranks save a checkpoint" in output
+    assert (tmp_path / "fake" / "ranks.log").read_text().count("saved") == 3
+    log = (tmp_path / "submit" / ".cplm-requeues" / "job-77").read_text().splitlines()
+    assert [line.split()[:3] for line in log] == [["planned", str(r), "SIGUSR1"] for r in range(3)]
+    code, output, calls = _job(tmp_path, script, 3, "2")  # a usage error: never requeued
+    assert code == 2 and calls == [], output
+    for restart, rc, nth in ((3, "1", 1), (4, "4", 2)):
+        code, output, calls = _job(tmp_path, script, restart, rc)
+        assert code == 0 and calls == ["requeue 77"], output
+        assert f"(restart {nth} of at most 2) after a crash; 3 planned requeues" in output, output
+    code, output, calls = _job(tmp_path, script, 5, "137")
+    assert code == 137 and calls == [], output
+    assert "not requeued, the job's 2 crash requeues reached CPLM_MAX_REQUEUES=2 (3 planned" in output, output
+
+
+def test_a_requeue_nothing_recorded_counts_as_a_crash(tmp_path):
+    """Slurm's own requeue (a node failure) and a requeue log that cannot be written: the restarts
+    nothing recorded as planned count against the crash budget, the bound of old."""
+    code, output, calls = _job(tmp_path, "slurm.sbatch", 2, "1")  # restarts 0 and 1 were never recorded
+    assert code == 1 and calls == [] and "2 crash requeues reached CPLM_MAX_REQUEUES=2" in output, output
+    (tmp_path / "submit").mkdir(exist_ok=True)
+    (tmp_path / "submit" / ".cplm-requeues").write_text("a file where the log's directory should be")
+    code, output, calls = _job(tmp_path, "slurm.sbatch", 0, "wait")
+    assert code == 0 and calls == ["requeue 77"] and "cannot write the requeue log" in output, output
+    code, output, calls = _job(tmp_path, "slurm.sbatch", 1, "1", max_requeues=1)
+    assert code == 1 and calls == [], output
+
 
 # --- the reshape conversion: its own timeout, not the collective one ------------------------------
 
