@@ -226,7 +226,8 @@ def test_asynchronous_saving_beyond_the_host_memory_is_refused_at_start_up(monke
     with pytest.raises(UsageError) as e:
         check_async_save(big, 16)  # 8 of 16 ranks here: half of a 70B checkpoint
     assert re.fullmatch(rf"train\.async_save=true: the host copy of a checkpoint takes about {checkpoint_bytes(big) / 2e9:.1f} "
-                        r"GB on this node \(8 of 16 ranks\) but [\d.]+ GB of memory is available: set "
+                        r"GB on this node \(8 of 16 ranks\) but [\d.]+ GB of memory is available to this job \(its cgroup "
+                        r"limit, e\.g\. Slurm's --mem, or the node's free memory\): set "
                         r"train\.async_save=false, or spread the job over more nodes", str(e.value))
     check_async_save(load_config("runs/cplm-70b", []), 16)  # synchronous saves need no copy
 

@@ -264,3 +264,47 @@ def test_the_spike_monitor_finds_a_planted_spike_and_restores_its_window():
     resumed.load_state_dict(json.loads(json.dumps(saved)))
     assert [resumed.skips(v) or bool(resumed.observe(v, 1.0)) for v in values[5:]] == [False, False, True, False]
     assert not SpikeMonitor(SimpleNamespace(spike_window=0, spike_zscore=4.0, skip_spikes=True)).skips(100.0)
+
+
+# --- profiling steps of a real run; a logger that fails ----------------------------------------------
+
+
+def _train_reporting_warnings(args):
+    import contextlib
+    import io
+
+    from cplm_dist.train.driver import main
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main(args)
+    return code, [line for line in err.getvalue().splitlines() if line.startswith("warning:")]
+
+
+def test_profile_steps_write_a_chrome_trace_and_a_failing_tensorboard_is_one_warning(small_data, tmp_path):
+    """train.profile_steps=[2, 3] of a 3-step run: logs/profile/rank0-step2-3.json, a Chrome trace
+    of both steps (their ProfilerStep spans and the ops inside). Its TensorBoard directory is a file
+    (so every TensorBoard write fails): one warning line, and the run finishes with its metrics."""
+    out = tmp_path / "run"
+    (out / "logs").mkdir(parents=True)
+    (out / "logs" / "tensorboard").write_text("not a directory")
+    args = argv(small_data, out, "train.train_steps=3", "train.profile_steps=[2, 3]")
+    ((code, warnings),) = run_ranks(_train_reporting_warnings, 1, args=(args,))
+    assert code == 0 and len(warnings) == 1 and warnings[0].startswith("warning: TensorBoard failed ("), warnings
+    assert sorted(read_metrics(out / "logs" / "metrics.jsonl")) == [1, 2, 3]
+    assert [p.name for p in (out / "logs" / "profile").iterdir()] == ["rank0-step2-3.json"]
+    events = json.loads((out / "logs" / "profile" / "rank0-step2-3.json").read_text())["traceEvents"]
+    names = {e.get("name", "") for e in events}
+    assert {n for n in names if n.startswith("ProfilerStep#")} == {"ProfilerStep#2", "ProfilerStep#3"}
+    assert any(n.startswith("aten::") for n in names)
+
+
+def test_profile_and_keep_fields_refuse_bad_values_with_one_line():
+    for overrides, pattern in [
+        (["train.profile_steps=[3]"], r"^train\.profile_steps=\[3\] must be \[first, last\] steps with 1 <= first <= last"),
+        (["train.train_steps=10", "optim.warmup_steps=2", "train.profile_steps=[5, 11]"], r"<= train\.train_steps=10 \(\[\] = no profile\)$"),
+        (["train.keep_every=-1"], r"^train\.keep_every=-1 must be >= 0 \(0: only train\.keep_last decides\)$"),
+        (["train.reshape_timeout_minutes=0"], r"^train\.reshape_timeout_minutes=0 must be > 0 \(e\.g\. 120\)$"),
+    ]:
+        with pytest.raises(ConfigError, match=pattern):
+            load_config("tiny", overrides)

@@ -19,7 +19,9 @@ engine's stages give them before loading (`link_names`): any pp (and schedule) r
    pipeline's tied copy). ZeRO-0 checkpoints hold a plain torch AdamW state per tp rank (and
    stage), which that converter does not read (it reads ZeRO optimizer shards only):
    `_zero0_to_universal` writes the same files from them (a pipeline's weights from its layer
-   files) with our shard layout (cplm_dist.model.parallel.sharding).
+   files) with our shard layout (cplm_dist.model.parallel.sharding). The other ranks wait for it
+   on a marker file, not in a collective (cplm_dist.checkpoint.rank_zero_work): the wait is
+   bounded by `train.reshape_timeout_minutes` (120), not by `train.collective_timeout_minutes`.
 2. **From universal** (`load_reshaped`, every rank). ZeRO 1-3 engines load it themselves
    (`checkpoint.load_universal` in their DeepSpeed config, cplm_dist.training.engine): every rank cuts its
    tp shard and its ZeRO partition.
@@ -50,6 +52,7 @@ import torch.distributed as dist
 from cplm_dist.checkpoint.manifest import Layout, Manifest, ReshapeError
 from cplm_dist.checkpoint.parameter_record import (PARAMETERS, UNIVERSAL_INFO, canonical_names, spec_from_json,
                                                    universal_info)
+from cplm_dist.checkpoint.rank_zero_work import rank_zero_does
 from cplm_dist.checkpoint.safe_io import (load_states, model_states_file, model_states_name, os_error, safe_load,
                                           weights_only_torch_load)
 from cplm_dist.config import Config
@@ -60,6 +63,7 @@ from cplm_dist.model.parallel.sharding import full_shape, join_shards, spec_of, 
 from cplm_dist.training.optim import parameter_groups
 
 log = logging.getLogger(__name__)
+FAULT_SLOW_RESHAPE = "CPLM_FAULT_SLOW_RESHAPE_S"  # fault injection (tests): rank 0 converts this many seconds slower
 
 def to_universal(source: Manifest, out: Path, model: torch.nn.Module, cfg: Config) -> None:
     """Write the universal form of the checkpoint `source` into `out` (removed first), every
@@ -299,25 +303,35 @@ def load_reshaped(engine, source: Manifest, cfg: Config, dims) -> dict:
     into out_dir/.reshape-<tag>; every rank loads its part (DeepSpeed's universal loader under
     ZeRO > 0, `load_zero0` at ZeRO-0); the transient copy is removed. Returns the client state."""
     saved, tmp = source.layout, Path(cfg.train.out_dir) / f".reshape-{source.tag}"
-    error, start = None, time.perf_counter()
+    start = time.perf_counter()
     names = [None] * dims.world_size  # every stage's parameter names, under which its engine loads them
     dist.all_gather_object(names, canonical_names(engine.module))
-    if dims.rank == 0:
-        error = os_error(lambda: (to_universal(source, tmp, engine.module, cfg),
-                                  link_names(tmp, {k: v for part in names for k, v in part.items()})), tmp.parent)
-    gathered = [None] * dims.world_size
-    dist.all_gather_object(gathered, error)
-    try:
-        if gathered[0]:
-            raise CheckpointError(f"converting {source.step_dir} ({saved}) for this layout failed: {gathered[0]}")
+    marker = tmp.with_name(tmp.name + ".done")
+
+    def convert() -> str | None:
+        _slow_down_for_tests()
+        return os_error(lambda: (to_universal(source, tmp, engine.module, cfg),
+                                 link_names(tmp, {k: v for part in names for k, v in part.items()})), tmp.parent)
+
+    try:  # the others wait on a marker file, bounded by train.reshape_timeout_minutes, not by the collective timeout
+        error = rank_zero_does(convert, marker, dims.rank, dims.world_size, cfg.train.reshape_timeout_minutes,
+                               f"converting {source.step_dir} ({saved}) for this layout")
+        if error:
+            raise CheckpointError(f"converting {source.step_dir} ({saved}) for this layout failed: {error}")
         client_state = _load_universal(engine, tmp, cfg, dims, source)
-    finally:
         dist.barrier()
+    finally:
         if dims.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
+            marker.unlink(missing_ok=True)
     log.info(f"reshaped {source.step_dir} from {saved} to {Layout.of(cfg, dims.tp_size, dims.dp_size)} "
              f"in {time.perf_counter() - start:.1f}s")
     return client_state
+
+
+def _slow_down_for_tests() -> None:
+    """Fault injection (tests): rank 0's conversion takes CPLM_FAULT_SLOW_RESHAPE_S seconds longer."""
+    time.sleep(float(os.environ.get(FAULT_SLOW_RESHAPE, "0") or 0))
 
 
 def _load_universal(engine, universal: Path, cfg: Config, dims, source: Manifest) -> dict:

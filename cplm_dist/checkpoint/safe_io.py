@@ -141,16 +141,33 @@ def _probe_write(directory: Path) -> str | None:
 
 
 def same_weights(a: Path, b: Path) -> tuple[bool, int]:
-    """(every tensor of every mp_rank_*_model_states.pt "module" in step directories `a` and `b`
-    equal, dtype and bits, how many were compared); no such files, or other names, is unequal."""
-    names = sorted(p.name for p in a.glob("mp_rank_*_model_states.pt"))
-    if not names or names != sorted(p.name for p in b.glob("mp_rank_*_model_states.pt")):
+    """(every weight tensor in step directories `a` and `b` equal, dtype and bits, how many were
+    compared). The weights are the "module" of each mp_rank_*_model_states.pt and, for a pipeline
+    checkpoint (whose model-states files hold "module": None), each layer_*-model_*-model_states.pt;
+    no such files, other names, or other tensor names is unequal."""
+    names = weight_files(a)
+    if not names or names != weight_files(b):
         return False, 0
     equal, count = True, 0
     for name in names:
-        x, y = safe_load(a / name)["module"], safe_load(b / name)["module"]
+        x, y = _weights(a / name), _weights(b / name)
         tensors = [k for k, v in x.items() if isinstance(v, torch.Tensor)]
         count += len(tensors)
         equal &= x.keys() == y.keys() and all(
             isinstance(y[k], torch.Tensor) and x[k].dtype == y[k].dtype and torch.equal(x[k], y[k]) for k in tensors)
     return bool(equal), count
+
+
+def weight_files(step_dir: Path) -> list[str]:
+    """The names of the files holding a step directory's weights: its model-states files and a pipeline's layer files."""
+    return sorted(p.name for pattern in ("mp_rank_*_model_states.pt", "layer_*-model_*-model_states.pt")
+                  for p in step_dir.glob(pattern))
+
+
+def _weights(file: Path) -> dict:
+    """The weights a file holds: a model-states file's "module" ({} for a pipeline's, whose weights
+    are in its layer files), or a layer file's whole state dict."""
+    state = safe_load(file, map_location="cpu")
+    if file.name.startswith("layer_"):
+        return state
+    return state.get("module") or {}

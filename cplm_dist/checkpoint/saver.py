@@ -4,7 +4,8 @@ before it starts.
 A save is: every rank writes its DeepSpeed files (cplm_dist.checkpoint.safe_io names them) with
 our client state; rank 0 copies the tokenizer in; a barrier; rank 0 writes the manifest
 `complete.json` into the tag (cplm_dist.checkpoint.manifest), then replaces `latest` (written to a
-temporary file, fsynced, renamed); then older tags beyond `train.keep_last` are deleted. A process
+temporary file, fsynced, renamed); then older tags are deleted (cplm_dist.checkpoint.pruning:
+`train.keep_last`, `train.keep_every`, the last one before a WSD decay). A process
 killed anywhere in between leaves `latest` on the previous complete checkpoint. Every rank learns
 whether any failed to write; on a failure the partial directory is removed on all.
 
@@ -27,10 +28,12 @@ import torch
 import torch.distributed as dist
 
 from cplm_dist.checkpoint.async_save import BackgroundSave, checkpoint_files, describe, run_id, start_save
+from cplm_dist.checkpoint.host_memory import available_memory
 from cplm_dist.checkpoint.manifest import (COMPLETE, LATEST, Layout, Manifest, carry_tokenizer, check_layout, complete_tags,
                                            damaged_files, latest_tag, read_manifest, tag_for, tokenizer_files, versions,
                                            write_manifest)
 from cplm_dist.checkpoint.parameter_record import ParameterRecord
+from cplm_dist.checkpoint.pruning import decay_start, tags_to_delete
 from cplm_dist.checkpoint.reshape import load_reshaped
 from cplm_dist.checkpoint.safe_io import os_error, use_safe_loading
 from cplm_dist.config import Config, to_dict
@@ -73,8 +76,10 @@ def check_out_dir(cfg: Config) -> None:
 
 def check_async_save(cfg: Config, world: int) -> None:
     """train.async_save keeps a host copy of each rank's part of a checkpoint until the background
-    thread has written it: refused at start-up when this node's free memory cannot hold its ranks'
-    copies (the local ranks from the launcher's environment; 1 when it gives none). Writes nothing."""
+    thread has written it: refused at start-up when the memory this job may still take on this node
+    (the least of the node's MemAvailable and the room under its cgroup's limit:
+    cplm_dist.checkpoint.host_memory) cannot hold its ranks' copies (the local ranks from the
+    launcher's environment; 1 when it gives none). Writes nothing."""
     if not cfg.train.async_save:
         return
     local = next((int(v) for k in ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS")
@@ -82,19 +87,9 @@ def check_async_save(cfg: Config, world: int) -> None:
     need, free = checkpoint_bytes(cfg) / world * min(local, world), available_memory()
     if free is not None and need > free:
         raise UsageError(f"train.async_save=true: the host copy of a checkpoint takes about {need / 1e9:.1f} GB on this "
-                         f"node ({min(local, world)} of {world} ranks) but {free / 1e9:.1f} GB of memory is available: "
+                         f"node ({min(local, world)} of {world} ranks) but {free / 1e9:.1f} GB of memory is available to "
+                         "this job (its cgroup limit, e.g. Slurm's --mem, or the node's free memory): "
                          "set train.async_save=false, or spread the job over more nodes")
-
-
-def available_memory() -> int | None:
-    """MemAvailable of /proc/meminfo in bytes (None where there is none)."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
 
 
 # --- RNG --------------------------------------------------------------------------------------------
@@ -257,9 +252,9 @@ class Checkpointer:
                               "start a new out_dir (or restore the files)")
 
     def _prune(self, keep: int, newest: str) -> None:
-        for tag in complete_tags(self.root)[:-keep]:
-            if tag != newest:
-                shutil.rmtree(self.root / tag, ignore_errors=True)
+        t = self.cfg.train  # keep_last, keep_every and the checkpoint before a WSD decay (cplm_dist.checkpoint.pruning)
+        for tag in tags_to_delete(complete_tags(self.root), newest, keep, t.keep_every, decay_start(self.cfg)):
+            shutil.rmtree(self.root / tag, ignore_errors=True)
         # tags older than the newest complete one that never completed: a save killed midway
         for p in self.root.glob("step-*"):
             if not (p / COMPLETE).is_file() and p.name < newest:

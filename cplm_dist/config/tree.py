@@ -256,11 +256,17 @@ class TrainConfig:
     eval_batches: int = resumable(10)  # micro-batches per rank in one validation pass
     save_interval: int = resumable(500)
     keep_last: int = resumable(3)  # checkpoints kept (older ones are deleted after a newer one is complete)
+    # beside keep_last: checkpoints at multiples of this step count are never deleted (0 = none); under
+    # optim.schedule=wsd the last checkpoint before the decay starts is kept too (cplm_dist.checkpoint.pruning)
+    keep_every: int = resumable(0)
     # the step loop blocks only while states are copied to host memory; files, hashes and the manifest
     # are written by a background thread (cplm_dist/checkpoint/async_save.py)
     async_save: bool = resumable(False)
     max_bad_steps: int = resumable(5)  # consecutive non-finite steps before the run stops
     collective_timeout_minutes: float = resumable(10.0)  # a collective waiting longer ends the job (a hung or lost rank)
+    # --reshape: rank 0 converts the checkpoint while the others wait on a marker file, not in a collective,
+    # at most this long (cplm_dist.checkpoint.reshape; a 7B checkpoint with its optimizer is ~100 GB)
+    reshape_timeout_minutes: float = resumable(120.0)
     join_timeout_minutes: float = resumable(5.0)  # joining the job (every rank arriving, the host checks) takes at most this
     lock_stale_minutes: float = resumable(10.0)  # out_dir's run lock: a holder on another host silent this long is gone (checkpoint.run_lock)
     exit_at_step: int | None = resumable(None)  # save and exit once this step is done (a time-sliced job; Megatron's --exit-interval)
@@ -283,6 +289,11 @@ class TrainConfig:
     wandb: bool = resumable(False)
     wandb_project: str = resumable("cplm_dist")
     wandb_entity: str | None = resumable(None)  # the W&B team or user (None: the login's default)
+    wandb_group: str | None = resumable(None)  # W&B's run group (e.g. a ladder or an ablation's name)
+    wandb_tags: list[str] = resumable(default_factory=list)
+    # torch.profiler over steps [a, b] (1-based, inclusive) of this run: a Chrome trace per rank in
+    # <out_dir>/logs/profile/rank<r>-step<a>-<b>.json (cplm_dist.training.step_profile); [] = off
+    profile_steps: list[int] = resumable(default_factory=list)
 
 
 @dataclass

@@ -284,6 +284,14 @@ def validate_train(cfg: Config) -> None:
         raise ConfigError(f"train.join_timeout_minutes={t.join_timeout_minutes} must be > 0 (e.g. 5)")
     if not t.lock_stale_minutes > 0:
         raise ConfigError(f"train.lock_stale_minutes={t.lock_stale_minutes} must be > 0 (e.g. 10)")
+    if not t.reshape_timeout_minutes > 0:
+        raise ConfigError(f"train.reshape_timeout_minutes={t.reshape_timeout_minutes:g} must be > 0 (e.g. 120)")
+    if t.keep_every < 0:
+        raise ConfigError(f"train.keep_every={t.keep_every} must be >= 0 (0: only train.keep_last decides)")
+    a, b = (t.profile_steps + [0, 0])[:2]
+    if t.profile_steps and (len(t.profile_steps) != 2 or not 1 <= a <= b <= t.train_steps):
+        raise ConfigError(f"train.profile_steps={t.profile_steps} must be [first, last] steps with 1 <= first <= last <= "
+                          f"train.train_steps={t.train_steps} ([] = no profile)")
     if not str(t.out_dir).strip():
         raise ConfigError("train.out_dir is empty: name the directory the run writes to")
     decay_start = t.train_steps - int(round(o.decay_fraction * t.train_steps))

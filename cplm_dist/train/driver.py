@@ -53,6 +53,7 @@ from cplm_dist.train.diagnostics import diagnose, due
 from cplm_dist.training.optim import parameters_finite
 from cplm_dist.training.run_log import RunLog
 from cplm_dist.training.step import build_train_step, build_training_model
+from cplm_dist.training.step_profile import StepProfiler
 from cplm_dist.training.validation_loss import validation_figures
 from cplm_dist.training.wandb_log import check_wandb
 
@@ -191,7 +192,6 @@ def train(cfg: Config, dims: ParallelDims, accumulation: int, resume: Manifest |
     stop.enter("indexing the data")
     data, loader = build_train_data(cfg, dims, tokenizer, samples[1], state, step, context_of(dims),
                                     pin_memory=device.type == "cuda", info=print if dims.is_first else lambda _: None)
-    skipped_in_a_row = 0
     log = RunLog(cfg, dims, device, step)
     log.load_state_dict(state.get("log"))  # each source's cumulative tokens
     train_step.monitor.load_state_dict(state.get("spikes"))  # the spike windows (cplm_dist.training.stability)
@@ -203,7 +203,8 @@ def train(cfg: Config, dims: ParallelDims, accumulation: int, resume: Manifest |
                                                                          "spikes": train_step.monitor.state_dict()})
 
     # 8. train loop --------------------------------------------------------------------------------
-    valid_loss, start_step, run_start = float("nan"), step, time.perf_counter()
+    valid_loss, start_step, run_start, skipped_in_a_row = float("nan"), step, time.perf_counter(), 0
+    profile = StepProfiler(t.profile_steps, log.dir, dims.rank)  # train.profile_steps (cplm_dist.training.step_profile)
     stop.enter("training", running=True)
     try:
         while step < t.train_steps:
@@ -213,8 +214,7 @@ def train(cfg: Config, dims: ParallelDims, accumulation: int, resume: Manifest |
                 return 0
             step_start = time.perf_counter()
             loader.at_step(step)  # the data stage of step + 1 (cplm_dist.config.curriculum)
-            result = train_step(loader, inject_nonfinite=step + 1 in t.inject_nonfinite_at,
-                                inject_scale=SPIKE_FACTOR if step + 1 in t.inject_spike_at else 1.0)
+            result = one_step(train_step, loader, step + 1, t, profile)
             step += 1
             if stop.heartbeat is not None:
                 stop.heartbeat.update(step=step)
@@ -244,9 +244,18 @@ def train(cfg: Config, dims: ParallelDims, accumulation: int, resume: Manifest |
         return 0
     finally:
         failed = sys.exc_info()[0] is not None
+        profile.close(step)  # a run ended inside train.profile_steps writes what it has
         if not failed:  # the run ends: an asynchronous save still in flight completes first
             log_completed(log, step, ckpt.finish(last=True))
         log.close(failed)
+
+
+def one_step(train_step, loader, step: int, t, profile: StepProfiler):
+    """Step `step` (1-based) with its fault injection (train.inject_*), inside the profiler when it
+    is one of train.profile_steps (cplm_dist.training.step_profile)."""
+    with profile.around(step):
+        return train_step(loader, inject_nonfinite=step in t.inject_nonfinite_at,
+                          inject_scale=SPIKE_FACTOR if step in t.inject_spike_at else 1.0)
 
 
 def count_bad(log: RunLog, step: int, result, in_a_row: int, total: int) -> tuple[int, int]:

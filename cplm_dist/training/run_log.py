@@ -1,5 +1,7 @@
 """What a run reports, from rank 0: a progress bar, a console line and a JSON-lines record every
 `train.log_interval` steps, TensorBoard scalars, optionally Weights & Biases, and the closing table.
+TensorBoard and W&B are guarded: one that raises (a full disk, a W&B outage) is one warning line
+and is dropped for the rest of this start; training and metrics.jsonl go on.
 
     <out_dir>/logs/metrics.jsonl     one record per line: {"event": "train" | "valid" | "resume" | "summary", ...}
     <out_dir>/logs/tensorboard/      event files (`tensorboard --logdir <out_dir>/logs/tensorboard`)
@@ -27,7 +29,7 @@ from cplm_dist.distributed import ParallelDims
 from cplm_dist.training.reduction import source_figures
 from cplm_dist.training.step import StepResult
 from cplm_dist.training.throughput import device_peak_flops, flops_per_token, peak_memory_bytes
-from cplm_dist.training.wandb_log import flat_values, start_wandb, wandb_values
+from cplm_dist.training.wandb_log import first_line, flat_values, start_wandb, wandb_values, warn
 
 
 def _mean(xs: list[float]) -> float:
@@ -50,21 +52,32 @@ class RunLog:
         self.source_names = source_names(cfg)
         self.source_tokens = dict.fromkeys(self.source_names, 0)  # cumulative trained tokens (load_state on resume)
         self._new_window()
-        if self.enabled:
-            self.dir.mkdir(parents=True, exist_ok=True)
-        if cfg.train.wandb:  # every rank calls it: rank 0 starts the run, a failure is one line on all (cplm_dist.training.wandb_log)
-            self.wandb = start_wandb(cfg, self.dir, dims.rank, dims.world_size)
         if not self.enabled:
             return
+        self.dir.mkdir(parents=True, exist_ok=True)
         self.jsonl = open(self.dir / "metrics.jsonl", "a", buffering=1)
+        if cfg.train.wandb:  # a W&B that fails to start is one warning line (cplm_dist.training.wandb_log)
+            self.wandb = start_wandb(cfg, self.dir)
         if cfg.train.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(str(self.dir / "tensorboard"), purge_step=start_step or None)
+            self.tb = self._guarded("tb", "TensorBoard", lambda: SummaryWriter(str(self.dir / "tensorboard"),
+                                                                               purge_step=start_step or None))
         from tqdm import tqdm
 
         # disable=None: a bar on a terminal, none in a log file (the console lines carry the numbers)
         self.bar = tqdm(total=t.train_steps, initial=start_step, unit="step", disable=None, dynamic_ncols=True, file=sys.stderr)
+
+    def _guarded(self, sink: str, name: str, write):
+        """`write()` to a logger beside metrics.jsonl (TensorBoard, W&B): when it raises, one warning
+        line, the logger dropped for the rest of this start, and training goes on (None is returned)."""
+        try:
+            return write()
+        except Exception as e:  # noqa: BLE001 - a full disk, a dead server: the run outlives its loggers
+            setattr(self, sink, None)
+            warn(f"{name} failed ({type(e).__name__}: {first_line(e)}); training goes on without it for the rest of "
+                 f"this start (every record is in {self.dir / 'metrics.jsonl'})")
+            return None
 
     def info(self, message: str) -> None:
         if not self.enabled:
@@ -173,11 +186,14 @@ class RunLog:
         self.jsonl.write(json.dumps({"event": event, **values}) + "\n")
         step = values.get("step")
         if self.tb is not None and step is not None:
-            for key, value in flat_values(event, values).items():  # per-source figures as <event>/sources/<name>/<figure>
-                if isinstance(value, (int, float)) and math.isfinite(value):
-                    self.tb.add_scalar(key, value, step)
+            self._guarded("tb", "TensorBoard", lambda: self._scalars(event, values, step))
         if self.wandb is not None and step is not None:
-            self.wandb.log(wandb_values(event, values), step=step)
+            self._guarded("wandb", "W&B", lambda: self.wandb.log(wandb_values(event, values), step=step))
+
+    def _scalars(self, event: str, values: dict, step: int) -> None:
+        for key, value in flat_values(event, values).items():  # per-source figures as <event>/sources/<name>/<figure>
+            if isinstance(value, (int, float)) and math.isfinite(value):
+                self.tb.add_scalar(key, value, step)
 
     def resumed(self, step: int | None) -> None:
         """A resume at `step` (None: a fresh start): one line and a "resume" record with the steps done again."""
@@ -195,9 +211,9 @@ class RunLog:
         if self.bar is not None:
             self.bar.close()
         if self.tb is not None:
-            self.tb.close()
+            self._guarded("tb", "TensorBoard", self.tb.close)
         if self.wandb is not None:
-            self.wandb.finish(exit_code=1 if failed else 0)
+            self._guarded("wandb", "W&B", lambda: self.wandb.finish(exit_code=1 if failed else 0))
         self.jsonl.close()
 
 

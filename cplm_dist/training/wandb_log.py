@@ -14,8 +14,13 @@ online by W&B, which keeps a run's steps increasing: its history shows the first
 
 Every record of metrics.jsonl that has a step goes to W&B as `<event>/<key>` ("train/loss",
 "valid/loss", "resume/recomputed"); the run's name is train.out_dir's last part, its config
-the whole resolved config. Failing to start is one line on every rank (rank 0 decides and
-broadcasts): a missing package is caught before anything starts (`check_wandb`).
+the whole resolved config, its group and tags train.wandb_group and train.wandb_tags.
+
+W&B is an outside service: when it fails (it does not start -- no login, no route, a bad entity
+-- or a later upload or its closing raises) rank 0 prints one warning line and training goes on
+without it, its metrics in metrics.jsonl as always; the next start of the run (a requeue) tries
+again under the same id. A requeued multi-day run never ends for a W&B outage. Only a missing
+package is an error, found before anything starts (`check_wandb`): an install to fix, not an outage.
 """
 
 from __future__ import annotations
@@ -24,9 +29,8 @@ import importlib.util
 import json
 import secrets
 import string
+import sys
 from pathlib import Path
-
-import torch.distributed as dist
 
 from cplm_dist.config import Config, to_dict
 from cplm_dist.errors import ConfigError, UsageError
@@ -36,7 +40,16 @@ RUN_FILE = "wandb_run.json"
 
 
 class WandbError(UsageError):
-    """W&B could not start (one line, exit 2)."""
+    """W&B could not start (one line: the warning's reason)."""
+
+
+def warn(message: str) -> None:
+    """A logger's failure, as the one line the run prints for it (rank 0, stderr)."""
+    print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
+def first_line(e: BaseException) -> str:
+    return ((str(e).strip().splitlines() or [type(e).__name__])[0])[:200]
 
 
 def check_wandb(cfg: Config) -> None:
@@ -62,23 +75,17 @@ def save_run_id(log_dir: Path, run) -> None:
     write_text_atomic(log_dir / RUN_FILE, json.dumps({"id": run.id, "project": run.project, "entity": run.entity}) + "\n")
 
 
-def start_wandb(cfg: Config, log_dir: Path, rank: int, world_size: int):
-    """The W&B run on rank 0 (None elsewhere); every rank raises the same one line if it fails."""
-    run, verdict = None, [None]
-    if rank == 0:
-        try:
-            run = _init(cfg, log_dir)
-        except UsageError as e:
-            verdict[0] = str(e)
-        except Exception as e:  # wandb's own errors (no login, no server, a bad entity): one line
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            verdict[0] = (f"train.wandb=true: W&B did not start ({first[:200]}): log in (`wandb login` or "
-                          "WANDB_API_KEY), or log offline with WANDB_MODE=offline, or set train.wandb=false")
-    if world_size > 1:
-        dist.broadcast_object_list(verdict, src=0)
-    if verdict[0] is not None:
-        raise WandbError(verdict[0])
-    return run
+def start_wandb(cfg: Config, log_dir: Path):
+    """The W&B run (rank 0 only), or None with one warning line when it does not start."""
+    try:
+        return _init(cfg, log_dir)
+    except UsageError as e:
+        reason = str(e)
+    except Exception as e:  # noqa: BLE001 - wandb's own errors (no login, no server, a bad entity): one line
+        reason = (f"train.wandb=true: W&B did not start ({first_line(e)}): log in (`wandb login` or WANDB_API_KEY), "
+                  "log offline with WANDB_MODE=offline, or set train.wandb=false")
+    warn(f"{reason}; training goes on without W&B (every record is in {log_dir / 'metrics.jsonl'})")
+    return None
 
 
 def _init(cfg: Config, log_dir: Path):
@@ -86,13 +93,14 @@ def _init(cfg: Config, log_dir: Path):
 
     t, saved = cfg.train, saved_run_id(log_dir)
     new = "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))  # W&B's own id alphabet
-    run = wandb.init(project=t.wandb_project, entity=t.wandb_entity, id=saved or new, resume="allow",
+    run = wandb.init(project=t.wandb_project, entity=t.wandb_entity, group=t.wandb_group, tags=list(t.wandb_tags) or None,
+                     id=saved or new, resume="allow",
                      name=Path(t.out_dir).resolve().name, config=to_dict(cfg), dir=str(log_dir),
                      settings=wandb.Settings(console="off", init_timeout=120))
     if saved is None:
         try:
             save_run_id(log_dir, run)
-        except OSError as e:  # without the id a resume would split the W&B run: stop now, the W&B run closed
+        except OSError as e:  # without the id a resume would split the W&B run: closed, the run goes on without it
             run.finish(exit_code=1)
             raise WandbError(f"train.wandb=true: cannot keep the W&B run's id in {log_dir / RUN_FILE} ({e}): "
                              "make train.out_dir writable") from None
