@@ -34,15 +34,17 @@ def profile(args, nproc=1, timeout=300):
     return proc
 
 
-QUICK = ["--warmup", "1", "--steps", "2", "--breakdown-steps", "1", "train.micro_batch_size=2", "data.seq_length=64"]
+STEPS = ["--warmup", "1", "--steps", "2", "--breakdown-steps", "1", "train.micro_batch_size=2", "data.seq_length=64"]
+QUICK = [*STEPS, "--accumulation", "1"]
 
 
 def test_profile_one_rank_writes_json_csv_and_trace(tmp_path):
     out, table = tmp_path / "r.json", tmp_path / "p.csv"
-    for label in ("first", "second"):
-        proc = profile(["--config", "tiny", *QUICK, "--json", str(out), "--csv", str(table), "--label", label,
+    for label, batch in (("first", QUICK), ("second", [*STEPS, "train.global_batch_size=4"])):
+        proc = profile(["--config", "tiny", *batch, "--json", str(out), "--csv", str(table), "--label", label,
                         "--trace", str(tmp_path / "trace.json")])
     result = json.loads(out.read_text())
+    assert result["accumulation"] == 2  # without --accumulation: the config's global batch, as the run steps
     for field in FIELDS:
         assert field in result, field
     assert result["tokens_per_s"] > 0 and result["forward_s"] > 0 and result["backward_s"] > 0
@@ -120,7 +122,7 @@ def test_estimate_bounds_the_measured_step_memory_on_cpu(tmp_path):
     on an H200 at 1.7B, +3.3-3.8% of the eager peak (docs/performance.md)."""
     out = tmp_path / "m.json"
     profile(["--config", "tiny", "model.vocab_size=4096", "train.precision=fp32", "train.zero_stage=0",
-             "train.micro_batch_size=16", "data.seq_length=512", "--warmup", "1", "--steps", "2",
+             "train.micro_batch_size=16", "data.seq_length=512", "--warmup", "1", "--steps", "2", "--accumulation", "1",
              "--breakdown-steps", "0", "--json", str(out), "--csv", ""])
     r = json.loads(out.read_text())
     assert 0 <= r["estimate_error"] < 0.25, r

@@ -42,7 +42,8 @@ from cplm_dist.training.step import build_train_step as build
 def parser():
     p = config_parser(__doc__.splitlines()[0])
     p.add_argument("--seq-len", type=int, help="tokens per sequence (default: data.seq_length)")
-    p.add_argument("--accumulation", type=int, default=1, help="micro-batches per step (global = micro x this x dp)")
+    p.add_argument("--accumulation", type=int, default=None, help="micro-batches per step (global = micro x this x "
+                   "dp); default: what the config's train.global_batch_size gives at this dp, as the run would step")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=5, help="clean, timed steps")
     p.add_argument("--breakdown-steps", type=int, default=2, help="instrumented steps for the time breakdown")
@@ -85,6 +86,12 @@ def setup(cfg: Config, args):
     if p.cp > 1 and seq % unit:
         raise UsageError(f"--seq-len {seq} is not divisible by {unit}, which parallel.cp={p.cp} needs (2 x cp chunks"
                          f"{', each split over tp' if unit > 2 * p.cp else ''})")
+    if args.accumulation is None:  # the run's own step: its global batch at this dp (ZeRO's reduce once a step)
+        per = cfg.train.micro_batch_size * dims.dp_size
+        if cfg.train.global_batch_size % per:
+            raise UsageError(f"train.global_batch_size={cfg.train.global_batch_size} is not a multiple of micro x dp = "
+                             f"{cfg.train.micro_batch_size} x {dims.dp_size}: set it, or give --accumulation N")
+        args.accumulation = cfg.train.global_batch_size // per
     cfg.train.global_batch_size = cfg.train.micro_batch_size * args.accumulation * dims.dp_size
     cfg.data.seq_length = seq
     return dims, device, seq, batch_layout(cfg, dims.dp_size)
@@ -246,7 +253,7 @@ def sweep(args) -> int:
     def point_command(point: dict, overrides: list[str], result_file: Path) -> list[str]:
         cmd = [sys.executable, str(Path(__file__).resolve()), "--config", args.config, *args.overrides, *overrides,
                "--warmup", str(args.warmup), "--steps", str(args.steps), "--breakdown-steps", str(args.breakdown_steps),
-               "--accumulation", str(args.accumulation), "--json", str(result_file), "--csv", "",
+               *(["--accumulation", str(args.accumulation)] if args.accumulation else []), "--json", str(result_file), "--csv", "",
                "--label", args.label or " ".join(f"{k}={v}" for k, v in point.items())]
         return cmd + (["--seq-len", str(args.seq_len)] if args.seq_len else [])
 

@@ -48,7 +48,7 @@ run() {  # name, the run's own cap in seconds, then cplm_profile.py arguments
   t=$(left); ((t > cap)) && t=$cap
   if ((t < 30)); then echo "$name (skipped: ${BUDGET} s budget spent)" >> "$OUT/failures.txt"; return; fi
   echo "== $name (at ${SECONDS} s, cap ${t} s)" | tee -a "$OUT/log.txt"
-  timeout "$t" "$PY" tools/cplm_profile.py "$@" "${steps[@]}" --json "$work/$name.json" --csv "$work/profile.csv" --label "$name" \
+  timeout "$t" "$PY" tools/cplm_profile.py --accumulation 1 "$@" "${steps[@]}" --json "$work/$name.json" --csv "$work/profile.csv" --label "$name" \
     >> "$OUT/log.txt" 2>&1 || { echo "$name (exit $?)" >> "$OUT/failures.txt"; tail -5 "$OUT/log.txt"; }
 }
 shape() { echo --config "$1" "${extra[@]}" "train.micro_batch_size=$2" "model.max_seq_len=$seq" "data.seq_length=$seq"; }
