@@ -63,7 +63,9 @@ for a in "$@"; do
   prev=$a
 done
 merge_cmd=("$python" -m cplm_dist_tools.merge_data --inputs "$prefix-*-of-$(printf '%05d' "$parts")" --output-prefix "$prefix" "${dedup[@]}")
-merge_args=(--job-name "$name-merge" --ntasks 1 --cpus-per-task 1 --time "$time_limit" --output "$log_dir/%x-%j.out")
+# a task that failed for good leaves the merge's dependency unmet: the merge is then cancelled, not left pending
+merge_args=(--job-name "$name-merge" --ntasks 1 --cpus-per-task 1 --time "$time_limit" --output "$log_dir/%x-%j.out"
+            --kill-on-invalid-dep=yes)
 for opt in partition:"$partition" account:"$account" qos:"$qos"; do
   [ -n "${opt#*:}" ] && merge_args+=("--${opt%%:*}" "${opt#*:}")
 done

@@ -241,7 +241,8 @@ def test_the_array_submission_checks_before_it_queues(shards, small_data, tmp_pa
     assert too_many.returncode == 2 and "fewer than 99 parts" in too_many.stderr
 
 
-def test_an_array_job_on_a_real_slurm_writes_the_parts_and_merges_them(shards, small_data, whole, tmp_path):
+def test_an_array_job_on_a_real_slurm_writes_the_parts_and_merges_them(shards, small_data, whole, tmp_path,
+                                                                       tmp_path_factory):
     """launch/submit_preprocess.sh on Debian's slurmctld/slurmd (tests/slurm_cluster.py): two array
     tasks each write their partition, the dependent merge job joins them into the bytes of one run."""
     from tests.slurm_cluster import LocalSlurm, ensure_slurm
@@ -251,7 +252,7 @@ def test_an_array_job_on_a_real_slurm_writes_the_parts_and_merges_them(shards, s
         pytest.skip(reason)
     raw, _ = shards
     out, _ = whole
-    slurm = LocalSlurm(tmp_path / "slurm").start()
+    slurm = LocalSlurm(tmp_path_factory.mktemp("slurm")).start()  # a short path: slurmd's sockets live in it
     try:
         cmd = ["bash", str(REPO / "launch" / "submit_preprocess.sh"), "--parts", "2", "--time", "00:05:00", "--merge",
                "--wait", "--log-dir", str(tmp_path / "logs"), "--", "--input", str(raw), "--tokenizer",
