@@ -35,7 +35,7 @@ import sys
 from pathlib import Path
 
 from cplm_dist.config.cli import exit_on_usage_error
-from cplm_dist.data.input_files import parse_partition, partition as cut, partition_units
+from cplm_dist.data.input_files import parse_partition, partition as cut, partition_units, size_of
 from cplm_dist.data.preprocess import Options, partition_prefix, preprocess
 from cplm_dist.data.sources import add_input_arguments, inputs_from_args
 from cplm_dist.data.tokenizer import load_tokenizer
@@ -69,7 +69,7 @@ def print_plan(files, partition, output_prefix, split_bytes: int) -> None:
     units = partition_units(files, count, split_bytes)
     for i in range(count):
         part = cut(units, i, count)
-        size = sum((u.end or u.input.stat().st_size) - u.start for u in part if isinstance(u.input, Path))
+        size = sum(size_of(u) for u in part if isinstance(u.input, Path))
         name = partition_prefix(output_prefix, (i, count) if partition else None)
         print(f"{name}: {len(part)} units, {size / 1e9:.3f} GB ({part[0].name} ... {part[-1].name})")
 

@@ -249,9 +249,10 @@ def parse_partition(text: str) -> tuple[int, int]:
     return i, n
 
 
-def _size(item: Input | Unit) -> int:
+def size_of(item: Input | Unit) -> int:
+    """Bytes on disk of an input, or of a unit's range (1 for a dataset input: its size is unknown)."""
     if isinstance(item, Unit):
-        return (item.end - item.start) if item.end is not None else _size(item.input)
+        return (item.end - item.start) if item.end is not None else size_of(item.input)
     return os.path.getsize(item) if isinstance(item, Path) else 1
 
 
@@ -260,7 +261,7 @@ def partition_units(items: list[Input], count: int, split_bytes: int | None) -> 
     the parts, JSON-lines files are cut into ranges of about total / (2 x count) bytes."""
     units = work_units(items, split_bytes)
     if len(units) < count:
-        total = sum(_size(i) for i in items if splittable(i))
+        total = sum(size_of(i) for i in items if splittable(i))
         finer = max(1, total // (2 * count))
         units = work_units(items, min(split_bytes or finer, finer))
     return units
@@ -277,7 +278,7 @@ def partition(items: list, index: int, count: int) -> list:
                          "smaller files")
     prefix = [0]
     for item in items:
-        prefix.append(prefix[-1] + max(1, _size(item)))
+        prefix.append(prefix[-1] + max(1, size_of(item)))
     bounds = [0]
     for k in range(1, count):
         last = n - (count - k)  # leave one item for each later part

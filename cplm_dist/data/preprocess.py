@@ -86,9 +86,9 @@ def _init_worker(spec: tuple[str, str]) -> None:
     _TOKENIZER.threads = 1  # a process a core
 
 
-def _run_unit(task: tuple[Unit, str, str, Options]) -> dict:
+def _run_unit(task: tuple[Unit, str, str, Options]) -> tuple[str, dict]:
     unit, key, work, opts = task
-    return process_unit(unit, key, Path(work), _TOKENIZER, opts)
+    return key, process_unit(unit, key, Path(work), _TOKENIZER, opts)
 
 
 def process_unit(unit: Unit, key: str, work: Path, tokenizer: Tokenizer, opts: Options, workers: int = 1) -> dict:
@@ -157,27 +157,27 @@ def _run_pending(pending: list[tuple[Unit, str]], work: Path, tokenizer: Tokeniz
     """Process the units not yet done, `workers` at a time (a unit each), recording each as it completes."""
     kill_after = int(os.environ.get(FAULT_KILL_AFTER_UNITS, "0") or 0)
 
+    tokens = sum(r["tokens"] for r in records.values())
+
     def completed(key: str, record: dict) -> None:
+        nonlocal tokens
         records[key] = record
+        tokens += record["tokens"]
         if bar is not None:
             bar.update(1)
-            bar.set_postfix_str(f"{sum(r['tokens'] for r in records.values()):,} tokens", refresh=False)
+            bar.set_postfix_str(f"{tokens:,} tokens", refresh=False)
         if kill_after and len(records) >= kill_after:
             os.kill(os.getpid(), signal.SIGKILL)
 
     local = [(u, k) for u, k in pending if isinstance(u.input, DatasetInput)]  # opened here (not picklable cheaply)
     spread = [(u, k) for u, k in pending if not isinstance(u.input, DatasetInput)]
-    if workers > 1 and len(spread) > 1:
+    if workers <= 1 or len(spread) <= 1:
+        local, spread = pending, []
+    if spread:
         with mp.get_context("spawn").Pool(min(workers, len(spread)), initializer=_init_worker,
                                           initargs=(tokenizer.spec(),)) as pool:
-            keys = {}
-            tasks = [(u, k, str(work), opts) for u, k in spread]
-            for u, k in spread:
-                keys[u.name] = k
-            for record in pool.imap_unordered(_run_unit, tasks):
-                completed(keys[record["unit"]], record)
-    else:
-        local = pending
+            for key, record in pool.imap_unordered(_run_unit, [(u, k, str(work), opts) for u, k in spread]):
+                completed(key, record)
     for unit, key in local:  # one unit at a time, `workers` processes encoding its chunks
         completed(key, process_unit(unit, key, work, tokenizer, opts, workers=workers))
 
