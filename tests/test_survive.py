@@ -25,12 +25,13 @@ GiB = 1 << 30
 # --- Slurm: planned and crash requeues counted apart ------------------------------------------------
 
 FAKE_SRUN = """#!/bin/bash
-echo $$ > "$FAKE/srun.pid"
 if [ "$FAKE_RC" = wait ]; then
   trap 'echo saved >> "$FAKE/ranks.log"; exit 0' USR1 TERM
+  echo $$ > "$FAKE/srun.pid"  # after the trap: the test signals once this file is there
   for _ in $(seq 600); do sleep 0.05; done  # a bound: never outlives the test
   exit 9
 fi
+echo $$ > "$FAKE/srun.pid"
 exit "$FAKE_RC"
 """
 
