@@ -172,6 +172,83 @@ _allocate_on_cpu_without_cuda()
 # megatron-core calls torch's reduce_scatter_tensor, which torch 2.13 deprecates once per call site
 warnings.filterwarnings("ignore", message=".*reduce_scatter_tensor. is deprecated.*", category=FutureWarning)
 
+class _NoStream:
+    """A CUDA stream (or event) where there is none: every wait and sync is already done."""
+
+    def wait_stream(self, _other) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def record_event(self, _event=None) -> "_NoStream":
+        return self
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _NoStream)
+
+    def __hash__(self) -> int:
+        return 0
+
+
+MOE_MENDED = (0, 16)  # the megatron-core release whose MoE path the mends below were written against
+
+
+@functools.cache
+def moe_modules() -> types.SimpleNamespace:
+    """megatron-core's MoE layer (MoELayer, TopKRouter, its dispatchers, SequentialMLP, the shared
+    expert), mended to run on a CPU-only torch and on gloo. Imported on first use (a dense model
+    never loads it). Each mend, and why (megatron-core 0.16.1):
+
+    - streams: the all-to-all dispatcher makes a side stream for its device-to-host copies and the
+      shared expert one to overlap; the router and experts allocate on `torch.cuda.current_device()`.
+      Without CUDA their modules see a torch whose cuda answers the CPU and no-op streams.
+    - `te_general_gemm`: the router's fp32 gating names it, bound only when Transformer Engine
+      imports; without TE it is None, as megatron's own check expects.
+    - split sizes: the dispatcher hands its all-to-all numpy split sizes, which NCCL's binding
+      accepts and gloo's refuses; they are passed as lists of ints.
+    - the jit fuser is made lazy for all of megatron at import (`_compile_on_first_call`).
+    - the aux-loss tracker allocates with device="cuda": the router's tracker calls go to ours
+      instead (cplm_dist.model.moe_stats), which is also what our logs read.
+    With CUDA only the last two apply. A megatron-core other than MOE_MENDED is refused for MoE
+    with one line (the dense model is unaffected)."""
+    from cplm_dist.errors import ConfigError
+
+    installed = metadata.version("megatron-core")
+    if _release(installed)[:2] != MOE_MENDED and os.environ.get(ALLOW_UNTESTED) != "1":
+        raise ConfigError(f"model.moe runs on megatron-core {'.'.join(map(str, MOE_MENDED))}.x (this is {installed}): "
+                          f"pip install 'megatron-core=={'.'.join(map(str, MOE_MENDED))}.1', or set {ALLOW_UNTESTED}=1 to try")
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+    from megatron.core.tensor_parallel import mappings
+    from megatron.core.transformer.moe import experts, moe_layer, moe_utils, router, shared_experts, token_dispatcher
+    from megatron.core.transformer.spec_utils import build_module
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    if not torch.cuda.is_available():
+        _CudaOnCPU.Stream = _CudaOnCPU.Event = staticmethod(lambda *a, **k: _NoStream())
+        _CudaOnCPU.current_stream = staticmethod(lambda *a, **k: _NoStream())
+        _CudaOnCPU.stream = staticmethod(lambda _s=None: contextlib.nullcontext())
+        shim = _TorchOnCPU("torch")
+        for module in (experts, moe_layer, moe_utils, router, shared_experts, token_dispatcher):
+            module.torch = shim
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+    def listed(sizes):
+        return None if sizes is None else [int(s) for s in sizes]
+
+    def all_to_all(group, input_, output_split_sizes_=None, input_split_sizes=None):
+        return mappings.all_to_all(group, input_, listed(output_split_sizes_), listed(input_split_sizes))
+
+    token_dispatcher.all_to_all = all_to_all
+    from cplm_dist.model import moe_stats
+
+    router.save_to_aux_losses_tracker = moe_stats.record_aux_loss
+    return types.SimpleNamespace(TransformerConfig=TransformerConfig, MoELayer=moe_layer.MoELayer,
+                                 TopKRouter=router.TopKRouter, router_module=router, moe_utils=moe_utils,
+                                 get_moe_module_spec=get_moe_module_spec, build_module=build_module)
+
+
 def collective_holders() -> list:
     """Objects that keep references of their own to torch.distributed's collectives, bound once:
     megatron-core's tensor-parallel modules (`dist_all_gather_func`, `dist_reduce_scatter_func`,

@@ -28,6 +28,10 @@ PipeSchedule = Literal["1f1b", "dualpipev"]
 GradAccumDtype = Literal["fp32", "bf16"]
 Arch = Literal["llama", "gpt2", "qwen3"]  # the backbones: cplm_dist.config.backbones's records
 RopeScalingType = Literal["linear", "ntk"]
+RouterScore = Literal["softmax", "sigmoid"]
+AuxLoss = Literal["none", "micro_batch", "sequence", "global"]
+Dispatcher = Literal["alltoall", "allgather"]
+ExpertImpl = Literal["auto", "sequential", "grouped"]
 
 
 def resumable(default: Any = dataclasses.MISSING, *, default_factory: Any = dataclasses.MISSING) -> Any:
@@ -51,6 +55,38 @@ class RopeScaling:
         the lowest frequency covers factor times the positions while the highest ones are nearly
         unchanged; linear keeps theta (it divides the positions)."""
         return theta * self.factor ** (dim / (dim - 2)) if self.type == "ntk" else theta
+
+
+@dataclass
+class MoEConfig:
+    """A sparse MLP (mixture of experts: cplm_dist.model.moe, docs/moe.md) in place of the dense one
+    in some layers; num_experts = 0 keeps the model dense. Built from megatron-core's MoE layer."""
+
+    num_experts: int = 0  # experts a sparse layer holds (0: dense model)
+    top_k: int = 2  # experts each token is routed to
+    ffn_hidden_size: int | None = None  # one expert's width; null: model.ffn_hidden_size
+    shared_ffn_hidden_size: int = 0  # a shared expert every token passes through (0: none)
+    shared_gate: bool = False  # the shared expert's output scaled by sigmoid(x . w) (Qwen2-MoE's)
+    first_dense_layers: int = 0  # the first layers keep the dense MLP (DeepSeek-V3's first 3)
+    layer_freq: int = 1  # after them, every layer_freq-th layer is sparse (1: all)
+    score: RouterScore = "softmax"  # the router's score over experts
+    # softmax: the top-k probabilities renormalised to sum 1 (Qwen3, Mixtral, OLMoE: norm_topk_prob);
+    # false: the top-k of a softmax over all experts. sigmoid scores are always renormalised
+    normalize: bool = True
+    aux_loss: AuxLoss = "micro_batch"  # the load-balancing loss: over a micro-batch, each sequence, or the step's dp ranks
+    aux_loss_coeff: float = 1e-2
+    z_loss_coeff: float = 0.0  # router z-loss (ST-MoE); 0 = off
+    expert_bias: bool = False  # DeepSeek-V3's auxiliary-loss-free balancing (sigmoid score): a bias per expert, updated each step
+    bias_update_rate: float = 1e-3
+    capacity_factor: float | None = None  # null: dropless; else tokens over capacity x tokens/experts are dropped
+    dispatcher: Dispatcher = "alltoall"  # megatron's token dispatcher across ep (and tp) ranks
+    expert_impl: ExpertImpl = "auto"  # auto: grouped GEMM on CUDA, one expert after another elsewhere
+
+    def sparse_layers(self, num_layers: int) -> list[int]:
+        """The 0-based layers whose MLP is sparse (none while num_experts = 0)."""
+        if self.num_experts <= 0:
+            return []
+        return [i for i in range(self.first_dense_layers, num_layers) if (i - self.first_dense_layers) % self.layer_freq == 0]
 
 
 @dataclass
@@ -85,6 +121,7 @@ class ModelConfig:
     scaled_init: bool = True
     # Megatron pads the vocabulary to a multiple of this times tp; padded ids never get mass.
     make_vocab_size_divisible_by: int = 128
+    moe: MoEConfig = field(default_factory=MoEConfig)  # experts (num_experts > 0): a sparse model
 
     def __post_init__(self):
         # null is hidden_size / num_heads; a split that is not whole stays null for validation to name
@@ -183,6 +220,11 @@ class ParallelConfig:
     # holding chunks r and 2cp-1-r; attention and the copy head all-gather keys over cp;
     # dp = world_size / (tp x cp x pp); gradients summed over cp, averaged over dp
     cp: int = resumable(1)
+    # expert parallelism (model.moe, docs/moe.md): a sparse layer's experts split over ep ranks carved
+    # out of dp x cp (megatron's expert-model-parallel group); the attention and copy head unchanged
+    ep: int = resumable(1)
+    # the experts' own tensor parallelism: null = parallel.tp (megatron's default), or 1 (each expert whole on a rank)
+    expert_tp: int | None = resumable(None)
 
 
 @dataclass

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cplm_dist.config.backbones import backbone, backbones_with
+from cplm_dist.config.sparse import validate_moe
 from cplm_dist.config.tree import Config, ModelConfig
 from cplm_dist.errors import ConfigError
 
@@ -55,6 +56,7 @@ def validate(cfg: Config) -> None:
     validate_pipeline(cfg)
     validate_context_parallel(cfg)
     validate_rope_scaling(m)
+    validate_moe(cfg)
     if cfg.parallel.sequence_parallel and tp > 1 and cfg.data.seq_length % tp:
         raise ConfigError(
             f"data.seq_length={cfg.data.seq_length} is not divisible by parallel.tp={tp}, which "

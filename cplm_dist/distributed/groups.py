@@ -51,6 +51,11 @@ class ParallelDims:
     cp_size: int = 1
     cp_group: dist.ProcessGroup | None = None  # the ranks that share one sequence (None: cp = 1)
     dp_cp_group: dist.ProcessGroup | None = None  # dp x cp: where gradients and token counts are summed (None: dp_group)
+    ep_rank: int = 0  # expert parallelism (model.moe): this rank's share of each sparse layer's experts
+    ep_size: int = 1
+    ep_group: dist.ProcessGroup | None = None  # the ranks that split one layer's experts (None: ep = 1)
+    expert_tp_size: int = 1  # the experts' own tensor parallelism (parallel.expert_tp)
+    expert_dp_group: dist.ProcessGroup | None = None  # the ranks holding the same experts: their gradients' group (None: no experts)
     hosts: JoinedHosts = field(default_factory=JoinedHosts)  # where each rank joined from (names for messages)
 
     @property
@@ -100,10 +105,13 @@ def evaluation_tp(saved_tp: int | None = None, asked: int | None = None, world: 
     return tp
 
 
-def init_distributed(tp_size: int = 1, *, pp_size: int = 1, cp_size: int = 1, backend: str | None = None,
+def init_distributed(tp_size: int = 1, *, pp_size: int = 1, cp_size: int = 1, ep_size: int = 1,
+                     expert_tp_size: int | None = None, backend: str | None = None,
                      timeout_minutes: float = 10, join_timeout_minutes: float = 5,
                      shared_dir: str | os.PathLike | None = None) -> ParallelDims:
-    """Join the job (once per process) and build the TP, CP, DP and PP groups through parallel_state.
+    """Join the job (once per process) and build the TP, CP, DP and PP groups through parallel_state,
+    and the expert groups (ep x expert_tp x expert-dp over each stage's tp x cp x dp ranks, megatron's:
+    `expert_tp_size` None is tp).
     Joining (every rank arriving, the hosts' addresses checked, `shared_dir` the same directory on
     every host) takes at most `join_timeout_minutes` (cplm_dist.distributed.hosts); each collective at most
     `timeout_minutes`."""
@@ -135,13 +143,16 @@ def init_distributed(tp_size: int = 1, *, pp_size: int = 1, cp_size: int = 1, ba
                           MASTER_ADDR=host, MASTER_PORT=port)
     else:
         check_world(tp_size, dist.get_world_size(), pp_size, cp_size)
+    expert_tp_size = tp_size if expert_tp_size is None else expert_tp_size
     if parallel_state.model_parallel_is_initialized():
         if (parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_pipeline_model_parallel_world_size(),
-                parallel_state.get_context_parallel_world_size()) != (tp_size, pp_size, cp_size):
-            raise RuntimeError("parallel groups already built with another tp, pp or cp size; call destroy_distributed first")
+                parallel_state.get_context_parallel_world_size(), parallel_state.get_expert_model_parallel_world_size(),
+                parallel_state.get_expert_tensor_parallel_world_size()) != (tp_size, pp_size, cp_size, ep_size, expert_tp_size):
+            raise RuntimeError("parallel groups already built with another tp, pp, cp or ep size; call destroy_distributed first")
     else:
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=tp_size, pipeline_model_parallel_size=pp_size, context_parallel_size=cp_size,
+            expert_model_parallel_size=ep_size, expert_tensor_parallel_size=expert_tp_size,
             create_gloo_process_groups=False, distributed_timeout_minutes=timeout_minutes,
         )
     return parallel_dims(joined)
@@ -163,6 +174,7 @@ def parallel_dims(joined: JoinedHosts | None = None) -> ParallelDims:
         pp_size=parallel_state.get_pipeline_model_parallel_world_size(),
         pp_group=parallel_state.get_pipeline_model_parallel_group(),
         **context_dims(),
+        **expert_dims(),
         hosts=joined or JoinedHosts(),
     )
 
@@ -175,6 +187,16 @@ def context_dims() -> dict:
     return dict(cp_rank=parallel_state.get_context_parallel_rank(), cp_size=cp,
                 cp_group=parallel_state.get_context_parallel_group(),
                 dp_cp_group=parallel_state.get_data_parallel_group(with_context_parallel=True))
+
+
+def expert_dims() -> dict:
+    """ParallelDims' expert fields from parallel_state: the ep group and the expert-data-parallel
+    group (the ranks holding the same experts) whenever experts could exist."""
+    ep = parallel_state.get_expert_model_parallel_world_size()
+    return dict(ep_rank=parallel_state.get_expert_model_parallel_rank(), ep_size=ep,
+                ep_group=parallel_state.get_expert_model_parallel_group() if ep > 1 else None,
+                expert_tp_size=parallel_state.get_expert_tensor_parallel_world_size(),
+                expert_dp_group=parallel_state.get_expert_data_parallel_group())
 
 
 def destroy_distributed() -> None:

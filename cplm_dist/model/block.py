@@ -1,5 +1,6 @@
 """One pre-norm transformer layer: x + attn(norm(x)), then x + mlp(norm(x)); the norm and MLP
-are the backbone's (its record's `norm` and `mlp`, cplm_dist.config.backbones), the attention's
+are the backbone's (its record's `norm` and `mlp`, cplm_dist.config.backbones; layer `index` of a
+sparse model's model.moe.sparse_layers has megatron's MoE layer instead: cplm_dist.model.moe), the attention's
 kernel the model's (`PartSpec.core_attention`: SDPA, FlexAttention or context-parallel), its
 parameters' shapes cplm_dist.model.layer_shapes.
 
@@ -19,20 +20,24 @@ import torch.utils.checkpoint
 
 from cplm_dist.model.attention import Attention
 from cplm_dist.model.mlp import make_mlp
+from cplm_dist.model.moe import SparseMLP
 from cplm_dist.model.norm import make_norm
 from cplm_dist.model.parts import PartSpec
 from cplm_dist.model.static_cache import StaticKV
 
 
 class TransformerLayer(torch.nn.Module):
-    def __init__(self, spec: PartSpec):
+    def __init__(self, spec: PartSpec, index: int = 0):
         super().__init__()
         m, mp = spec.model, spec.megatron
         # norms see this rank's positions only under sequence parallelism (their gradients summed over tp)
         self.attn_norm = make_norm(m, device=spec.device, dtype=mp.params_dtype, grad_group=spec.sp_group)
         self.attention = Attention(m, mp, spec.tp_group, spec.tp_size, spec.core_attention, device=spec.device)
         self.mlp_norm = make_norm(m, device=spec.device, dtype=mp.params_dtype, grad_group=spec.sp_group)
-        self.mlp = make_mlp(m, mp, spec.tp_group, spec.tp_size)
+        if index in m.moe.sparse_layers(m.num_layers):  # a sparse layer: megatron's MoE layer (cplm_dist.model.moe)
+            self.mlp = SparseMLP(m, spec.tp_group, spec.tp_size, spec.sequence_parallel, index, mp.params_dtype, spec.device)
+        else:
+            self.mlp = make_mlp(m, mp, spec.tp_group, spec.tp_size)
         self.recompute = False  # activation checkpointing in training (recompute_compile)
         self.compiled = None  # torch.compile'd `block`, run in training and evaluation without a cache (recompute_compile)
 

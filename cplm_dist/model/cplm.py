@@ -301,7 +301,7 @@ def build_model(cfg: Config, *, tp_group: dist.ProcessGroup | None = None, devic
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     spec = PartSpec.of(cfg, tp_group, device, dtype, sequence_parallel, context)
-    layers = [TransformerLayer(spec) for _ in range(m.num_layers)]
+    layers = [TransformerLayer(spec, i) for i in range(m.num_layers)]
     model = place(CPLM(Embedding(spec), layers, Head(spec), m, context), device)
     init_parameters(model, m, cfg.copy, cfg.seed, model.tp_rank, model.tp_size)
     t = cfg.train

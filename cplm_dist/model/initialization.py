@@ -1,6 +1,7 @@
 """Seeded, tp-independent initialisation: every parameter's full tensor is drawn from its own
 generator (seed, parameter name) and each rank keeps its shard, so one seed gives one model at
-every tp, in any construction order.
+every tp, in any construction order. An expert's generator is named by its global id
+(cplm_dist.model.moe.global_expert_name), so the experts are the same at every ep.
 
 The rules, by parameter name (first match wins):
 
@@ -11,6 +12,7 @@ The rules, by parameter name (first match wins):
 | copy_head.gate.bias                     | copy.gate_bias_init                         |
 | copy_head.*                             | normal(0, copy.init_std)                    |
 | *attention.proj.weight, *mlp.fc2.weight | normal(0, init_std / sqrt(2 L)) if scaled   |
+| *mlp.*linear_fc2.weight (experts)       | the same                                    |
 | everything else                         | normal(0, init_std)                         |
 
 Vocabulary-sized tensors draw only their real rows; Megatron's padding rows start at zero.
@@ -24,6 +26,7 @@ import zlib
 import torch
 
 from cplm_dist.config import CopyConfig, ModelConfig
+from cplm_dist.model.moe_naming import global_expert_name
 from cplm_dist.model.parallel.sharding import full_shape, spec_of, take_shard
 
 
@@ -40,7 +43,8 @@ def _rule(name: str, m: ModelConfig, c: CopyConfig) -> tuple[str, float]:
         return "const", 0.0
     if name.startswith("copy_head."):
         return "normal", c.init_std
-    if m.scaled_init and (name.endswith("attention.proj.weight") or name.endswith("mlp.fc2.weight")):
+    if m.scaled_init and (name.endswith("attention.proj.weight") or name.endswith("mlp.fc2.weight")
+                          or ".mlp." in name and name.endswith("linear_fc2.weight")):
         return "normal", m.init_std / math.sqrt(2.0 * m.num_layers)
     return "normal", m.init_std
 
@@ -62,6 +66,7 @@ def init_parameters(model: torch.nn.Module | list, model_cfg: ModelConfig, copy_
         if kind == "const":
             param.fill_(value)
             continue
+        name = global_expert_name(name, param)
         spec = spec_of(param)
         shape = full_shape(param.shape, spec, tp_size)
         rows = spec.full_rows if spec.full_rows is not None else shape[0]

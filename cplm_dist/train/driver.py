@@ -36,6 +36,7 @@ import torch.distributed as dist
 from cplm_dist.checkpoint import Checkpointer, Manifest, RunLock, check_async_save, check_out_dir, find_resume
 from cplm_dist.config import BatchLayout, Config
 from cplm_dist.config.cli import config_parser, exit_on_usage_error, load_from_args
+from cplm_dist.config.sparse import check_expert_world, expert_tp
 from cplm_dist.data.blend import budget_lines, resolve_blend
 from cplm_dist.data.gpt_data import check_data
 from cplm_dist.data.staged_loader import StagedLoader, build_train_data
@@ -133,6 +134,7 @@ def run(argv, stop: StopRequest) -> int:
     world = LaunchEnv.from_environ(mpi_rendezvous=False).world_size
     batch = BatchLayout.of(cfg, world)  # tp x cp x pp dividing the world, then micro x accumulation x dp
     dp, accumulation = batch.dp, batch.accumulation
+    check_expert_world(cfg, world)  # ep x expert_tp dividing a stage's ranks
     resolve_blend(cfg)  # globs and weights by tokens expanded: the form a checkpoint saves and a resume compares
     resume = find_resume(cfg, args.resume, cfg.parallel.tp, dp, args.reshape, args.allow_data_change)
     if cfg.model.init_from and resume is None:  # one of our checkpoints or a HF Llama (cplm_dist.interop.init_from)
@@ -146,7 +148,8 @@ def run(argv, stop: StopRequest) -> int:
 
     # 3. distributed: process group, TP x DP groups; from here on one teardown -------------------
     stop.enter("joining the process group")
-    dims = init_distributed(cfg.parallel.tp, pp_size=cfg.parallel.pp, cp_size=cfg.parallel.cp, timeout_minutes=t.collective_timeout_minutes,
+    dims = init_distributed(cfg.parallel.tp, pp_size=cfg.parallel.pp, cp_size=cfg.parallel.cp, ep_size=cfg.parallel.ep,
+                            expert_tp_size=expert_tp(cfg), timeout_minutes=t.collective_timeout_minutes,
                             join_timeout_minutes=t.join_timeout_minutes, shared_dir=t.out_dir)
     lock = None
     try:

@@ -77,7 +77,7 @@ class LayerStage(TransformerLayer):
     """Transformer layer `index`: (x, ids, labels) -> (x', ids, labels)."""
 
     def __init__(self, spec: PartSpec, index: int, inputs: StageInputs):
-        super().__init__(spec)
+        super().__init__(spec, index)
         self.canonical_prefix = f"layers.{index}."
         self.model_cfg = spec.model
         self.inputs = inputs  # one set of positions and masks a micro-batch for all of this process's layers

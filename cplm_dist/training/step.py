@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
@@ -36,7 +36,10 @@ from cplm_dist.config import Config
 from cplm_dist.config.curriculum import source_names
 from cplm_dist.data.loader import label_inputs, model_inputs
 from cplm_dist.distributed import ParallelDims, synchronize
+from cplm_dist.megatron_compat import parallel_state
 from cplm_dist.model.cplm import build_model
+from cplm_dist.model.moe import set_aux_loss_scale, sparse_layers, update_expert_bias
+from cplm_dist.model.moe_stats import step_figures
 from cplm_dist.model.parallel.stages import loss_stage
 from cplm_dist.training.engine import build_engine
 from cplm_dist.training.optim import grad_norm
@@ -58,6 +61,7 @@ class StepResult:
     source_sums: tuple[float, ...] = ()
     spikes: tuple = ()  # the step's loss / grad-norm spikes (cplm_dist.training.stability.Spike)
     spike_skipped: bool = False  # train.skip_spikes skipped this update (its loss spiked)
+    moe: dict = field(default_factory=dict)  # a sparse model's figures this step (cplm_dist.model.moe_stats.step_figures)
 
     @property
     def bad(self) -> bool:
@@ -90,6 +94,10 @@ class TrainStep:
         self.last_batch = None  # the last micro-batch read (pp = 1): train.diagnostics_interval measures it
         if self.monitor.skip:
             optimizer.skip_check = self._loss_spikes
+        self.sparse = sparse_layers(engine.module)  # a sparse model's MoE layers on this rank (cplm_dist.model.moe)
+        if self.sparse:
+            set_aux_loss_scale(self.accumulation, self.device)
+            self.stage_group = parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True)
 
     def _loss_spikes(self) -> bool:
         """In the optimizer step, on every rank: the batch's loss (reduced now, kept for the result) spikes."""
@@ -111,8 +119,12 @@ class TrainStep:
         norm = float(norm) if norm is not None else float("nan")
         spiked = self.optimizer.skipped_spike
         skipped = self.optimizer.skipped_last or (self.engine.skipped_steps > skipped_before and not spiked)
+        moe = {}
+        if self.sparse:  # after every micro-batch: the expert bias moves once, the step's routing is reported
+            update_expert_bias(self.engine.module)
+            moe = step_figures(self.sparse, self.stage_group)
         result = StepResult(figures.loss, figures.lm_loss, figures.copy_share, norm, lr, skipped, data_wait,
-                            figures.source_sums, spike_skipped=spiked)
+                            figures.source_sums, spike_skipped=spiked, moe=moe)
         result.spikes = tuple(self.monitor.observe(result.loss, norm, result.bad))
         self.monitor.skipped_updates += int(spiked and not result.bad)  # a non-finite step is counted as that alone
         return result
