@@ -128,6 +128,10 @@ def _compile_on_first_call():
 with warnings.catch_warnings(), _hidden("wandb"), _compile_on_first_call():
     warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
     warnings.filterwarnings("ignore", message=".*Apex is not installed.*")
+    # megatron's TransformerConfig (built for each sparse layer) warns of its own defaults
+    warnings.filterwarnings("ignore", message=".*full scope is deprecated.*")
+    warnings.filterwarnings("ignore", message=".*MLP requires ffn_hidden_size.*")
+    warnings.filterwarnings("ignore", message=".*tp_group is None, using default tp group.*")
     from megatron.core import ModelParallelConfig, parallel_state, tensor_parallel
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.blended_megatron_dataset_config import convert_split_vector_to_split_matrix

@@ -41,6 +41,7 @@ from cplm_dist.checkpoint.manifest import COMPLETE, carry_tokenizer
 from cplm_dist.checkpoint.safe_io import os_error
 from cplm_dist.distributed.heartbeat import store_connection
 from cplm_dist.files import sha256_file
+from cplm_dist.training.expert_groups import saved_as_dense
 
 KEY = "cplm/save/{run}/{tag}/{who}"
 POLL_S = 0.2
@@ -219,8 +220,9 @@ def start_save(ckpt, engine, tag: str, state: dict, step: int, consumed_samples:
     """DeepSpeed's save with the host copy in place of the writes (every rank, together), then the
     writing handed to a thread. Returns at once after the copy."""
     snap = snapshot_engine(engine)
-    error = os_error(lambda: engine.save_checkpoint(str(ckpt.root), tag=tag, client_state=state, save_latest=False),
-                     ckpt.root)
+    with saved_as_dense(engine):
+        error = os_error(lambda: engine.save_checkpoint(str(ckpt.root), tag=tag, client_state=state, save_latest=False),
+                         ckpt.root)
     ckpt._agree(error, tag)  # a failure to take the copy (or to make the directory) is one line at once, as sync
     taken, snap.taken = snap.taken, []
     return BackgroundSave(ckpt, tag, step, consumed_samples, taken, run)

@@ -41,6 +41,7 @@ from cplm_dist.distributed import ParallelDims
 from cplm_dist.errors import CheckpointError, UsageError
 from cplm_dist.files import write_text_atomic
 from cplm_dist.model.counting import parameter_count
+from cplm_dist.training.expert_groups import saved_as_dense
 
 log = logging.getLogger(__name__)
 
@@ -155,8 +156,9 @@ class Checkpointer:
             self.background = start_save(self, engine, tag, state, step, consumed_samples, self.run)
             self.on_disk = (step, self.root / tag)
             return self.root / tag, True
-        error = os_error(lambda: engine.save_checkpoint(str(self.root), tag=tag, client_state=state, save_latest=False),
-                         self.root)
+        with saved_as_dense(engine):
+            error = os_error(lambda: engine.save_checkpoint(str(self.root), tag=tag, client_state=state, save_latest=False),
+                             self.root)
         if error is None and self.dims.rank == 0:
             error = os_error(lambda: carry_tokenizer(self.cfg, self.root / tag))
         self._agree(error, tag)  # every rank's files are on disk, or the save is undone everywhere
@@ -269,8 +271,9 @@ class Checkpointer:
         if source.layout_change(self.cfg, self.dims.tp_size, self.dims.dp_size):
             client_state = load_reshaped(engine, source, self.cfg, self.dims)
         else:
-            path, client_state = engine.load_checkpoint(str(source.root), tag=source.tag, load_optimizer_states=True,
-                                                        load_lr_scheduler_states=True)
+            with saved_as_dense(engine):
+                path, client_state = engine.load_checkpoint(str(source.root), tag=source.tag, load_optimizer_states=True,
+                                                            load_lr_scheduler_states=True)
             if path is None:
                 raise CheckpointError(f"DeepSpeed could not load {source.step_dir}: its files are missing or unreadable")
         set_rng_state(client_state["rng"])

@@ -33,6 +33,8 @@ import torch
 from cplm_dist.config import Config, batch_layout
 from cplm_dist.distributed import ParallelDims
 from cplm_dist.megatron_compat import import_deepspeed
+from cplm_dist.model.moe import SparseMLP
+from cplm_dist.training.expert_groups import recognised_as_moe, tag_experts
 from cplm_dist.training.mpu import DeepSpeedMPU
 from cplm_dist.training.optim import build_optimizer, build_scheduler, grad_norm
 from cplm_dist.training.zero_partitions import bind_partitions
@@ -91,7 +93,10 @@ def build_engine(model: torch.nn.Module, cfg: Config, dims: ParallelDims, load_u
         # ZeRO-3 gathers a parameter only around its own module's forward: the LM head reads the
         # embedding's weight, so it must be declared to that module.
         deepspeed.zero.register_external_parameter(model.lm_head, model.embedding.weight)
-    optimizer = build_optimizer(model, cfg, dims.tp_group)
+    experts = tag_experts(model)  # a sparse model: experts reduced over their expert-dp group (expert_groups)
+    if experts is not None:
+        recognised_as_moe(SparseMLP)
+    optimizer = build_optimizer(model, cfg, dims.tp_group, experts)
     scheduler = build_scheduler(optimizer, cfg)
     if dims.cp_size > 1 and cfg.train.zero_stage == 3:
         # ZeRO-3 would partition the parameters over mpu.get_data_parallel_group() (dp alone, the

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from cplm_dist.config import Config
+from cplm_dist.training.expert_groups import with_expert_groups
 from cplm_dist.training.muon import Orthogonaliser, mark_matrices
 
 
@@ -187,7 +188,10 @@ def ns_dtype(name: str, device: torch.device) -> torch.dtype:
     return {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
 
 
-def build_optimizer(model: torch.nn.Module, cfg: Config, tp_group: dist.ProcessGroup | None = None) -> GuardedAdamW:
+def build_optimizer(model: torch.nn.Module, cfg: Config, tp_group: dist.ProcessGroup | None = None,
+                    experts: str | None = None) -> GuardedAdamW:
+    """Our optimizer over `parameter_groups`; a sparse model's experts in groups of their own marked
+    for DeepSpeed (`experts`: their group name, cplm_dist.training.expert_groups)."""
     o = cfg.optim
     device = next(model.parameters()).device
     adamw = dict(lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay, **adamw_kernels(o.impl, device))
@@ -195,8 +199,8 @@ def build_optimizer(model: torch.nn.Module, cfg: Config, tp_group: dist.ProcessG
         m = o.muon
         orthogonaliser = Orthogonaliser(tp_group, ns_steps=m.ns_steps, ns_dtype=ns_dtype(m.ns_dtype, device),
                                         rms_scale=m.rms_scale)
-        return GuardedMuon(parameter_groups(model, cfg), orthogonaliser, **adamw)
-    return GuardedAdamW(parameter_groups(model, cfg), **adamw)
+        return GuardedMuon(with_expert_groups(parameter_groups(model, cfg), experts), orthogonaliser, **adamw)
+    return GuardedAdamW(with_expert_groups(parameter_groups(model, cfg), experts), **adamw)
 
 
 @torch.no_grad()
