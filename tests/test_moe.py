@@ -24,6 +24,9 @@ LAYER_CASES = {
     "sigmoid-bias": ["model.moe.score=sigmoid", "model.moe.expert_bias=true"],
     "pre-softmax": ["model.moe.normalize=false"],
     "capacity": ["model.moe.capacity_factor=0.5"],
+    "grouped-gemm": ["model.moe.expert_impl=grouped"],  # the GPU path (torch's grouped mm), equal on CPU
+    "grouped-allgather-shared": ["model.moe.expert_impl=grouped", "model.moe.dispatcher=allgather",
+                                 "model.moe.shared_ffn_hidden_size=48"],
 }
 
 

@@ -27,6 +27,8 @@ import torch.nn.functional as F
 from cplm_dist.config import ModelConfig
 from cplm_dist.config.backbones import backbone
 from cplm_dist.megatron_compat import moe_modules, parallel_state
+from cplm_dist.model.moe_grouped import grouped_wanted, use_grouped_gemm
+from cplm_dist.model.moe_stats import record_aux_loss
 
 AUX_LOSS_TYPES = {"micro_batch": "aux_loss", "sequence": "seq_aux_loss", "global": "global_aux_loss"}
 
@@ -67,6 +69,7 @@ class SparseMLP(torch.nn.Module):
                  dtype: torch.dtype = torch.float32, device: torch.device | None = None):
         super().__init__()
         mods = moe_modules()
+        mods.router_module.save_to_aux_losses_tracker = record_aux_loss  # the router reports its losses to us
         config = megatron_moe_config(m, tp_size, sequence_parallel, dtype, device or torch.device("cpu"))
         spec = mods.get_moe_module_spec(use_te=False, num_experts=m.moe.num_experts, moe_grouped_gemm=False)
         layer = mods.build_module(spec, config=config, layer_number=layer_index + 1)
@@ -77,6 +80,8 @@ class SparseMLP(torch.nn.Module):
         self.router, self.experts = layer.router, layer.experts
         self.shared_experts = getattr(layer, "shared_experts", None)
         self._layer = [layer]  # not a child (its parameters are already ours, above)
+        if grouped_wanted(m.moe.expert_impl, device or torch.device("cpu")):
+            use_grouped_gemm(self.experts)  # one grouped GEMM for all local experts (cplm_dist.model.moe_grouped)
         offset = parallel_state.get_expert_model_parallel_rank() * layer.num_local_experts
         for j, expert in enumerate(self.experts.local_experts):
             for param in expert.parameters():
