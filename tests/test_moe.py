@@ -103,6 +103,35 @@ def test_the_sparse_layer_equals_a_dense_per_token_reference(one_rank, case):
         torch.testing.assert_close(g, w if w is not None else torch.zeros_like(g), atol=1e-5, rtol=1e-5, msg=name)
 
 
+@pytest.mark.parametrize("overrides, line", [
+    (["parallel.ep=2"], "parallel.ep=2 splits experts, and this model has none"),
+    (["model.moe.num_experts=6", "parallel.ep=4"], "parallel.ep=4 does not divide model.moe.num_experts=6: choose ep from [1, 2, 3, 6]"),
+    (["model.moe.num_experts=4", "model.moe.top_k=5"], "model.moe.top_k=5 must lie in [1, model.moe.num_experts=4]"),
+    (["model.moe.num_experts=4", "parallel.tp=2"], "needs parallel.sequence_parallel=true"),
+    (["model.moe.num_experts=4", "parallel.ep=2", "train.zero_stage=3"], "parallel.ep > 1 with train.zero_stage=3"),
+    (["model.moe.num_experts=4", "model.moe.expert_bias=true"], "routes on sigmoid scores plus the bias"),
+    (["model.moe.num_experts=4", "model.moe.first_dense_layers=4"], "leaves no sparse layer"),
+    (["model.moe.num_experts=4", "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.expert_tp=3"],
+     "parallel.expert_tp=3 must be 1 or parallel.tp=2"),
+])
+def test_a_sparse_config_that_cannot_run_is_one_line(overrides, line):
+    from cplm_dist.errors import ConfigError
+
+    with pytest.raises(ConfigError) as caught:
+        load_config(REPO / "configs/quickstart.yaml", overrides)
+    assert line in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_an_expert_layout_that_does_not_fit_the_world_is_one_line():
+    from cplm_dist.config.sparse import check_expert_world
+    from cplm_dist.errors import ConfigError
+
+    cfg = load_config(REPO / "configs/quickstart.yaml", ["model.moe.num_experts=8", "parallel.ep=4"])
+    check_expert_world(cfg, 4)
+    with pytest.raises(ConfigError, match=r"parallel.ep=4 x expert_tp=1 does not divide the 2 ranks .* choose ep from \[1, 2\]"):
+        check_expert_world(cfg, 2)
+
+
 # --- sparse runs at every layout equal one process ------------------------------------------------
 
 SPARSE = ("model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.aux_loss=sequence", "model.moe.aux_loss_coeff=0.01",
