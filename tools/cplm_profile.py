@@ -74,7 +74,10 @@ def setup(cfg: Config, args):
     from cplm_dist.distributed import default_device, init_distributed
     from cplm_dist.profiling.measure import release_freed_memory_on_cpu
 
-    dims = init_distributed(cfg.parallel.tp, pp_size=cfg.parallel.pp, cp_size=cfg.parallel.cp)
+    from cplm_dist.config.sparse import expert_tp
+
+    dims = init_distributed(cfg.parallel.tp, pp_size=cfg.parallel.pp, cp_size=cfg.parallel.cp, ep_size=cfg.parallel.ep,
+                            expert_tp_size=expert_tp(cfg))
     device = default_device()
     if device.type == "cpu":
         release_freed_memory_on_cpu()
