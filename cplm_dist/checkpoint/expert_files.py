@@ -102,16 +102,17 @@ def _read(manifest: Manifest, name: str) -> dict:
     return state
 
 
-def check_expert_files(manifest: Manifest) -> list[str]:
-    """The expert files of a checkpoint saved at ep > 1, each intact (sizes and sha256 as in its
-    manifest): one line where the checkpoint has none (saved before they were written) or one is
-    missing or damaged."""
+def check_expert_files(manifest: Manifest, hashed: bool = True) -> list[str]:
+    """The expert files of a checkpoint saved at ep > 1: one line where it has none (saved before
+    they were written) or, `hashed`, where one is missing or damaged (sizes and sha256 against its
+    manifest; a resume has hashed every file already: Checkpointer.newest_intact)."""
     names = expert_files(manifest)
     if saved_ep(manifest) > 1 and not names:
         raise CheckpointError(f"{manifest.step_dir} was saved at parallel.ep={saved_ep(manifest)} without its expert "
                               "files (experts_pp_*_ep_*_etp_*.pt, before cplm_dist wrote them): it holds ep rank 0's "
                               "experts only; use a checkpoint saved since")
-    check_intact(manifest, names)
+    if hashed:
+        check_intact(manifest, names)
     return names
 
 
@@ -121,7 +122,7 @@ def load_own_experts(model: torch.nn.Module, manifest: Manifest, dims) -> None:
     every rank ep rank 0's). Nothing to do for an ep-1 checkpoint."""
     if dims.ep_size == 1 or not any(getattr(p, "expert_id", None) is not None for p in model.parameters()):
         return
-    check_expert_files(manifest)
+    check_expert_files(manifest, hashed=False)
     ep_rank, etp_rank, _ = _expert_ranks()
     name = expert_file_name(dims.pp_rank, ep_rank, etp_rank)
     if name not in manifest.files:
