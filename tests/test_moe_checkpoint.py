@@ -5,6 +5,7 @@ a resume at another ep too; an ep-1 save is as before. One saved ep-2 run serves
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -96,7 +97,7 @@ def _load_error(step_dir: Path) -> str:
 
 
 def test_a_missing_expert_file_or_another_ep_is_refused_with_one_line(small_data, tmp_path, ep2_run):
-    from cplm_dist.checkpoint import ReshapeError, find_resume
+    from cplm_dist.checkpoint import CheckpointError, ReshapeError, check_layout, find_resume, read_manifest
     from cplm_dist.config import load_config
 
     step = tmp_path / "step-00000006"
@@ -112,6 +113,11 @@ def test_a_missing_expert_file_or_another_ep_is_refused_with_one_line(small_data
     with pytest.raises(ReshapeError, match=r"--reshape of a sparse model saved at ep > 1 or to another ep \(here 1\) "
                                            "is not supported yet"):
         find_resume(cfg, str(ep2_run / "checkpoints" / "step-00000006"), 1, 2, reshape=True)
+    # at ZeRO-0 the optimizer states are dp rank 0's (ep rank 0's experts'): such a save does not resume
+    manifest = read_manifest(ep2_run / "checkpoints" / "step-00000006")
+    zero0 = dataclasses.replace(manifest, layout=dataclasses.replace(manifest.layout, zero_stage=0))
+    with pytest.raises(CheckpointError, match="saved at parallel.ep=2 with train.zero_stage=0"):
+        check_layout(zero0, load_config(args[1], args[2:] + ["parallel.ep=2", "train.zero_stage=0"]), 1, 2)
 
 
 def test_an_ep1_sparse_checkpoint_is_as_before(small_data, tmp_path):
