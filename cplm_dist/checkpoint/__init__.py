@@ -10,8 +10,10 @@ it for evaluation.
     saver.py     `Checkpointer` (save, resume, keep-last-N, the newest intact checkpoint), RNG state,
                  the out_dir and async_save pre-checks
     async_save.py `train.async_save`: the host copy in the step loop, the writing in a thread
+    expert_files.py a sparse model's experts at ep > 1 by global expert id: written beside
+                 DeepSpeed's files, each rank's own put back on resume, all of them for load_model
     reshape.py   resume at another tp, dp or ZeRO stage through DeepSpeed's universal checkpoint
-    loading.py   `load_checkpoint_config`, `load_model` at any tp (no DeepSpeed engine)
+    loading.py   `load_checkpoint_config`, `load_model` at any tp and ep (no DeepSpeed engine)
     run_lock.py  `RunLock`: one trainer at a time on train.out_dir (a flock on run.lock, a heartbeat, stale takeover)
 
     model, cfg, info = load_model("runs/quickstart-<time>")   # after init_distributed, at any tp

@@ -6,7 +6,8 @@ rank 0 once every rank has reported, writes the manifest and moves `latest`.
     ...                                                           # training goes on
     error = save.wait()                                           # the next save, or the end of the run
 
-The files are DeepSpeed's own (the same names, contents and loading as a synchronous save): while
+The files are DeepSpeed's own (the same names, contents and loading as a synchronous save) and,
+for a sparse model at ep > 1, each ep rank's expert file (its host copy taken beside them): while
 `engine.save_checkpoint` runs, `SnapshotEngine` stands in for DeepSpeed's checkpoint engine, and
 its `save(state, path)` copies the state (every tensor cloned to CPU) instead of writing it. That
 keeps resume, `--reshape`, zero_to_fp32 and evaluation unchanged. Not chosen:
@@ -37,6 +38,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from cplm_dist.checkpoint.expert_files import expert_state
 from cplm_dist.checkpoint.manifest import COMPLETE, carry_tokenizer
 from cplm_dist.checkpoint.safe_io import os_error
 from cplm_dist.distributed.heartbeat import store_connection
@@ -225,4 +227,7 @@ def start_save(ckpt, engine, tag: str, state: dict, step: int, consumed_samples:
                          ckpt.root)
     ckpt._agree(error, tag)  # a failure to take the copy (or to make the directory) is one line at once, as sync
     taken, snap.taken = snap.taken, []
+    experts = expert_state(engine.module, ckpt.dims)  # a sparse model's at ep > 1 (cplm_dist.checkpoint.expert_files)
+    if experts is not None:
+        taken.append((ckpt.root / tag / experts[0], to_host(experts[1])))
     return BackgroundSave(ckpt, tag, step, consumed_samples, taken, run)

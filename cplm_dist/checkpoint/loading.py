@@ -1,6 +1,6 @@
 """Loading a checkpoint for evaluation, generation and export, without a DeepSpeed engine: its
 config (`load_checkpoint_config`, from complete.json alone) and its model at this launch's tp
-(`load_model`), whatever tp, ZeRO stage or pipeline layout it was saved with.
+(`load_model`), whatever tp, ZeRO stage, pipeline layout or ep it was saved with.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from cplm_dist.checkpoint.expert_files import saved_experts, with_saved_experts
 from cplm_dist.checkpoint.manifest import CARRIED_TOKENIZER, COMPLETE, Manifest, check_intact, read_manifest, resolve_checkpoint
 from cplm_dist.checkpoint.safe_io import layer_states_name, load_states, model_states_file, weights_only_torch_load
 from cplm_dist.config import Config, check_tp_divides, from_dict
@@ -124,7 +125,9 @@ def load_model(path: str | Path, device=None, dtype=torch.float32):
     taken. ZeRO-3 checkpoints keep the weights only in the optimizer shards, which DeepSpeed's
     zero_to_fp32 merges (saved at tp = 1). A pipeline checkpoint's per-layer files are read under
     the names a CPLM gives them, so it loads as a whole model too (evaluation and generation run
-    without pipeline stages). The tokenizer the checkpoint carries (the config's data.tokenizer
+    without pipeline stages). A sparse model loads at ep = 1 whatever ep it was saved at: its
+    experts from the expert files by global id (cplm_dist.checkpoint.expert_files), its persistent
+    buffers (the routers' expert bias) from the model states. The tokenizer the checkpoint carries (the config's data.tokenizer
     from here) must hash as recorded at save (`check_carried_tokenizer`)."""
     cfg, manifest = read_checkpoint(path)
     check_carried_tokenizer(manifest)  # cfg.data.tokenizer is the copy it carries (_self_contained)
@@ -138,12 +141,18 @@ def load_model(path: str | Path, device=None, dtype=torch.float32):
     model = build_model(cfg, device=device, dtype=dtype, activation_checkpointing=False, compile_layers=False,
                         sequence_parallel=False)
     shards = saved_shards(manifest, cfg)
-    params = dict(model.named_parameters())
-    unexpected = [k for k in shards[0] if k not in params and not k.endswith("_extra_state")]
+    params, buffers = dict(model.named_parameters()), dict(model.named_buffers())
+    persistent = [k for k in model.state_dict() if k in buffers and k in shards[0]]  # a sparse layer's expert bias
+    unexpected = [k for k in shards[0] if k not in params and k not in persistent and not k.endswith("_extra_state")]
     try:
         if unexpected:
             raise ValueError(f"unexpected {unexpected[:3]}")
-        load_full_state_dict(model, full_state_dict(shards, model), tp_rank, tp)
-    except ValueError as e:
-        raise CheckpointError(f"{path}: weights do not match the model ({e})") from None
+        # a sparse model saved at ep > 1: every expert from its expert files, by global id
+        full = with_saved_experts(full_state_dict(shards, model), saved_experts(manifest), model)
+        load_full_state_dict(model, full, tp_rank, tp)
+        with torch.no_grad():  # replicated on every rank (all ranks equal at save)
+            for k in persistent:
+                buffers[k].copy_(shards[0][k])
+    except (ValueError, RuntimeError) as e:
+        raise CheckpointError(f"{path}: weights do not match the model ({str(e).splitlines()[0]})") from None
     return model.to(dtype).eval(), cfg, manifest.info()

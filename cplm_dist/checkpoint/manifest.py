@@ -8,12 +8,14 @@ complete.json, format 2 (`Manifest`), is what a reader needs without unpickling 
 
     format            2
     step, time        the step it holds, when it was written
-    layout            {tp, pp, dp, zero_stage[, cp]}  (cp: context parallelism; absent = 1)
+    layout            {tp, pp, dp, zero_stage[, cp][, ep]}  (cp: context parallelism, ep: expert
+                      parallelism; absent = 1)
     cwd               the directory training ran in (relative data paths resolve from it)
     consumed_samples  the loader position (all ranks' samples), and consumed_tokens
     config            the resolved config
     versions          of cplm_dist, torch, deepspeed, megatron-core
-    files             {name: {bytes, sha256}} of every file the save wrote (the tokenizer's too)
+    files             {name: {bytes, sha256}} of every file the save wrote (the tokenizer's too; a
+                      sparse model's expert files at ep > 1: cplm_dist.checkpoint.expert_files)
     tokenizer_files   the names of the tokenizer files it carries
     data_fingerprints {data.blend path: content fingerprint} of the datasets it trained on (optional:
                       absent in checkpoints saved before it, read as None); a resume compares them
@@ -172,9 +174,10 @@ class Manifest:
         """{field: (saved, now)} of the layout fields that differ in a way the saved files cannot
         be read in place (ZeRO shards by dp x cp, so dp counts only under ZeRO > 0; cp always, as
         the checkpoint records which ranks held which part of each sequence; pp_schedule always,
-        as the optimizer's files record which stages each pipeline rank held)."""
+        as the optimizer's files record which stages each pipeline rank held; ep always, as each
+        ep rank's optimizer partitions hold its own experts)."""
         saved, here = self.layout, Layout.of(cfg, tp, dp)
-        must_match = ["tp", "pp", "pp_schedule", "cp", "zero_stage"] + (["dp"] if here.zero_stage > 0 or saved.zero_stage > 0 else [])
+        must_match = ["tp", "pp", "pp_schedule", "cp", "ep", "zero_stage"] + (["dp"] if here.zero_stage > 0 or saved.zero_stage > 0 else [])
         return {k: (getattr(saved, k), getattr(here, k)) for k in must_match if getattr(saved, k) != getattr(here, k)}
 
 
@@ -195,7 +198,7 @@ def _typed(data: dict, fmt: int, step_dir: Path, path: Path) -> Manifest:
         data = upgrade(data) if fmt == 1 else data
         lay = data["layout"]
         layout = Layout(**{k: int(lay[k]) for k in ("tp", "pp", "dp", "zero_stage")}, cp=int(lay.get("cp", 1)),
-                        pp_schedule=str(lay.get("pp_schedule", "1f1b")))
+                        pp_schedule=str(lay.get("pp_schedule", "1f1b")), ep=int(lay.get("ep", 1)))
         if not isinstance(data["config"], dict) or not isinstance(data["files"], dict):
             raise TypeError("config and files must be mappings")
         fingerprints = data.get("data_fingerprints")
@@ -320,8 +323,13 @@ def layout_change(root: Path, tag: str, cfg: Config, tp: int, dp: int) -> dict:
 
 def check_layout(manifest: Manifest, cfg: Config, tp: int, dp: int, reshape: bool = False) -> None:
     """A checkpoint resumes with the layout it was saved with, or with another one under
-    `reshape` where the new layout can hold it (`check_reshape`)."""
+    `reshape` where the new layout can hold it (`check_reshape`); not one saved at ep > 1 under
+    ZeRO-0 (its optimizer states are ep rank 0's only: cplm_dist.checkpoint.expert_files)."""
     diff = manifest.layout_change(cfg, tp, dp)
+    if manifest.layout.ep > 1 and manifest.layout.zero_stage == 0:
+        raise CheckpointError(f"checkpoint {manifest.step_dir} was saved at parallel.ep={manifest.layout.ep} with "
+                              "train.zero_stage=0, whose optimizer states only dp rank 0 writes (ep rank 0's experts): "
+                              "it cannot resume yet; evaluate it, or train sparse models at ep > 1 with ZeRO-1 or 2")
     if not diff:
         return
     what = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in diff.items())
@@ -335,6 +343,9 @@ def check_reshape(manifest: Manifest, cfg: Config, tp: int) -> None:
     """One line when the saved run cannot continue at this layout (before any process starts);
     the conversion itself is cplm_dist.checkpoint.reshape's."""
     saved, path = manifest.layout, manifest.step_dir
+    if saved.ep > 1 or cfg.parallel.ep != saved.ep:
+        raise ReshapeError(f"{path} (saved at parallel.ep={saved.ep}): --reshape of a sparse model saved at ep > 1 or "
+                           f"to another ep (here {cfg.parallel.ep}) is not supported yet: resume at its layout ({saved})")
     try:
         check_tp_divides(cfg.model, tp)
     except ConfigError as e:

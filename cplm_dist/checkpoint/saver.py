@@ -2,7 +2,8 @@
 before it starts.
 
 A save is: every rank writes its DeepSpeed files (cplm_dist.checkpoint.safe_io names them) with
-our client state; rank 0 copies the tokenizer in; a barrier; rank 0 writes the manifest
+our client state, and a sparse model at ep > 1 its experts by global id (one file per ep x
+expert-tp rank and stage: cplm_dist.checkpoint.expert_files); rank 0 copies the tokenizer in; a barrier; rank 0 writes the manifest
 `complete.json` into the tag (cplm_dist.checkpoint.manifest), then replaces `latest` (written to a
 temporary file, fsynced, renamed); then older tags are deleted (cplm_dist.checkpoint.pruning:
 `train.keep_last`, `train.keep_every`, the last one before a WSD decay). A process
@@ -28,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from cplm_dist.checkpoint.async_save import BackgroundSave, checkpoint_files, describe, run_id, start_save
+from cplm_dist.checkpoint.expert_files import load_own_experts, write_experts
 from cplm_dist.checkpoint.host_memory import available_memory
 from cplm_dist.checkpoint.manifest import (COMPLETE, LATEST, Layout, Manifest, carry_tokenizer, check_layout, complete_tags,
                                            damaged_files, latest_tag, read_manifest, tag_for, tokenizer_files, versions,
@@ -159,6 +161,8 @@ class Checkpointer:
         with saved_as_dense(engine):
             error = os_error(lambda: engine.save_checkpoint(str(self.root), tag=tag, client_state=state, save_latest=False),
                              self.root)
+        if error is None:  # a sparse model's experts at ep > 1, by global id (cplm_dist.checkpoint.expert_files)
+            error = os_error(lambda: write_experts(engine.module, self.dims, self.root / tag), self.root)
         if error is None and self.dims.rank == 0:
             error = os_error(lambda: carry_tokenizer(self.cfg, self.root / tag))
         self._agree(error, tag)  # every rank's files are on disk, or the save is undone everywhere
@@ -276,6 +280,7 @@ class Checkpointer:
                                                             load_lr_scheduler_states=True)
             if path is None:
                 raise CheckpointError(f"DeepSpeed could not load {source.step_dir}: its files are missing or unreadable")
+            load_own_experts(engine.module, source, self.dims)  # DeepSpeed's module states hold ep rank 0's
         set_rng_state(client_state["rng"])
         if source.root.resolve() == self.root.resolve():
             self.on_disk = (client_state["step"], self.root / source.tag)

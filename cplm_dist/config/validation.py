@@ -352,12 +352,13 @@ class Layout:
     zero_stage: int
     cp: int = 1  # an optional field of the manifest's format 2: a checkpoint saved without it is cp 1
     pp_schedule: str = "1f1b"  # optional too: which stages a pipeline rank holds (DualPipeV: two)
+    ep: int = 1  # optional too: the ranks a sparse model's experts are spread over (parallel.ep; absent = 1)
 
     @classmethod
     def of(cls, cfg: Config, tp: int, dp: int) -> Layout:
         p = cfg.parallel
         return cls(tp=tp, pp=p.pp, dp=dp, zero_stage=cfg.train.zero_stage, cp=p.cp,
-                   pp_schedule=p.pp_schedule if p.pp > 1 else "1f1b")
+                   pp_schedule=p.pp_schedule if p.pp > 1 else "1f1b", ep=p.ep)
 
     @property
     def grad_ranks(self) -> int:
@@ -365,16 +366,17 @@ class Layout:
         return self.dp * self.cp
 
     def as_json(self) -> dict:
-        """The manifest's layout: cp only where it is > 1, pp_schedule only where it is not 1F1B
-        (what earlier readers know stays as it was)."""
+        """The manifest's layout: cp and ep only where they are > 1, pp_schedule only where it is
+        not 1F1B (what earlier readers know stays as it was)."""
         out = {"tp": self.tp, "pp": self.pp, "dp": self.dp, "zero_stage": self.zero_stage}
         return {**out, **({"cp": self.cp} if self.cp > 1 else {}),
-                **({"pp_schedule": self.pp_schedule} if self.pp_schedule != "1f1b" else {})}
+                **({"pp_schedule": self.pp_schedule} if self.pp_schedule != "1f1b" else {}),
+                **({"ep": self.ep} if self.ep > 1 else {})}
 
     def __str__(self) -> str:
         schedule = f" {self.pp_schedule}" if self.pp_schedule != "1f1b" else ""
         return (f"tp={self.tp} pp={self.pp}{schedule}" + (f" cp={self.cp}" if self.cp > 1 else "")
-                + f" dp={self.dp} ZeRO-{self.zero_stage}")
+                + f" dp={self.dp}" + (f" ep={self.ep}" if self.ep > 1 else "") + f" ZeRO-{self.zero_stage}")
 
 
 @dataclass(frozen=True)
