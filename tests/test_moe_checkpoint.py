@@ -117,7 +117,7 @@ def test_a_missing_expert_file_or_another_ep_is_refused_with_one_line(small_data
     manifest = read_manifest(ep2_run / "checkpoints" / "step-00000006")
     zero0 = dataclasses.replace(manifest, layout=dataclasses.replace(manifest.layout, zero_stage=0))
     with pytest.raises(CheckpointError, match="saved at parallel.ep=2 with train.zero_stage=0"):
-        check_layout(zero0, load_config(args[1], args[2:] + ["parallel.ep=2", "train.zero_stage=0"]), 1, 2)
+        check_layout(zero0, load_config(args[1], args[2:] + ["parallel.ep=2", "train.zero_stage=1"]), 1, 2)
 
 
 def test_an_ep1_sparse_checkpoint_is_as_before(small_data, tmp_path):

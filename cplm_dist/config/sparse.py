@@ -50,6 +50,10 @@ def validate_moe(cfg: Config) -> None:
     if p.tp > 1 and not p.sequence_parallel:
         raise ConfigError(f"model.moe with parallel.tp={p.tp} needs parallel.sequence_parallel=true (megatron's MoE "
                           "layer routes each tp rank's own positions)")
+    if p.ep > 1 and cfg.train.zero_stage == 0:
+        raise ConfigError("parallel.ep > 1 with train.zero_stage=0: DeepSpeed saves a ZeRO-0 optimizer state from dp "
+                          "rank 0 alone, which does not hold the other ep ranks' experts, so the run could not resume; "
+                          "use train.zero_stage=1 or 2")
     if p.ep > 1 and cfg.train.zero_stage == 3:
         raise ConfigError("parallel.ep > 1 with train.zero_stage=3: ZeRO-3 would partition each expert over ranks that "
                           "do not hold it; use train.zero_stage=1 or 2 (experts reduced over the expert-data-parallel group)")
