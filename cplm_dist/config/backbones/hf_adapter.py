@@ -15,6 +15,7 @@ and torch only (the records sit at the config stage, below the model).
 | check(hf, m, where) | one HFImportError line where a HF config.json does not fit the run (its model_type checked before) |
 | to_hf(full, m) | our full (tp-independent) weights -> the stock class's state dict, the copy head's kept under its names |
 | from_hf(hf, m) | the stock class's state dict -> our full backbone weights (no copy head) |
+| sparse | the family's mixture-of-experts class's adapter (a model with model.moe: Qwen3-MoE for qwen3), or None: `hf_adapter(m)` picks |
 
 Both sides are "full" weights: cplm_dist.model.parallel.sharding turns them into a rank's shards.
 """
@@ -61,6 +62,7 @@ class HFAdapter:
     check: Callable[[dict, ModelConfig, str], None]
     to_hf: Callable[[Weights, ModelConfig], Weights]
     from_hf: Callable[[Weights, ModelConfig], Weights]
+    sparse: HFAdapter | None = None
 
     def hf_config(self, m: ModelConfig, copy: CopyConfig | None = None) -> dict:
         """config.json of an export: the stock class's, or with a copy head the remote class's

@@ -39,7 +39,8 @@ SHAPE_FIELDS = (("num_layers", "num_hidden_layers"), ("hidden_size", "hidden_siz
                 ("num_kv_heads", "num_key_value_heads"), ("ffn_hidden_size", "intermediate_size"),
                 ("vocab_size", "vocab_size"))
 LAYER_NAMES = {"attn_norm.weight": "input_layernorm.weight", "attention.proj.weight": "self_attn.o_proj.weight",
-               "mlp_norm.weight": "post_attention_layernorm.weight", "mlp.fc2.weight": "mlp.down_proj.weight"}
+               "mlp_norm.weight": "post_attention_layernorm.weight"}
+DENSE_MLP_NAMES = {"mlp.fc2.weight": "mlp.down_proj.weight"}  # a dense layer's (a sparse one's: sparse_hf.py)
 
 
 def stock_config(m: ModelConfig) -> dict:
@@ -111,8 +112,10 @@ def check_hf_rope(hf: dict, m: ModelConfig, where: str, family: str = "Llama") -
 
 
 def to_hf(full: Weights, m: ModelConfig) -> Weights:
-    """Our full weights -> LlamaForCausalLM's state dict, plus the copy head's (same names) if any."""
+    """Our full weights -> LlamaForCausalLM's state dict, plus the copy head's (same names) if any;
+    a sparse model's layers (model.moe.sparse_layers) without their MLP (sparse_hf.py maps those)."""
     g, hd, D = m.num_heads // m.num_kv_heads, m.head_dim, m.hidden_size
+    sparse = set(m.moe.sparse_layers(m.num_layers))
     out = {"model.embed_tokens.weight": full["embedding.weight"], "model.norm.weight": full["final_norm.weight"]}
     out.update({k: v for k, v in full.items() if k.startswith("copy_head.")})
     if not m.tie_embeddings:
@@ -123,15 +126,20 @@ def to_hf(full: Weights, m: ModelConfig) -> Weights:
         out[theirs + "self_attn.q_proj.weight"] = qkv[:, :g].reshape(m.num_heads * hd, D)
         out[theirs + "self_attn.k_proj.weight"] = qkv[:, g].reshape(m.num_kv_heads * hd, D)
         out[theirs + "self_attn.v_proj.weight"] = qkv[:, g + 1].reshape(m.num_kv_heads * hd, D)
+        out.update({theirs + hf: full[ours + name] for name, hf in LAYER_NAMES.items()})
+        if i in sparse:
+            continue
         gate, up = full[ours + "mlp.fc1.weight"].chunk(2, dim=0)
         out[theirs + "mlp.gate_proj.weight"], out[theirs + "mlp.up_proj.weight"] = gate, up
-        out.update({theirs + hf: full[ours + name] for name, hf in LAYER_NAMES.items()})
+        out.update({theirs + hf: full[ours + name] for name, hf in DENSE_MLP_NAMES.items()})
     return {k: v.contiguous() for k, v in out.items()}
 
 
 def from_hf(hf: Weights, m: ModelConfig) -> Weights:
-    """LlamaForCausalLM's state dict -> our full backbone weights (no copy head)."""
+    """LlamaForCausalLM's state dict -> our full backbone weights (no copy head); a sparse model's
+    layers without their MLP, as to_hf."""
     g, hd, D = m.num_heads // m.num_kv_heads, m.head_dim, m.hidden_size
+    sparse = set(m.moe.sparse_layers(m.num_layers))
     full = {"embedding.weight": hf["model.embed_tokens.weight"], "final_norm.weight": hf["model.norm.weight"]}
     if not m.tie_embeddings:  # a tied source model's LM head is its embedding
         full["lm_head.weight"] = hf.get("lm_head.weight", hf["model.embed_tokens.weight"])
@@ -141,8 +149,11 @@ def from_hf(hf: Weights, m: ModelConfig) -> Weights:
         k = hf[theirs + "self_attn.k_proj.weight"].view(m.num_kv_heads, 1, hd, D)
         v = hf[theirs + "self_attn.v_proj.weight"].view(m.num_kv_heads, 1, hd, D)
         full[ours + "attention.qkv.weight"] = torch.cat([q, k, v], dim=1).reshape(-1, D)
-        full[ours + "mlp.fc1.weight"] = torch.cat([hf[theirs + "mlp.gate_proj.weight"], hf[theirs + "mlp.up_proj.weight"]])
         full.update({ours + name: hf[theirs + theirs_name] for name, theirs_name in LAYER_NAMES.items()})
+        if i in sparse:
+            continue
+        full[ours + "mlp.fc1.weight"] = torch.cat([hf[theirs + "mlp.gate_proj.weight"], hf[theirs + "mlp.up_proj.weight"]])
+        full.update({ours + name: hf[theirs + theirs_name] for name, theirs_name in DENSE_MLP_NAMES.items()})
     return full
 
 
