@@ -3,7 +3,8 @@ imports (model.init_from) with its own log-probabilities at ep 1, at ep 2 (each 
 and at tp 2 with sequence parallelism; a copy-off sparse model exports as a stock
 Qwen3MoeForCausalLM, a copy-on run (tools/export_hf.py) as the remote CPLMQwen3ForCausalLM whose
 sparse layers are transformers' Qwen3MoeSparseMoeBlock, both with our log-probabilities; what
-Qwen3-MoE does not compute is one line both ways. The dense side: tests/test_hf.py."""
+Qwen3-MoE does not compute is one line both ways. A sparse llama is a Mixtral both ways (copy
+off). The dense side: tests/test_hf.py."""
 
 import json
 from pathlib import Path
@@ -53,7 +54,7 @@ def hf_moe(tmp_path_factory):
     return directory, _logprobs(directory, _ids(512))
 
 
-def _import_worker(directory, tp, ep, export_to=None):
+def _import_worker(directory, tp, ep, export_to=None, overrides=COPY_OFF):
     """The model built at this tp / ep, initialised from the directory as training does; its
     log-probs; at ep 1 tp 1 also exported copy-off into `export_to` (write_hf_dir, as tools/export_hf.py)."""
     from cplm_dist.distributed import init_distributed
@@ -63,7 +64,7 @@ def _import_worker(directory, tp, ep, export_to=None):
     from cplm_dist.model.parallel.sharding import full_state_dict
 
     dims = init_distributed(tp, ep_size=ep)
-    cfg = load_config("tiny", [*COPY_OFF, f"parallel.tp={tp}", f"parallel.ep={ep}", f"parallel.sequence_parallel={tp > 1}",
+    cfg = load_config("tiny", [*overrides, f"parallel.tp={tp}", f"parallel.ep={ep}", f"parallel.sequence_parallel={tp > 1}",
                                f"model.init_from={directory}"])
     model = build_model(cfg)
     assert initialise_from(model, cfg, dims.tp_rank, dims.tp_size).kind == "hf"
@@ -192,6 +193,43 @@ def test_what_qwen3_moe_does_not_compute_is_one_line(hf_moe, tmp_path):
         cfg = load_config("tiny", [*COPY_OFF, "model.moe.score=sigmoid"])
         write_configs(cfg.model, cfg.copy, tmp_path, torch.float32)
     with pytest.raises(ConfigError, match=r"^model.arch=gpt2 with model.moe has no Hugging Face class here: a sparse "
-                                          r"model imports and exports as model.arch=qwen3 \(Qwen3-MoE\)"):
+                                          r"model imports and exports as model.arch=llama \(Mixtral\) or qwen3 \(Qwen3-MoE\)$"):
         cfg = load_config("tiny", ["model.arch=gpt2", "model.moe.num_experts=4", "copy.enabled=false"])
+        write_configs(cfg.model, cfg.copy, tmp_path, torch.float32)
+
+
+# --- Mixtral: a sparse llama ----------------------------------------------------------------------
+
+MIXTRAL = ["model.hidden_size=64", "model.num_heads=4", "model.num_kv_heads=2", "model.moe.num_experts=4",
+           "model.moe.top_k=2", "model.moe.ffn_hidden_size=32", "model.tie_embeddings=false", "copy.enabled=false"]
+
+
+def test_a_transformers_mixtral_imports_and_exports_as_a_sparse_llama(tmp_path):
+    """A random MixtralForCausalLM (block_sparse_moe, experts' w1 / w3 / w2) into model.arch=llama
+    with model.moe, at ep 1: its log-probs; exported again: a stock Mixtral with them. A copy head
+    has no Mixtral class: one line."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from cplm_dist.errors import ConfigError
+    from cplm_dist.interop.hf.directory import write_configs
+
+    config = MixtralConfig(vocab_size=512, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, rms_norm_eps=1e-5,
+                           rope_theta=10000.0, max_position_embeddings=2048, tie_word_embeddings=False)
+    torch.manual_seed(7)
+    model = MixtralForCausalLM(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            elif ".gate.weight" in name:
+                p.normal_(0.0, 0.5)
+    model.save_pretrained(tmp_path / "mixtral")
+    want = _logprobs(tmp_path / "mixtral", _ids(512))
+    (r,) = run_ranks(_import_worker, 1, args=(tmp_path / "mixtral", 1, 1, str(tmp_path / "out"), MIXTRAL))
+    torch.testing.assert_close(r["logprobs"], want, rtol=1e-5, atol=1e-5)
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["architectures"] == ["MixtralForCausalLM"]
+    torch.testing.assert_close(_logprobs(tmp_path / "out", _ids(512)), want, rtol=1e-5, atol=1e-5)
+    cfg = load_config("tiny", [*MIXTRAL, "copy.enabled=true"])
+    with pytest.raises(ConfigError, match=r"^a copy-on model does not export as Mixtral \(no remote class for it yet\)"):
         write_configs(cfg.model, cfg.copy, tmp_path, torch.float32)

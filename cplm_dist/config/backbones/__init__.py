@@ -3,7 +3,7 @@ for a feature, never the backbone's name (litgpt's way: a new architecture is a 
 
     record.py      `Backbone`: the features and who reads them (norm, mlp, bias, qk_norm, positions, hf, width rule)
     hf_adapter.py  `HFAdapter`: a record's map onto a transformers class (torchtitan's state-dict adapter)
-    sparse_hf.py   the sparse MLP's part of a mixture-of-experts class's adapter (model.moe: Qwen3-MoE)
+    sparse_hf.py   the sparse MLP's part of a mixture-of-experts class's adapter (model.moe: Qwen3-MoE, Mixtral)
     llama.py, gpt2.py, qwen3.py   each family's record beside its adapter
 
 A new backbone is a file here holding its record and adapter, its record in BACKBONES (and its

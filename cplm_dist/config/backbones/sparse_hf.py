@@ -1,8 +1,9 @@
 """The sparse MLP (model.moe, cplm_dist.model.moe) onto transformers' mixture-of-experts classes,
-both ways: the part of a sparse family's adapter (Qwen3-MoE in qwen3.py) that its dense one lacks.
-transformers' MoE classes route as megatron's softmax router does (a softmax over the experts, the
-top k, renormalised where norm_topk_prob / model.moe.normalize say), with no shared expert, no
-expert bias and no capacity, so those of our options are refused (one line) both ways.
+both ways: the part of a sparse family's adapter (Qwen3-MoE in qwen3.py, Mixtral in llama.py)
+that its dense one lacks. transformers' MoE classes route as megatron's softmax router does (a
+softmax over the experts, the top k, renormalised where norm_topk_prob / model.moe.normalize say),
+with no shared expert, no expert bias and no capacity, so those of our options are refused (one
+line) both ways.
 
 | ours (full weights, experts by global id) | HF (the Hub's layout: one tensor per expert) |
 |---|---|
@@ -10,12 +11,13 @@ expert bias and no capacity, so those of our options are refused (one line) both
 | layers.i.mlp.experts.local_experts.e.linear_fc1.weight [2 F, D] = [gate; up] | <block>.experts.e.<gate>.weight, <up>.weight |
 | layers.i.mlp.experts.local_experts.e.linear_fc2.weight [D, F] | <block>.experts.e.<down>.weight |
 
-(<block> mlp, gate_proj / up_proj / down_proj for Qwen3-MoE.) transformers 5 fuses the experts
-into one [E, 2F, D] tensor as it loads (its conversion mapping) and writes them back one per
-expert, so files in the Hub's layout are what both transformers 4 and 5 read and write; an import
-takes the fused layout too. Which layers are sparse: HF's rule (layer i sparse unless in
-mlp_only_layers, when (i + 1) is a multiple of decoder_sparse_step) against
-model.moe.sparse_layers (first_dense_layers, then every layer_freq-th).
+(<block> mlp and gate_proj / up_proj / down_proj for Qwen3-MoE; block_sparse_moe and w1 / w3 / w2
+for Mixtral.) transformers 5 fuses the experts into one [E, 2F, D] tensor as it loads (its
+conversion mapping) and writes them back one per expert, so files in the Hub's layout are what
+both transformers 4 and 5 read and write; an import takes the fused layout under <block> too.
+Which layers are sparse: HF's rule (layer i sparse unless in mlp_only_layers, when (i + 1) is a
+multiple of decoder_sparse_step) against model.moe.sparse_layers (first_dense_layers, then every
+layer_freq-th).
 """
 
 from __future__ import annotations
