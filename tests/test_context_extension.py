@@ -99,7 +99,7 @@ def test_what_cannot_start_is_one_line(small_data, trained, tmp_path):
     base = ["model.vocab_size=512", "model.max_seq_len=128", "data.seq_length=64"]
     (tmp_path / "neither").mkdir()
     (tmp_path / "neither" / "notes.txt").write_text("hi")
-    with pytest.raises(UsageError, match=r"neither one of our checkpoints .* nor a Hugging Face Llama, GPT-2 or Qwen3 .*: point it at one of those$"):
+    with pytest.raises(UsageError, match=r"neither one of our checkpoints .* nor a Hugging Face Llama, Mixtral, GPT-2, Qwen3 or Qwen3-MoE .*: point it at one of those$"):
         init_source(load_config("tiny", [*base, f"model.init_from={tmp_path / 'neither'}"]))
     with pytest.raises(UsageError, match=r": no such directory: give one of our run"):
         init_source(load_config("tiny", [*base, f"model.init_from={tmp_path / 'absent'}"]))

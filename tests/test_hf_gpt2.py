@@ -216,7 +216,7 @@ def test_bad_gpt2_directories_give_one_line(small_data, tmp_path):
         (tmp_path / "gpt2", llama, "/gpt2: its model_type is gpt2, which model.arch=llama does not read: set model.arch=gpt2"),
         (tmp_path / "llama", ok, "/llama: its model_type is llama, which model.arch=gpt2 does not read: set model.arch=llama"),
         (_variant(tmp_path, "mistral", tmp_path / "gpt2", model_type="mistral"), ok,
-         "/mistral: model_type='mistral': only model_type llama, gpt2 or qwen3 checkpoints import"),
+         "/mistral: model_type='mistral': only model_type llama, mixtral, gpt2, qwen3 or qwen3_moe checkpoints import"),
         (tmp_path / "gpt2", load_config("tiny", GPT2).model,
          "/gpt2: GPT-2 has a K/V head per query head (n_head=8), this run has model.num_kv_heads=4: set model.num_kv_heads=8"),
         (_variant(tmp_path, "gelu", tmp_path / "gpt2", activation_function="gelu"), ok,

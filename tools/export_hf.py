@@ -2,7 +2,8 @@
 
     python tools/export_hf.py --checkpoint runs/my-run --out hf/my-run [--dtype bf16] [--max-shard-size 5GB]
 
-From any saved tp (the shards are joined) and ZeRO stage 0-2 (ZeRO-3 at tp = 1), any backbone
+From any saved tp (the shards are joined) and ZeRO stage 0-2 (ZeRO-3 at tp = 1; a sparse model
+saved at ep = 1), any backbone
 (through its record's HF adapter, cplm_dist.config.backbones: `backbone(m).hf`):
 
 | model.arch | copy off (no remote code) | copy on (trust_remote_code=True) |
@@ -10,6 +11,8 @@ From any saved tp (the shards are joined) and ZeRO stage 0-2 (ZeRO-3 at tp = 1),
 | llama | `LlamaForCausalLM` | `CPLMForCausalLM` (cplm_dist/interop/hf/remote/modeling_cplm.py) |
 | gpt2 | `GPT2LMHeadModel` (GQA's K/V heads repeated; tied or not) | `CPLMGPT2ForCausalLM` (modeling_cplm_gpt2.py) |
 | qwen3 | `Qwen3ForCausalLM` (q/k norms; tied or not) | `CPLMQwen3ForCausalLM` (modeling_cplm_qwen3.py) |
+| qwen3 + model.moe | `Qwen3MoeForCausalLM` | `CPLMQwen3ForCausalLM` with Qwen3-MoE's sparse blocks (docs/moe.md) |
+| llama + model.moe | `MixtralForCausalLM` (every layer sparse) | none yet (one line) |
 
 Writes config.json, generation_config.json (the token ids below and use_cache), the weights as
 save_pretrained writes them (model.safetensors, or shards of at most --max-shard-size with

@@ -7,6 +7,7 @@ apart by what the directory holds:
     DIR/config.json with model_type llama   a Hugging Face LlamaForCausalLM, into model.arch=llama
     DIR/config.json with model_type gpt2    a Hugging Face GPT2LMHeadModel, into model.arch=gpt2
     DIR/config.json with model_type qwen3   a Hugging Face Qwen3ForCausalLM, into model.arch=qwen3
+    ... model_type qwen3_moe                a Hugging Face Qwen3MoeForCausalLM, into model.arch=qwen3 with model.moe
 
 From one of our checkpoints the run takes the weights only (evaluation's: `load_model`'s shards,
 joined and re-sharded, so any saved tp, ZeRO stage or pipeline layout), not the optimizer, the
@@ -23,7 +24,9 @@ at any tp through its record's HF adapter (`backbone(m).hf`, read by cplm_dist.i
 its model_type must be the one the run's model.arch reads (else one line naming the model.arch
 that does), its shapes the run's; a GPT-2 also needs model.num_kv_heads = n_head and
 model.max_seq_len = n_positions, and GELU's tanh approximation (gelu_new or gelu_pytorch_tanh); a
-Qwen3 no sliding-window layers. The copy head starts fresh.
+Qwen3 no sliding-window layers; a Qwen3-MoE the run's model.moe (experts, top_k, expert width,
+normalize, which layers are sparse: cplm_dist.config.backbones.sparse_hf). The copy head starts
+fresh. Experts go by global id: each ep rank takes its own (sharding.load_full_state_dict).
 
     source = init_source(cfg)            # before anything starts: one line when it cannot be used
     initialise_from(model, cfg, tp_rank, tp_size)   # after the model is built, before DeepSpeed

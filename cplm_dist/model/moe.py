@@ -9,7 +9,10 @@ Parameters (state-dict keys under `layers.i.mlp.`): `router.weight` (E, D), repl
 rank, its gradient summed over tp under sequence parallelism (each rank routes its own
 positions); `experts.local_experts.j.linear_fc{1,2}.weight`: this ep rank's experts, j local
 (global id = ep_rank x E/ep + j, `expert_id` on each parameter; checkpoints key them by it);
-fc1 is [gate; up] for a gated MLP, split over expert-tp like the dense fc1; `shared_experts.*`.
+fc1 is [gate; up] for a gated MLP, split over expert-tp like the dense fc1 (stride 2; fc2 along its
+input), the shared expert's over tp: each carries the tensor-parallel marks our sharding, the seeded
+initialisation and the HF import read (megatron sets them only when it initialises itself);
+`shared_experts.*`.
 Buffers: `router.expert_bias` (auxiliary-loss-free balancing, persistent), the step's counts.
 
 The auxiliary losses reach the gradient through megatron's MoEAuxLossAutoScaler, whose scale the
@@ -29,6 +32,7 @@ from cplm_dist.config.backbones import backbone
 from cplm_dist.megatron_compat import moe_modules, parallel_state
 from cplm_dist.model.moe_grouped import grouped_wanted, use_grouped_gemm
 from cplm_dist.model.moe_stats import record_aux_loss
+from cplm_dist.model.parallel.sharding import mark_split
 
 AUX_LOSS_TYPES = {"micro_batch": "aux_loss", "sequence": "seq_aux_loss", "global": "global_aux_loss"}
 
@@ -86,6 +90,11 @@ class SparseMLP(torch.nn.Module):
         for j, expert in enumerate(self.experts.local_experts):
             for param in expert.parameters():
                 param.expert_id = offset + j
+        if config.expert_tensor_parallel_size > 1:
+            for expert in self.experts.local_experts:
+                _mark_split_mlp(expert, config.gated_linear_unit)
+        if self.shared_experts is not None and tp_size > 1:
+            _mark_split_mlp(self.shared_experts, config.gated_linear_unit)
         self.num_experts, self.top_k = m.moe.num_experts, m.moe.top_k
         self.register_buffer("load", torch.zeros(m.moe.num_experts, dtype=torch.float64), persistent=False)
         self.register_buffer("routing_sums", torch.zeros(3, dtype=torch.float64), persistent=False)  # tokens, dropped, entropy
@@ -136,6 +145,13 @@ class SparseMLP(torch.nn.Module):
         if bias is not None:
             out = out + bias
         return out if self.sequence_parallel else out.transpose(0, 1)
+
+
+def _mark_split_mlp(mlp: torch.nn.Module, gated: bool) -> None:
+    """megatron's column/row-parallel MLP as our sharding reads it: fc1's rows split ([gate_r; up_r]
+    on rank r when gated: stride 2, the dense fc1's layout), fc2's columns."""
+    mark_split(mlp.linear_fc1.weight, dim=0, stride=2 if gated else 1)
+    mark_split(mlp.linear_fc2.weight, dim=1)
 
 
 def sparse_layers(model: torch.nn.Module) -> list[SparseMLP]:

@@ -10,11 +10,12 @@ and torch only (the records sit at the config stage, below the model).
 |---|---|
 | family | its name in messages ("Llama") |
 | model_type, architecture | the stock transformers class: a copy-off export's config.json, what an import must name |
-| remote | the copy-on export's class (cplm_dist/interop/hf/remote, copied beside the weights, `auto_map`) |
+| remote | the copy-on export's class (cplm_dist/interop/hf/remote, copied beside the weights, `auto_map`); None: none (Mixtral) |
 | stock_config(m) | config.json's fields of the stock class for these shapes (no token ids: the export adds the tokenizer's) |
 | check(hf, m, where) | one HFImportError line where a HF config.json does not fit the run (its model_type checked before) |
 | to_hf(full, m) | our full (tp-independent) weights -> the stock class's state dict, the copy head's kept under its names |
 | from_hf(hf, m) | the stock class's state dict -> our full backbone weights (no copy head) |
+| sparse | the family's mixture-of-experts class's adapter (a model with model.moe: Mixtral for llama, Qwen3-MoE for qwen3), or None: `hf_adapter(m)` picks |
 
 Both sides are "full" weights: cplm_dist.model.parallel.sharding turns them into a rank's shards.
 """
@@ -26,7 +27,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from cplm_dist.errors import HFImportError
+from cplm_dist.errors import ConfigError, HFImportError
 
 if TYPE_CHECKING:  # the config package imports the records (config.validation): types only here
     from cplm_dist.config.tree import CopyConfig, ModelConfig
@@ -56,17 +57,21 @@ class HFAdapter:
     family: str
     model_type: str
     architecture: str
-    remote: RemoteClass
+    remote: RemoteClass | None
     stock_config: Callable[[ModelConfig], dict]
     check: Callable[[dict, ModelConfig, str], None]
     to_hf: Callable[[Weights, ModelConfig], Weights]
     from_hf: Callable[[Weights, ModelConfig], Weights]
+    sparse: HFAdapter | None = None
 
     def hf_config(self, m: ModelConfig, copy: CopyConfig | None = None) -> dict:
         """config.json of an export: the stock class's, or with a copy head the remote class's
         (model_type, auto_map and the copy_* keys its config reads)."""
         out = {"architectures": [self.architecture], "model_type": self.model_type, **self.stock_config(m)}
         if copy is not None and copy.enabled:
+            if self.remote is None:
+                raise ConfigError(f"a copy-on model does not export as {self.family} (no remote class for it yet): "
+                                  "export a copy.enabled=false model")
             out.update({"architectures": [self.remote.architecture], "model_type": self.remote.model_type,
                         "auto_map": self.remote.auto_map, **copy_fields(m, copy)})
         return out

@@ -12,6 +12,14 @@ code) or our `CPLMQwen3ForCausalLM` (copy on: cplm_dist/interop/hf/remote/modeli
 
 An import is refused (one line) where transformers' Qwen3 computes something else: sliding-window
 layers, attention biases, another head_dim, norm epsilon, activation or RoPE type.
+
+A sparse qwen3 (model.moe) maps onto `Qwen3MoeForCausalLM` (`HF.sparse`, picked by
+backbones.hf_adapter): this map plus the sparse layers' router and experts (sparse_hf.py);
+num_experts, num_experts_per_tok, moe_intermediate_size and norm_topk_prob are model.moe's
+num_experts, top_k, ffn_hidden_size and normalize, intermediate_size the dense layers'
+model.ffn_hidden_size, decoder_sparse_step and mlp_only_layers its sparse layers (exported as
+step 1 and the dense layers listed). Its copy-on export is the same remote class, which builds
+transformers' Qwen3MoeSparseMoeBlock in the layers config.json makes sparse.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import cplm_dist.config.backbones.llama as llama
+import cplm_dist.config.backbones.sparse_hf as sparse_hf
 from cplm_dist.config.backbones.hf_adapter import HFAdapter, RemoteClass, Weights
 from cplm_dist.config.backbones.record import Backbone
 from cplm_dist.errors import HFImportError
@@ -80,10 +89,62 @@ def from_hf(hf: Weights, m: ModelConfig) -> Weights:
     return full
 
 
-HF = HFAdapter(family="Qwen3", model_type="qwen3", architecture=ARCHITECTURE,
-               remote=RemoteClass("cplm_qwen3", config="CPLMQwen3Config", module="modeling_cplm_qwen3",
-                                  architecture="CPLMQwen3ForCausalLM"),
-               stock_config=stock_config, check=check_hf_config, to_hf=to_hf, from_hf=from_hf)
+# --- Qwen3-MoE: a sparse qwen3 (model.moe) ------------------------------------------------------
+
+MOE_ARCHITECTURE = "Qwen3MoeForCausalLM"
+MOE_DEFAULTS = {"decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": False, "num_experts": 128,
+                "num_experts_per_tok": 8, "moe_intermediate_size": 768}  # Qwen3MoeConfig's
+MOE_NAMES = sparse_hf.ExpertNames(block="mlp", gate="gate_proj", up="up_proj", down="down_proj")
+
+
+def moe_stock_config(m: ModelConfig) -> dict:
+    """Qwen3MoeConfig's fields: Qwen3's (its attention has no per-layer window keys) and the experts'."""
+    sparse_hf.refuse_export(m, "Qwen3-MoE")
+    fields = {k: v for k, v in stock_config(m).items() if k not in ("layer_types", "max_window_layers")}
+    e = m.moe
+    return {**fields, "num_experts": e.num_experts, "num_experts_per_tok": e.top_k,
+            "moe_intermediate_size": sparse_hf.expert_width(m), "norm_topk_prob": e.normalize,
+            **sparse_hf.sparse_layer_keys(m), "output_router_logits": False, "router_aux_loss_coef": e.aux_loss_coeff}
+
+
+def check_moe_config(hf: dict, m: ModelConfig, where: str) -> None:
+    """Qwen3's checks (its window covers every layer in Qwen3-MoE), then the sparse layers and the
+    experts; model.moe options Qwen3-MoE does not compute are refused first."""
+    why = sparse_hf.unsupported(m, "Qwen3-MoE")
+    if why is not None:
+        raise HFImportError(f"{where}: {why}")
+    hf = {**MOE_DEFAULTS, **{k: v for k, v in hf.items() if v is not None}}
+    hf["num_experts"] = hf.get("num_local_experts", hf["num_experts"])  # transformers 5 writes num_local_experts
+    step, only = hf["decoder_sparse_step"], hf["mlp_only_layers"]
+    layers = hf.get("num_hidden_layers", m.num_layers)
+    hf_sparse = sparse_hf.hf_sparse_layers(layers, step, only)
+    dense = {**hf, "max_window_layers": 0, "layer_types": None}  # Qwen3MoeAttention: the window on every layer
+    if len(hf_sparse) == layers:  # no dense layer: intermediate_size is no weight's shape
+        dense["intermediate_size"] = m.ffn_hidden_size
+    check_hf_config(dense, m, where)
+    sparse_hf.check_sparse_layers(hf_sparse, f"decoder_sparse_step={step}, mlp_only_layers={only}", m, where)
+    sparse_hf.check_experts({"num_experts": ("num_experts", hf["num_experts"]),
+                             "top_k": ("num_experts_per_tok", hf["num_experts_per_tok"]),
+                             "ffn_hidden_size": ("moe_intermediate_size", hf["moe_intermediate_size"]),
+                             "normalize": ("norm_topk_prob", bool(hf["norm_topk_prob"]))}, m, where)
+
+
+def moe_to_hf(full: Weights, m: ModelConfig) -> Weights:
+    """Our full weights (experts by global id) -> Qwen3MoeForCausalLM's state dict in the Hub's layout."""
+    return {**to_hf(full, m), **{k: v.contiguous() for k, v in sparse_hf.to_hf(full, m, MOE_NAMES).items()}}
+
+
+def moe_from_hf(hf: Weights, m: ModelConfig) -> Weights:
+    """Qwen3MoeForCausalLM's state dict (per-expert or fused) -> our full backbone weights."""
+    return {**from_hf(hf, m), **sparse_hf.from_hf(hf, m, MOE_NAMES)}
+
+
+REMOTE = RemoteClass("cplm_qwen3", config="CPLMQwen3Config", module="modeling_cplm_qwen3",
+                     architecture="CPLMQwen3ForCausalLM")
+HF_MOE = HFAdapter(family="Qwen3-MoE", model_type="qwen3_moe", architecture=MOE_ARCHITECTURE, remote=REMOTE,
+                   stock_config=moe_stock_config, check=check_moe_config, to_hf=moe_to_hf, from_hf=moe_from_hf)
+HF = HFAdapter(family="Qwen3", model_type="qwen3", architecture=ARCHITECTURE, remote=REMOTE,
+               stock_config=stock_config, check=check_hf_config, to_hf=to_hf, from_hf=from_hf, sparse=HF_MOE)
 
 # Llama's features plus RMS-normalised queries and keys per head before RoPE; its head width is
 # model.head_dim (128 in the released sizes, not hidden / heads); SwiGLU at 3 D

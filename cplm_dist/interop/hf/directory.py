@@ -3,8 +3,9 @@
 export (tools/export_hf.py: write_hf_dir: the weights as save_pretrained writes them, sharded past
 a size with model.safetensors.index.json; config.json, generation_config.json and, copy on, the
 remote-code files; the tokenizer's files: tokenizer_files.py). What maps a family's config and
-weights is its record's adapter (`backbone(m).hf`, cplm_dist.config.backbones.hf_adapter); nothing
-here names a family.
+weights is its record's adapter (`hf_adapter(m)`: `backbone(m).hf`, or for a sparse model its
+mixture-of-experts adapter `backbone(m).hf.sparse`; cplm_dist.config.backbones.hf_adapter);
+nothing here names a family.
 
 Import: a transformers model saved with `save_pretrained` (config.json and *.safetensors) whose
 model_type is the run's backbone's initialises the backbone at any tp; the copy head starts fresh.
@@ -22,7 +23,7 @@ from pathlib import Path
 import torch
 
 from cplm_dist.config import CopyConfig, ModelConfig
-from cplm_dist.config.backbones import BACKBONES, backbone
+from cplm_dist.config.backbones import BACKBONES, hf_adapter
 from cplm_dist.errors import HFImportError
 
 __all__ = ["DEFAULT_MAX_SHARD", "HFImportError", "REMOTE_CODE", "REMOTE_FILES", "SHARD_INDEX", "check_hf_dir", "families",
@@ -35,9 +36,14 @@ DEFAULT_MAX_SHARD = 5 * 10**9  # bytes a weights file (the Hub's long-standing 5
 SHARD_INDEX = "model.safetensors.index.json"
 
 
+def _adapters() -> list[tuple[str, object]]:
+    """(model.arch, adapter) of every HF class read and written: each record's, then its sparse one."""
+    return [(name, a) for name, b in BACKBONES.items() for a in (b.hf, b.hf.sparse) if a is not None]
+
+
 def families(field: str) -> str:
-    """Every backbone's adapter's `field` (family, model_type) in words: "Llama, GPT-2 or Qwen3"."""
-    words = [getattr(b.hf, field) for b in BACKBONES.values()]
+    """Every adapter's `field` (family, model_type) in words: "Llama, GPT-2, Qwen3 or Qwen3-MoE"."""
+    words = [getattr(a, field) for _, a in _adapters()]
     return " or ".join(words) if len(words) < 3 else f"{', '.join(words[:-1])} or {words[-1]}"
 
 
@@ -58,15 +64,28 @@ def check_hf_dir(directory: str | Path, m: ModelConfig) -> list[Path]:
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise HFImportError(f"{where}: config.json is not JSON ({e})") from None
     kind = hf_cfg.get("model_type") if isinstance(hf_cfg, dict) else None
-    adapter = backbone(m).hf
+    adapter = hf_adapter(m)
     if kind != adapter.model_type:
-        arch = [name for name, b in BACKBONES.items() if b.hf.model_type == kind]
-        if not arch:
-            raise HFImportError(f"{where}: model_type={kind!r}: only model_type {families('model_type')} checkpoints import")
-        raise HFImportError(f"{where}: its model_type is {kind}, which model.arch={m.arch} does not read: "
-                            f"set model.arch={arch[0]}")
+        raise HFImportError(f"{where}: {_another_class(kind, hf_cfg, m)}")
     adapter.check(hf_cfg, m, where)
     return files
+
+
+def _another_class(kind, hf_cfg: dict, m: ModelConfig) -> str:
+    """Why a HF model_type does not fit the run, and the model.arch / model.moe that reads it."""
+    readers = [(name, a) for name, a in _adapters() if a.model_type == kind]
+    if not readers:
+        return f"model_type={kind!r}: only model_type {families('model_type')} checkpoints import"
+    arch, adapter = readers[0]
+    sparse = adapter is BACKBONES[arch].hf.sparse
+    if sparse and m.moe.num_experts == 0:
+        experts = hf_cfg.get("num_local_experts", hf_cfg.get("num_experts"))  # transformers 5's key, or 4's
+        return (f"its model_type is {kind} (a mixture of experts), which a dense model.arch={m.arch} does not read: set "
+                f"model.arch={arch} model.moe.num_experts={experts}")
+    if not sparse and m.moe.num_experts and arch == m.arch:
+        return (f"its model_type is {kind} (dense), which a sparse run (model.moe.num_experts={m.moe.num_experts}) "
+                "does not read: set model.moe.num_experts=0")
+    return f"its model_type is {kind}, which model.arch={m.arch} does not read: set model.arch={arch}"
 
 
 def read_hf(directory: str | Path, m: ModelConfig) -> dict[str, torch.Tensor]:
@@ -77,7 +96,7 @@ def read_hf(directory: str | Path, m: ModelConfig) -> dict[str, torch.Tensor]:
     state: dict[str, torch.Tensor] = {}
     for f in check_hf_dir(directory, m):
         state.update(load_file(str(f)))
-    adapter = backbone(m).hf
+    adapter = hf_adapter(m)
     try:
         full = adapter.from_hf(state, m)
     except (KeyError, RuntimeError) as e:
@@ -107,7 +126,7 @@ def write_hf_dir(full: dict[str, torch.Tensor], m: ModelConfig, copy: CopyConfig
     configs."""
     import shutil
 
-    write_weights(backbone(m).hf.to_hf(full, m), directory, dtype, max_shard_size)
+    write_weights(hf_adapter(m).to_hf(full, m), directory, dtype, max_shard_size)
     write_configs(m, copy, directory, dtype, extra, tokens)
     if copy.enabled:
         for name in REMOTE_FILES:
@@ -117,7 +136,7 @@ def write_hf_dir(full: dict[str, torch.Tensor], m: ModelConfig, copy: CopyConfig
 def write_configs(m: ModelConfig, copy: CopyConfig, directory: Path, dtype: torch.dtype, extra: dict | None = None,
                   tokens: dict | None = None) -> None:
     """config.json (the adapter's, with the token ids, the dtype and `extra`) and generation_config.json."""
-    config = {**backbone(m).hf.hf_config(m, copy), **(tokens or {}), "torch_dtype": str(dtype).removeprefix("torch."),
+    config = {**hf_adapter(m).hf_config(m, copy), **(tokens or {}), "torch_dtype": str(dtype).removeprefix("torch."),
               **(extra or {})}
     (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (directory / "generation_config.json").write_text(json.dumps(generation_config(tokens), indent=2) + "\n")
@@ -168,6 +187,6 @@ def transformers_config(m: ModelConfig, **kwargs):
     fields; needs transformers): the profiler's peer model and anything else built from our shapes."""
     from transformers import AutoConfig
 
-    adapter = backbone(m).hf
+    adapter = hf_adapter(m)
     fields = {k: v for k, v in adapter.stock_config(m).items() if k != "torch_dtype"}
     return AutoConfig.for_model(adapter.model_type, **fields, **kwargs)

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from cplm_dist.megatron_compat import tensor_parallel
+from cplm_dist.model.moe_naming import expert_of, global_expert_name, with_expert
 
 
 @dataclass(frozen=True)
@@ -112,9 +113,14 @@ def load_full_state_dict(model: torch.nn.Module, full: dict[str, torch.Tensor], 
     """Load tp-independent weights into this rank's `model` at any tp: vocabulary rows padded with
     zeros to the model's padded size, then this rank's shard taken. Every parameter must be
     given (require_all=False: those not given keep their values), with the full shape the model
-    expects; a ValueError names the first that is not, or a name the model lacks."""
-    params = dict(model.named_parameters())
-    missing, unknown = sorted(set(params) - set(full)), sorted(set(full) - set(params))
+    expects; a ValueError names the first that is not, or a name the model lacks.
+
+    Experts are keyed by global id (cplm_dist.model.moe_naming): this ep rank takes its own and
+    passes over the other ranks' experts of the layers it holds."""
+    params = {global_expert_name(n, p): p for n, p in model.named_parameters()}
+    missing = sorted(set(params) - set(full))
+    own = {expert_of(n) for n in params} - {None}  # this rank's experts' global ids
+    unknown = sorted(n for n in set(full) - set(params) if not _another_ranks_expert(n, params, own))
     if unknown:
         raise ValueError(f"the model has no {unknown[:3]}")
     if missing and require_all:
@@ -128,3 +134,9 @@ def load_full_state_dict(model: torch.nn.Module, full: dict[str, torch.Tensor], 
             if tuple(tensor.shape) != want:
                 raise ValueError(f"{name} has shape {tuple(tensor.shape)}, the model needs {want}")
             param.copy_(take_shard(tensor, spec, tp_rank, tp_size))
+
+
+def _another_ranks_expert(name: str, params: dict, own: set[int]) -> bool:
+    """An expert's key whose layer and tensor this model holds for its own experts `own` (another
+    ep rank's share of the same layer)."""
+    return expert_of(name) is not None and bool(own) and with_expert(name, next(iter(own))) in params
