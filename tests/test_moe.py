@@ -109,6 +109,7 @@ def test_the_sparse_layer_equals_a_dense_per_token_reference(one_rank, case):
     (["model.moe.num_experts=4", "model.moe.top_k=5"], "model.moe.top_k=5 must lie in [1, model.moe.num_experts=4]"),
     (["model.moe.num_experts=4", "parallel.tp=2"], "needs parallel.sequence_parallel=true"),
     (["model.moe.num_experts=4", "parallel.ep=2", "train.zero_stage=3"], "parallel.ep > 1 with train.zero_stage=3"),
+    (["model.moe.num_experts=4", "parallel.ep=2", "train.zero_stage=0"], "parallel.ep > 1 with train.zero_stage=0"),
     (["model.moe.num_experts=4", "model.moe.expert_bias=true"], "routes on sigmoid scores plus the bias"),
     (["model.moe.num_experts=4", "model.moe.first_dense_layers=4"], "leaves no sparse layer"),
     (["model.moe.num_experts=4", "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.expert_tp=3"],
@@ -126,7 +127,7 @@ def test_an_expert_layout_that_does_not_fit_the_world_is_one_line():
     from cplm_dist.config.sparse import check_expert_world
     from cplm_dist.errors import ConfigError
 
-    cfg = load_config(REPO / "configs/quickstart.yaml", ["model.moe.num_experts=8", "parallel.ep=4"])
+    cfg = load_config(REPO / "configs/quickstart.yaml", ["model.moe.num_experts=8", "parallel.ep=4", "train.zero_stage=1"])
     check_expert_world(cfg, 4)
     with pytest.raises(ConfigError, match=r"parallel.ep=4 x expert_tp=1 does not divide the 2 ranks .* choose ep from \[1, 2\]"):
         check_expert_world(cfg, 2)
