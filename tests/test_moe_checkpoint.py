@@ -84,6 +84,32 @@ def test_an_ep2_checkpoint_evaluates_at_ep1_to_the_runs_validation_loss(small_da
         torch.testing.assert_close(got, at_ep1, atol=1e-5, rtol=0)
 
 
+def _init_from_log_probs(step_dir: Path, ep: int) -> torch.Tensor:
+    """model.init_from=<an ep-2 checkpoint> at this launch's ep: the fresh model's log-probs."""
+    from cplm_dist.checkpoint import read_manifest
+    from cplm_dist.config import from_dict
+    from cplm_dist.distributed import init_distributed
+    from cplm_dist.interop.init_from import initialise_from
+    from cplm_dist.model.cplm import build_model
+
+    init_distributed(1, ep_size=ep)
+    cfg = from_dict(read_manifest(step_dir).config)
+    cfg.model.init_from, cfg.seed = str(step_dir), cfg.seed + 1  # another seed: every weight must come from the source
+    model = build_model(cfg)
+    initialise_from(model, cfg, 0, 1)
+    tokens = torch.randint(0, cfg.model.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        return -model.eval()(tokens).nll
+
+
+def test_a_run_starts_from_an_ep2_checkpoint_at_ep1_and_ep2(ep2_run):
+    step6 = ep2_run / "checkpoints" / "step-00000006"
+    want = run_ranks(_log_probs, 1, args=(step6, 1))[0]
+    torch.testing.assert_close(run_ranks(_init_from_log_probs, 1, args=(step6, 1))[0], want, atol=1e-5, rtol=0)
+    for got in run_ranks(_init_from_log_probs, 2, args=(step6, 2)):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
 def _load_error(step_dir: Path) -> str:
     from cplm_dist.checkpoint import CheckpointError, load_model
     from cplm_dist.distributed import init_distributed

@@ -160,7 +160,8 @@ def with_saved_experts(full: dict[str, torch.Tensor], experts: dict[str, torch.T
                        model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """`full` (tp-independent weights from DeepSpeed's module states, for `model`'s names) with
     every expert entry replaced by the expert file's weight for the expert `model`'s parameter
-    holds (its `expert_id`: at ep = 1 the local key is the global one). `experts` empty: `full`."""
+    holds (its `expert_id`), under the parameter's global name (at ep = 1 the local key is the
+    global one). `experts` empty: `full`."""
     if not experts:
         return full
     out = {k: v for k, v in full.items() if expert_of(k) is None}
@@ -168,5 +169,5 @@ def with_saved_experts(full: dict[str, torch.Tensor], experts: dict[str, torch.T
     for n, p in model.named_parameters():
         expert = getattr(p, "expert_id", None)
         if expert is not None and (key := with_expert(names[n], expert)) in experts:
-            out[n] = experts[key]
+            out[global_expert_name(n, p)] = experts[key]  # load_full_state_dict reads experts by global id
     return out

@@ -118,6 +118,21 @@ def saved_shards(manifest: Manifest, cfg: Config) -> list[dict]:
     return shards
 
 
+def saved_buffers(model: torch.nn.Module, shard: dict) -> list[str]:
+    """The model's persistent buffers a saved shard holds (a sparse layer's router expert bias:
+    model state that decides the routing, not optimizer state)."""
+    buffers = dict(model.named_buffers())
+    return [k for k in model.state_dict() if k in buffers and k in shard]
+
+
+@torch.no_grad()
+def copy_buffers(model: torch.nn.Module, shard: dict, names: list[str]) -> None:
+    """Those buffers from the shard (replicated on every rank: all ranks equal at save)."""
+    buffers = dict(model.named_buffers())
+    for k in names:
+        buffers[k].copy_(shard[k])
+
+
 def load_model(path: str | Path, device=None, dtype=torch.float32):
     """(model in eval mode, config, manifest as plain data with `root` and `tag`) on this rank, at
     this launch's tp whatever tp the checkpoint was saved at: every saved tp rank's weights are
@@ -141,8 +156,8 @@ def load_model(path: str | Path, device=None, dtype=torch.float32):
     model = build_model(cfg, device=device, dtype=dtype, activation_checkpointing=False, compile_layers=False,
                         sequence_parallel=False)
     shards = saved_shards(manifest, cfg)
-    params, buffers = dict(model.named_parameters()), dict(model.named_buffers())
-    persistent = [k for k in model.state_dict() if k in buffers and k in shards[0]]  # a sparse layer's expert bias
+    params = dict(model.named_parameters())
+    persistent = saved_buffers(model, shards[0])  # a sparse layer's expert bias
     unexpected = [k for k in shards[0] if k not in params and k not in persistent and not k.endswith("_extra_state")]
     try:
         if unexpected:
@@ -150,9 +165,7 @@ def load_model(path: str | Path, device=None, dtype=torch.float32):
         # a sparse model saved at ep > 1: every expert from its expert files, by global id
         full = with_saved_experts(full_state_dict(shards, model), saved_experts(manifest), model)
         load_full_state_dict(model, full, tp_rank, tp)
-        with torch.no_grad():  # replicated on every rank (all ranks equal at save)
-            for k in persistent:
-                buffers[k].copy_(shards[0][k])
+        copy_buffers(model, shards[0], persistent)
     except (ValueError, RuntimeError) as e:
         raise CheckpointError(f"{path}: weights do not match the model ({str(e).splitlines()[0]})") from None
     return model.to(dtype).eval(), cfg, manifest.info()

@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from cplm_dist.checkpoint.loading import read_checkpoint, saved_shards
+from cplm_dist.checkpoint.loading import copy_buffers, read_checkpoint, saved_buffers, saved_shards
 from cplm_dist.checkpoint.manifest import COMPLETE, Manifest
 from cplm_dist.config import Config
 from cplm_dist.config.backbones import backbone, backbones_with
@@ -137,14 +137,19 @@ def load_checkpoint_weights(model: torch.nn.Module, manifest: Manifest, saved: C
                             require_copy_head: bool = True) -> None:
     """A checkpoint's weights (every saved tp rank's, joined) into this rank's shard of `model`
     (cplm_dist.model.parallel.sharding: the tp-independent tensors, then this rank's part)."""
+    from cplm_dist.checkpoint.expert_files import saved_experts, with_saved_experts
+    from cplm_dist.model.moe_naming import global_expert_name
     from cplm_dist.model.parallel.sharding import full_state_dict, load_full_state_dict
 
-    full = full_state_dict(saved_shards(manifest, saved), model)
-    params = [n for n, _ in model.named_parameters()]
+    # a sparse model saved at ep > 1: every expert from its expert files, by global id
+    shards = saved_shards(manifest, saved)
+    full = with_saved_experts(full_state_dict(shards, model), saved_experts(manifest), model)
+    params = [global_expert_name(n, p) for n, p in model.named_parameters()]
     missing = [n for n in params if n not in full and (require_copy_head or not n.startswith("copy_head."))]
     try:
         if missing:
             raise ValueError(f"no weights for {missing[:3]}")
         load_full_state_dict(model, full, tp_rank, tp_size, require_all=False)
+        copy_buffers(model, shards[0], saved_buffers(model, shards[0]))  # a sparse layer's expert bias routes as saved
     except ValueError as e:
         raise CheckpointError(f"model.init_from={manifest.step_dir}: weights do not match the model ({e})") from None
