@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from cplm_dist.config import ModelConfig
 from cplm_dist.config.backbones import backbone
 from cplm_dist.megatron_compat import moe_modules, parallel_state
+from cplm_dist.model.parallel.sharding import mark_split
 
 AUX_LOSS_TYPES = {"micro_batch": "aux_loss", "sequence": "seq_aux_loss", "global": "global_aux_loss"}
 
@@ -77,6 +78,7 @@ class SparseMLP(torch.nn.Module):
         self.router, self.experts = layer.router, layer.experts
         self.shared_experts = getattr(layer, "shared_experts", None)
         self._layer = [layer]  # not a child (its parameters are already ours, above)
+        self._mark_splits(config.gated_linear_unit, tp_size)
         offset = parallel_state.get_expert_model_parallel_rank() * layer.num_local_experts
         for j, expert in enumerate(self.experts.local_experts):
             for param in expert.parameters():
@@ -88,6 +90,20 @@ class SparseMLP(torch.nn.Module):
         if self.sequence_parallel:
             for param in self._replicated():
                 param.register_hook(self._sum_over_tp)
+
+    def _mark_splits(self, gated: bool, tp_size: int) -> None:
+        """megatron marks a linear's tp split only when it initialises it itself (we initialise:
+        cplm_dist.model.initialization): without the marks a tp rank's expert shard would be drawn
+        as a whole tensor (the same on every rank) and left out of the gradient norm on tp ranks > 0.
+        fc1 is [gate; up] per rank (stride 2) like the dense MLP's; the experts' split is over
+        expert_tp, marked where that is the tp group (expert_tp = tp); cplm_dist.model.layer_shapes."""
+        stride = 2 if gated else 1
+        mlps = [self.shared_experts] if self.shared_experts is not None else []
+        if parallel_state.get_expert_tensor_parallel_world_size() == tp_size:
+            mlps += list(self.experts.local_experts)
+        for mlp in mlps:
+            mark_split(mlp.linear_fc1.weight, 0, stride)
+            mark_split(mlp.linear_fc2.weight, 1)
 
     def _replicated(self) -> list[torch.nn.Parameter]:
         """Parameters every tp rank holds whole but applies to its own positions (router, shared gate)."""
@@ -101,13 +117,17 @@ class SparseMLP(torch.nn.Module):
         dist.all_reduce(grad, group=self.tp_group)
         return grad
 
-    @torch.no_grad()
     def _count(self, router, inputs, output) -> None:
-        """Per training forward: routed tokens per expert, dropped assignments, router entropy."""
-        if not (router.training and torch.is_grad_enabled()):
+        """Per training forward: routed tokens per expert, dropped assignments, router entropy. Not
+        in evaluation (no grad), nor when activation checkpointing runs the layer again inside the
+        backward pass (the same tokens: counted in their forward)."""
+        if not (router.training and torch.is_grad_enabled()) or torch._C._current_graph_task_id() != -1:
             return
-        _, routing_map = output
-        x = inputs[0].reshape(-1, inputs[0].shape[-1]).float()
+        with torch.no_grad():  # the check above reads the caller's grad mode: a no_grad decorator would hide it
+            self._add_counts(router, inputs[0], output[1])
+
+    def _add_counts(self, router, x: torch.Tensor, routing_map: torch.Tensor) -> None:
+        x = x.reshape(-1, x.shape[-1]).float()
         self.load += routing_map.sum(0).double().to(self.load.device)
         logits = F.linear(x, router.weight.float())
         if router.score_function == "softmax":
