@@ -209,7 +209,8 @@ def moe_modules() -> types.SimpleNamespace:
       accepts and gloo's refuses; they are passed as lists of ints.
     - the jit fuser is made lazy for all of megatron at import (`_compile_on_first_call`).
     - the aux-loss tracker allocates with device="cuda": the router's tracker calls go to ours
-      instead (cplm_dist.model.moe_stats), which is also what our logs read.
+      instead (cplm_dist.model.moe_stats, which our logs read; cplm_dist.model.moe points
+      `router_module.save_to_aux_losses_tracker` there, the model package being above this one).
     With CUDA only the last two apply. A megatron-core other than MOE_MENDED is refused for MoE
     with one line (the dense model is unaffected)."""
     from cplm_dist.errors import ConfigError
@@ -241,9 +242,6 @@ def moe_modules() -> types.SimpleNamespace:
         return mappings.all_to_all(group, input_, listed(output_split_sizes_), listed(input_split_sizes))
 
     token_dispatcher.all_to_all = all_to_all
-    from cplm_dist.model import moe_stats
-
-    router.save_to_aux_losses_tracker = moe_stats.record_aux_loss
     return types.SimpleNamespace(TransformerConfig=TransformerConfig, MoELayer=moe_layer.MoELayer,
                                  TopKRouter=router.TopKRouter, router_module=router, moe_utils=moe_utils,
                                  get_moe_module_spec=get_moe_module_spec, build_module=build_module)

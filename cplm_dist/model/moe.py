@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from cplm_dist.config import ModelConfig
 from cplm_dist.config.backbones import backbone
 from cplm_dist.megatron_compat import moe_modules, parallel_state
+from cplm_dist.model.moe_stats import record_aux_loss
 from cplm_dist.model.parallel.sharding import mark_split
 
 AUX_LOSS_TYPES = {"micro_batch": "aux_loss", "sequence": "seq_aux_loss", "global": "global_aux_loss"}
@@ -68,6 +69,7 @@ class SparseMLP(torch.nn.Module):
                  dtype: torch.dtype = torch.float32, device: torch.device | None = None):
         super().__init__()
         mods = moe_modules()
+        mods.router_module.save_to_aux_losses_tracker = record_aux_loss  # megatron's tracker allocates on CUDA
         config = megatron_moe_config(m, tp_size, sequence_parallel, dtype, device or torch.device("cpu"))
         spec = mods.get_moe_module_spec(use_te=False, num_experts=m.moe.num_experts, moe_grouped_gemm=False)
         layer = mods.build_module(spec, config=config, layer_number=layer_index + 1)
