@@ -212,8 +212,10 @@ def moe_modules() -> types.SimpleNamespace:
     - split sizes: the dispatcher hands its all-to-all numpy split sizes, which NCCL's binding
       accepts and gloo's refuses; they are passed as lists of ints.
     - the jit fuser is made lazy for all of megatron at import (`_compile_on_first_call`).
-    With CUDA only the last two apply (and cplm_dist.model.moe points the router's aux-loss
-    tracker at its own, which our logs read). A megatron-core other than MOE_MENDED is refused for MoE
+    - the aux-loss tracker allocates with device="cuda": the router's tracker calls go to ours
+      instead (cplm_dist.model.moe_stats, which our logs read; cplm_dist.model.moe points
+      `router_module.save_to_aux_losses_tracker` there, the model package being above this one).
+    With CUDA only the last two apply. A megatron-core other than MOE_MENDED is refused for MoE
     with one line (the dense model is unaffected)."""
     from cplm_dist.errors import ConfigError
 

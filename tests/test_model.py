@@ -246,3 +246,53 @@ def test_pipeline_stages_of_the_shipped_sizes():
         # the LM head (V x D) weighs as several layers: the last stage runs fewer of them
         assert layers[-1] <= layers[0], (name, layers)
         assert stage_bounds(cfg, pp)[-1] == cfg.model.num_layers + 2 + cfg.model.tie_embeddings
+
+
+# --- a sparse model (model.moe): its layers are built from their shapes too ---------------------------
+
+SPARSE = {
+    "moe-shared-gate": ["model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.shared_ffn_hidden_size=64",
+                        "model.moe.shared_gate=true"],
+    "moe-gpt2-first-dense": ["model.arch=gpt2", "model.moe.num_experts=4", "model.moe.top_k=1",
+                             "model.moe.normalize=false", "model.moe.ffn_hidden_size=64", "model.moe.first_dense_layers=1"],
+}
+
+
+def _sparse_worker(tp):
+    from cplm_dist.distributed import init_distributed
+    from cplm_dist.model import build_model
+
+    dims = init_distributed(tp)
+    out = {}
+    for name, overrides in SPARSE.items():
+        cfg = load_config("tiny", overrides + [f"parallel.tp={tp}"] + (["parallel.sequence_parallel=true"] if tp > 1 else []))
+        model = build_model(cfg)
+        out[name] = {
+            "layers": [[(n, full_shape(p.shape, spec_of(p), tp), spec_of(p).dim, spec_of(p).stride)
+                        for n, p in layer.named_parameters()] for layer in model.layers],
+            "numel": sum(p.numel() for p in model.parameters()),
+            "params": {n: gather_full(p.data, spec_of(p), dims.tp_group) for n, p in model.named_parameters()},
+        }
+    return out
+
+
+@pytest.fixture(scope="module")
+def sparse_runs():
+    return {tp: run_ranks(_sparse_worker, tp, args=(tp,), timeout=400) for tp in (1, 2)}
+
+
+@pytest.mark.parametrize("variant", sorted(SPARSE))
+def test_a_sparse_layer_is_built_from_its_shapes_and_counted(sparse_runs, variant):
+    """Router, experts by global id and the shared expert as layer_shapes has them at tp 1 and at
+    tp 2 with sequence parallelism (the experts split over expert_tp = tp), dense layers beside
+    them; the analytic count is the module's, and the model is the same at both tp (each rank
+    holds its shard of one seeded tensor)."""
+    cfg = load_config("tiny", SPARSE[variant])
+    for tp, ranks in sparse_runs.items():
+        for i, built in enumerate(ranks[0][variant]["layers"]):
+            assert built == [(s.name, s.shape, s.split, s.stride) for s in layer_shapes(cfg.model, i)], (tp, i)
+    assert sparse_runs[1][0][variant]["numel"] == parameter_count(cfg, padded=True)["total"]
+    one = sparse_runs[1][0][variant]["params"]
+    for rank in sparse_runs[2]:
+        for name, full in one.items():
+            torch.testing.assert_close(rank[variant]["params"][name], full, rtol=0, atol=0, msg=name)

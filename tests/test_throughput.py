@@ -59,3 +59,28 @@ def test_the_peak_follows_the_precision_and_there_is_none_on_cpu():
 ])
 def test_device_names_find_their_own_peak(name, entry):
     assert peak_for_name(name, "bf16") == (PEAK_FLOPS[entry]["bf16"] if entry else None)
+
+
+def test_a_sparse_model_counts_every_expert_and_flops_on_the_active_ones():
+    """model.moe: parameter_count holds all E experts, a token uses the router, top_k experts and the
+    shared expert (active_parameters, N_matmul, so MFU); per device the experts split over ep; the
+    memory estimator reads the same shapes."""
+    from cplm_dist.model.counting import active_parameters, parameters_per_device, tensor_sizes_per_device
+    from cplm_dist.profiling.memory import estimate
+
+    sparse = ["model.moe.num_experts=8", "model.moe.top_k=2", "model.moe.ffn_hidden_size=64",
+              "model.moe.shared_ffn_hidden_size=128"]
+    cfg = load_config("tiny", sparse + ["model.moe.first_dense_layers=1"])
+    dense = 128 * (8 + 2 * 4) * 16 + 128 * 128  # qkv + out, both layers
+    router, expert, shared = 8 * 128, 3 * 128 * 64, 3 * 128 * 128  # layer 1's router, one SwiGLU expert, the shared one
+    layers = 2 * dense + 3 * 128 * 256 + router + 8 * expert + shared  # layer 0 keeps the dense MLP
+    assert parameter_count(cfg)["layers"] == layers + 4 * 128  # + the four norms
+    assert parameter_count(cfg)["total"] - active_parameters(cfg) == 6 * expert  # 6 of 8 experts idle a token
+    n = 2 * dense + 3 * 128 * 256 + router + 2 * expert + shared + 512 * 128 + (2 * 128 * 32 + 128)
+    assert matmul_parameters(cfg) == n
+    assert flops_per_token(cfg, 64) == 3 * (2 * n + 4 * 2 * 64 * 128 + 2 * 64 * 1 * 32)
+    at_ep2 = load_config("tiny", sparse + ["model.moe.first_dense_layers=1", "parallel.ep=2"])
+    assert parameters_per_device(cfg, 1) - parameters_per_device(at_ep2, 1) == 4 * expert
+    assert sum(tensor_sizes_per_device(at_ep2, 1)) == parameters_per_device(at_ep2, 1)
+    for config in (cfg, load_config("tiny", sparse)):  # a sparse layer 0 too: its activations at the active width
+        assert estimate(config, tp=1, dp=1, micro_batch=2, seq_len=64).total > 0

@@ -68,6 +68,9 @@ def _check_router(cfg: Config) -> None:
     if e.score == "sigmoid" and not e.normalize and e.top_k > 1:
         raise ConfigError("model.moe.normalize=false with score=sigmoid: megatron renormalises sigmoid top-k scores "
                           "always; set normalize=true or score=softmax")
+    if e.top_k == 1 and e.score == "softmax" and e.normalize:
+        raise ConfigError("model.moe.top_k=1 with normalize=true weighs every token's expert 1 (the router would get no "
+                          "gradient; megatron refuses it): set model.moe.normalize=false (Switch's softmax probability)")
     if e.expert_bias and e.score != "sigmoid":
         raise ConfigError("model.moe.expert_bias=true routes on sigmoid scores plus the bias (DeepSeek-V3): set "
                           "model.moe.score=sigmoid")

@@ -2,6 +2,11 @@
 the one place they are written. The training log, the FLOP count (`matmul_parameters`) and the
 memory estimator (`parameters_per_device`) all read them from here.
 
+A sparse model (model.moe) has layers that differ in their MLP slot: each layer is counted from
+its own shapes (cplm_dist.model.layer_shapes). Its `parameter_count` is every parameter; a token
+only meets the router, its top_k experts and the shared expert of a sparse layer, so
+`active_parameters` and the FLOP count (`matmul_parameters`, hence MFU) count top_k of the E experts.
+
 A test ties `parameter_count` to the real module at tiny size, so the figures for the shipped
 large configs can be trusted without building them.
 """
@@ -12,22 +17,31 @@ import math
 
 from cplm_dist.config import Config
 from cplm_dist.config.backbones import backbone
-from cplm_dist.model.layer_shapes import layer_shapes, norm_shapes
+from cplm_dist.config.sparse import expert_tp
+from cplm_dist.model.layer_shapes import ParameterShape, model_layer_shapes, norm_shapes
 from cplm_dist.model.loss import padded_vocab_size
 from cplm_dist.model.mixes import MIXES
 
 
-def layer_tensors(cfg: Config) -> list[tuple[int, bool, bool]]:
-    """(elements over all tp ranks, split over tp, a weight matrix) of each parameter tensor of
-    one transformer layer, in module order: the layer's own shapes (cplm_dist.model.layer_shapes:
-    norm, QKV, the qk-norm slot, attention out, norm, MLP fc1 and fc2, biases where the backbone
-    has them), so whatever slot a layer gains is counted here as it is built."""
-    return [(s.numel, s.split is not None, s.matrix) for s in layer_shapes(cfg.model)]
+def _all_layers(cfg: Config, layers: int | None = None) -> list[ParameterShape]:
+    """Every parameter tensor of the model's layers (or of `layers` of them: model_layer_shapes), in
+    module order: each layer's own shapes (cplm_dist.model.layer_shapes: norm, QKV, the qk-norm
+    slot, attention out, norm, MLP fc1 and fc2 or the sparse slot, biases where the backbone has
+    them), so whatever slot a layer gains is counted here as it is built."""
+    return [s for shapes in model_layer_shapes(cfg.model, layers) for s in shapes]
 
 
-def _layer_matrices(cfg: Config) -> int:
-    """Weight-matrix parameters of one transformer layer (QKV, attention out, MLP fc1 and fc2)."""
-    return sum(n for n, _, matrix in layer_tensors(cfg) if matrix)
+def _active_numel(s: ParameterShape, cfg: Config) -> float:
+    """What of a tensor one token uses: a routed expert's top_k / E (each token meets top_k of the
+    E equal experts), everything else whole."""
+    e = cfg.model.moe
+    return s.numel * e.top_k / e.num_experts if s.expert is not None else s.numel
+
+
+def _layer_matrices(cfg: Config, layers: int | None = None) -> int:
+    """Weight-matrix parameters one token multiplies in the layers (QKV, attention out, MLP fc1 and
+    fc2; in a sparse layer the router, top_k experts and the shared expert)."""
+    return round(sum(_active_numel(s, cfg) for s in _all_layers(cfg, layers) if s.matrix))
 
 
 def _norm_tensors(cfg: Config) -> list[int]:
@@ -67,7 +81,7 @@ def parameter_count(cfg: Config, *, padded: bool = False) -> dict[str, int]:
     parts = {
         "embedding": vocab * D,
         "positions": _positions(cfg),
-        "layers": m.num_layers * sum(n for n, _, _ in layer_tensors(cfg)),
+        "layers": sum(s.numel for s in _all_layers(cfg)),
         "final_norm": sum(_norm_tensors(cfg)),
         "lm_head": 0 if m.tie_embeddings else vocab * D,
         "copy_head": sum(copy_head_parameters(cfg)),
@@ -76,31 +90,41 @@ def parameter_count(cfg: Config, *, padded: bool = False) -> dict[str, int]:
     return parts
 
 
+def active_parameters(cfg: Config) -> int:
+    """Parameters one token uses (parameter_count's total for a dense model): a sparse layer's
+    router, top_k of its E experts and its shared expert, and everything outside the experts."""
+    idle = sum(s.numel - _active_numel(s, cfg) for s in _all_layers(cfg) if s.expert is not None)
+    return parameter_count(cfg)["total"] - round(idle)
+
+
 def parameters_per_device(cfg: Config, tp: int) -> float:
     """Parameters one tp rank holds (before ZeRO-3 sharding), padded vocabulary included: the
-    tp-split matrices / tp, plus what every rank replicates (norms, the copy head)."""
+    tp-split matrices / tp, plus what every rank replicates (norms, the copy head); a sparse
+    layer's experts split over parallel.expert_tp and, whole experts, over parallel.ep."""
     m = cfg.model
     vocab = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp)
-    split_layer = sum(n for n, split, _ in layer_tensors(cfg) if split)
-    split = m.num_layers * split_layer + vocab * m.hidden_size * (1 if m.tie_embeddings else 2)
-    return split / tp + replicated_parameters(cfg)
+    shapes = _all_layers(cfg)
+    split = sum(s.numel for s in shapes if s.split is not None and s.expert is None)
+    split += vocab * m.hidden_size * (1 if m.tie_embeddings else 2)
+    experts = sum(s.numel / (expert_tp(cfg) if s.split is not None else 1) for s in shapes if s.expert is not None)
+    return split / tp + replicated_parameters(cfg) + experts / cfg.parallel.ep
 
 
 def replicated_parameters(cfg: Config) -> int:
-    """Parameters every tp rank holds whole: the norms, the copy head, and where the backbone has
-    them the row-parallel linears' biases and learned positions (under sequence parallelism, the
-    ones whose gradients are summed over tp)."""
-    per_layer = sum(n for n, split, _ in layer_tensors(cfg) if not split)
-    return cfg.model.num_layers * per_layer + sum(_norm_tensors(cfg)) + _positions(cfg) + sum(copy_head_parameters(cfg))
+    """Parameters every tp rank holds whole: the norms, the copy head, a sparse layer's router and
+    shared-expert gate, and where the backbone has them the row-parallel linears' biases and
+    learned positions (under sequence parallelism, the ones whose gradients are summed over tp)."""
+    layers = sum(s.numel for s in _all_layers(cfg) if s.split is None)
+    return layers + sum(_norm_tensors(cfg)) + _positions(cfg) + sum(copy_head_parameters(cfg))
 
 
 def matmul_parameters(cfg: Config, *, layers: int | None = None, heads: bool = True) -> int:
     """Parameters that multiply an activation once per token (docs/performance.md): every weight
-    matrix of `layers` transformer layers (default all) and, with `heads`, the LM head (V x D, tied
-    or not) and the copy head's q, k and gate; not the embedding lookup, the norms or biases."""
+    matrix of `layers` transformer layers (default all; a sparse layer's router, top_k experts and
+    shared expert) and, with `heads`, the LM head (V x D, tied or not) and the copy head's q, k and
+    gate; not the embedding lookup, the norms or biases."""
     m = cfg.model
-    n = (m.num_layers if layers is None else layers) * _layer_matrices(cfg)
-    return n + (m.vocab_size * m.hidden_size + copy_head_parameters(cfg)[0] if heads else 0)
+    return _layer_matrices(cfg, layers) + (m.vocab_size * m.hidden_size + copy_head_parameters(cfg)[0] if heads else 0)
 
 
 def tensor_sizes_per_device(cfg: Config, tp: int, *, layers: int | None = None, first: bool = True,
@@ -113,10 +137,8 @@ def tensor_sizes_per_device(cfg: Config, tp: int, *, layers: int | None = None, 
     m, c = cfg.model, cfg.copy
     D = m.hidden_size
     vocab_rows = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp) // tp
-    layer = [n // tp if split else n for n, split, _ in layer_tensors(cfg)]
-    layers = m.num_layers if layers is None else layers
     sizes = [vocab_rows * D] + ([_positions(cfg)] if _positions(cfg) else []) if first else []
-    sizes += layer * layers
+    sizes += [_local_size(s, cfg, tp) for s in _all_layers(cfg, layers) if _held(s, cfg)]
     if last:
         sizes += [vocab_rows * D] if m.tie_embeddings and not first else []
         sizes += _norm_tensors(cfg) + ([] if m.tie_embeddings else [vocab_rows * D])
@@ -124,3 +146,15 @@ def tensor_sizes_per_device(cfg: Config, tp: int, *, layers: int | None = None, 
             width = c.num_heads * c.head_dim
             sizes += [width * D, width * D] + [n for n, _ in _copy_mix_tensors(cfg)]
     return sizes
+
+
+def _held(s: ParameterShape, cfg: Config) -> bool:
+    """One rank holds E/ep of a sparse layer's experts (their local ids 0 .. E/ep - 1: the same shapes)."""
+    return s.expert is None or s.expert < cfg.model.moe.num_experts // cfg.parallel.ep
+
+
+def _local_size(s: ParameterShape, cfg: Config, tp: int) -> int:
+    """Elements of `s` one rank holds: split over tp, an expert's over parallel.expert_tp."""
+    if s.split is None:
+        return s.numel
+    return s.numel // (expert_tp(cfg) if s.expert is not None else tp)

@@ -4,14 +4,18 @@ backbone's record (cplm_dist.config.backbones). The modules build themselves fro
 its qk-norm slot, the MLP, the norms); counting (cplm_dist.model.counting) and the memory estimator
 (cplm_dist.profiling.memory) read the same entries, so a new slot is counted where it is defined.
 
-    layer_shapes(m)      the layer, in module order:  attn_norm.*, attention.*, mlp_norm.*, mlp.*
+    layer_shapes(m, i)   layer i, in module order:  attn_norm.*, attention.*, mlp_norm.*, mlp.*
     attention_shapes(m)  qkv, [q_norm, k_norm], proj           (biases where the backbone has them)
     mlp_shapes(m)        fc1 ([gate; up] for a gated MLP), fc2
+    sparse_mlp_shapes(m) the sparse slot (model.moe): router, each expert by global id, the shared expert
     norm_shapes(m, dim)  weight [, bias]
     muon_shapes(m, copy) what Muon orthogonalises (a layer's 2-D weights, the copy head's q and k), by name
 
-A test ties every entry to the built module's parameters (name, full shape, split) at tp 1 and 2
-(tests/test_model.py). No megatron-core here: the arithmetic modules import without it.
+Layers differ only in their MLP slot: a layer of model.moe.sparse_layers has the sparse one
+(cplm_dist.model.moe), whose experts carry their global id (`expert`) and are split over
+parallel.expert_tp (= tp by default; at expert_tp = 1 they are whole on every tp rank) and, whole
+experts, over parallel.ep. A test ties every entry to the built module's parameters (name, full
+shape, split) at tp 1 and 2, dense and sparse (tests/test_model.py). No megatron-core here: the arithmetic modules import without it.
 """
 
 from __future__ import annotations
@@ -31,7 +35,8 @@ class ParameterShape:
     """One parameter tensor of a layer: `shape` is the whole tensor (all tp ranks together); `split`
     the dimension cut over tp (Megatron's strided way with `stride`), None where every tp rank holds
     it whole; `matrix` where it multiplies the activation once a token (the FLOP count's N_matmul);
-    `grad_sum` (replicated tensors) when its gradient is summed over tp."""
+    `grad_sum` (replicated tensors) when its gradient is summed over tp; `expert` the global id of
+    the routed expert it belongs to (None: every token uses it)."""
 
     name: str
     shape: tuple[int, ...]
@@ -39,6 +44,7 @@ class ParameterShape:
     stride: int = 1
     matrix: bool = False
     grad_sum: str | None = None
+    expert: int | None = None
 
     @property
     def numel(self) -> int:
@@ -108,10 +114,43 @@ def mlp_shapes(m: ModelConfig) -> list[ParameterShape]:
     return _under("fc1", fc1) + _under("fc2", row_shapes(m.hidden_size, m.ffn_hidden_size, b.bias))
 
 
-def layer_shapes(m: ModelConfig) -> list[ParameterShape]:
-    """Every parameter of one transformer layer (cplm_dist.model.block), in module order."""
+def sparse_mlp_shapes(m: ModelConfig) -> list[ParameterShape]:
+    """The sparse slot (megatron's MoE layer, cplm_dist.model.moe), in module order: the router
+    (E, D), replicated, its gradient summed over tp under sequence parallelism (each rank routes its
+    own positions); each expert's fc1 and fc2 under its global id (megatron's SequentialMLP keys,
+    an expert's width model.moe.ffn_hidden_size; no biases); the shared expert's gate (1, D,
+    replicated like the router) and its fc1 and fc2, split over tp like the dense MLP's."""
+    e, gated = m.moe, backbone(m).gated_mlp
+    width, stride = (2, 2) if gated else (1, 1)
+    f = e.ffn_hidden_size or m.ffn_hidden_size
+    out = [ParameterShape("router.weight", (e.num_experts, m.hidden_size), matrix=True, grad_sum=UNDER_SEQUENCE_PARALLEL)]
+    for j in range(e.num_experts):
+        expert = (_under("linear_fc1", column_shapes(width * f, m.hidden_size, False, stride))
+                  + _under("linear_fc2", row_shapes(m.hidden_size, f, False)))
+        out += [replace(s, expert=j) for s in _under(f"experts.local_experts.{j}", expert)]
+    if e.shared_ffn_hidden_size:
+        fs = e.shared_ffn_hidden_size
+        if e.shared_gate:
+            out.append(ParameterShape("shared_experts.gate_weight", (1, m.hidden_size), matrix=True,
+                                      grad_sum=UNDER_SEQUENCE_PARALLEL))
+        out += _under("shared_experts", _under("linear_fc1", column_shapes(width * fs, m.hidden_size, False, stride))
+                      + _under("linear_fc2", row_shapes(m.hidden_size, fs, False)))
+    return out
+
+
+def layer_shapes(m: ModelConfig, index: int = 0) -> list[ParameterShape]:
+    """Every parameter of transformer layer `index` (cplm_dist.model.block), in module order; its
+    MLP slot the sparse one where model.moe makes that layer sparse."""
+    sparse = index in m.moe.sparse_layers(m.num_layers)
     return (_under("attn_norm", norm_shapes(m)) + _under("attention", attention_shapes(m))
-            + _under("mlp_norm", norm_shapes(m)) + _under("mlp", mlp_shapes(m)))
+            + _under("mlp_norm", norm_shapes(m)) + _under("mlp", sparse_mlp_shapes(m) if sparse else mlp_shapes(m)))
+
+
+def model_layer_shapes(m: ModelConfig, layers: int | None = None) -> list[list[ParameterShape]]:
+    """Each layer's shapes: all model.num_layers, or the first `layers` of them (a pipeline stage's
+    count: exact for a dense model or an evenly sparse one, an approximation where
+    model.moe.first_dense_layers or layer_freq make layers differ)."""
+    return [layer_shapes(m, i) for i in range(m.num_layers if layers is None else layers)]
 
 
 # a layer's QKV weight: orthogonalised per projection (queries, keys, values) under optim.muon.split_qkv
@@ -123,7 +162,8 @@ def muon_shapes(m: ModelConfig, copy: CopyConfig | None = None) -> dict[str, Par
     prices them) by name: a layer's 2-D weights under their name in the layer (QKV, attention out,
     MLP fc1 and fc2) and, given `copy` (optim.muon.copy_head) with the copy head on, its query and
     key projections. Norms, the qk-norm slot, biases, the embedding and the LM head are AdamW's."""
-    out = {s.name: s for s in layer_shapes(m) if len(s.shape) == 2}
+    dense = replace(m, moe=replace(m.moe, num_experts=0))  # a sparse slot's router and experts stay AdamW's (as built)
+    out = {s.name: s for s in layer_shapes(dense) if len(s.shape) == 2}
     if copy is not None and copy.enabled:
         width = copy.num_heads * copy.head_dim
         for name in ("copy_head.q.weight", "copy_head.k.weight"):

@@ -73,7 +73,7 @@ class SparseMLP(torch.nn.Module):
                  dtype: torch.dtype = torch.float32, device: torch.device | None = None):
         super().__init__()
         mods = moe_modules()
-        mods.router_module.save_to_aux_losses_tracker = record_aux_loss  # the router reports its losses to us
+        mods.router_module.save_to_aux_losses_tracker = record_aux_loss  # megatron's tracker allocates on CUDA
         config = megatron_moe_config(m, tp_size, sequence_parallel, dtype, device or torch.device("cpu"))
         spec = mods.get_moe_module_spec(use_te=False, num_experts=m.moe.num_experts, moe_grouped_gemm=False)
         layer = mods.build_module(spec, config=config, layer_number=layer_index + 1)
@@ -115,13 +115,17 @@ class SparseMLP(torch.nn.Module):
         dist.all_reduce(grad, group=self.tp_group)
         return grad
 
-    @torch.no_grad()
     def _count(self, router, inputs, output) -> None:
-        """Per training forward: routed tokens per expert, dropped assignments, router entropy."""
-        if not (router.training and torch.is_grad_enabled()):
+        """Per training forward: routed tokens per expert, dropped assignments, router entropy. Not
+        in evaluation (no grad), nor when activation checkpointing runs the layer again inside the
+        backward pass (the same tokens: counted in their forward)."""
+        if not (router.training and torch.is_grad_enabled()) or torch._C._current_graph_task_id() != -1:
             return
-        _, routing_map = output
-        x = inputs[0].reshape(-1, inputs[0].shape[-1]).float()
+        with torch.no_grad():  # the check above reads the caller's grad mode: a no_grad decorator would hide it
+            self._add_counts(router, inputs[0], output[1])
+
+    def _add_counts(self, router, x: torch.Tensor, routing_map: torch.Tensor) -> None:
+        x = x.reshape(-1, x.shape[-1]).float()
         self.load += routing_map.sum(0).double().to(self.load.device)
         logits = F.linear(x, router.weight.float())
         if router.score_function == "softmax":

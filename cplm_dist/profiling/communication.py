@@ -82,7 +82,7 @@ from collections import defaultdict
 
 from cplm_dist.config import Config
 from cplm_dist.model.counting import copy_head_parameters, replicated_parameters
-from cplm_dist.model.layer_shapes import ALWAYS, UNDER_SEQUENCE_PARALLEL, layer_shapes
+from cplm_dist.model.layer_shapes import ALWAYS, UNDER_SEQUENCE_PARALLEL, model_layer_shapes
 from cplm_dist.model.loss import padded_vocab_size
 from cplm_dist.model.mixes import MIXES
 from cplm_dist.model.parallel.stages import pipeline_stages, stage_tensor_sizes
@@ -110,13 +110,13 @@ def tp_bytes_per_micro_batch(cfg: Config, *, tp: int, tokens: int, act_bytes: in
     emb, head = int(first), int(last)
     ckpt = 1 if activation_checkpointing else 0  # a recomputed layer repeats all but its MLP's output collective
     loss = 3 * 4 * tokens * head
-    shapes = layer_shapes(m)  # a layer's replicated weights whose gradients are summed over tp
-    heads = L * sum(s.numel for s in shapes if s.grad_sum == ALWAYS)  # the qk-norm's (over each rank's own heads)
+    shapes = [s for layer in model_layer_shapes(m, layers) for s in layer]  # replicated weights whose gradients are summed over tp
+    heads = sum(s.numel for s in shapes if s.grad_sum == ALWAYS)  # the qk-norm's (over each rank's own heads)
     if not sequence_parallel:
         return {"all_reduce": h * (2 * L + emb + 2 * L + head + ckpt * L) + loss + heads * act_bytes}
     keys = 4 * tokens * c.num_heads * c.head_dim * head if c.enabled else 0
     terms = 4 * tokens * _copy_terms(cfg) * head if c.enabled else 0
-    layer = L * sum(s.numel for s in shapes if s.grad_sum == UNDER_SEQUENCE_PARALLEL)  # norms (each rank's positions)
+    layer = sum(s.numel for s in shapes if s.grad_sum == UNDER_SEQUENCE_PARALLEL)  # norms, a router (each rank's positions)
     norms = layer + heads + head * (m.hidden_size + sum(copy_head_parameters(cfg)))  # the replicated weights
     if layers is None:
         assert norms == replicated_parameters(cfg)

@@ -276,7 +276,9 @@ def layer_activation_bytes_per_token(cfg: Config, tp: int, act_bytes: int, cp: i
     m, b, bb = cfg.model, act_bytes, backbone(cfg.model)
     shapes = by_name(layer_shapes(m))
     D, hd = m.hidden_size, m.head_dim
-    F = shapes["mlp.fc2.weight"].local_shape(tp)[1]  # this rank's MLP width
+    e = m.moe  # a sparse layer (model.moe) as a dense MLP of its active width, top_k experts + the shared one (dispatch buffers not counted)
+    F = (shapes["mlp.fc2.weight"].local_shape(tp)[1] if "mlp.fc2.weight" in shapes  # this rank's MLP width
+         else (e.top_k * (e.ffn_hidden_size or m.ffn_hidden_size) + e.shared_ffn_hidden_size) // tp)
     qkv = shapes["attention.qkv.weight"].local_shape(tp)[0]  # this rank's fused QKV width, (nh + 2 nkv) hd
     nh, nkv = m.num_heads // tp, m.num_kv_heads // tp
     norms = 2 * NORM_SAVED[bb.norm](D, b) / sequence_shards(cfg, tp)

@@ -47,7 +47,7 @@ from cplm_dist.distributed.lost_rank import lost_rank_message
 from cplm_dist.evaluation.in_loop import in_loop_eval
 from cplm_dist.interop.init_from import init_source, initialise_from
 from cplm_dist.model.copy_head import check_copy_impl
-from cplm_dist.model.counting import parameter_count
+from cplm_dist.model.counting import active_parameters, parameter_count
 from cplm_dist.model.parallel.context import context_of
 from cplm_dist.model.parallel.stages import stage_summary
 from cplm_dist.train.diagnostics import diagnose, due
@@ -350,7 +350,9 @@ def summarize(log: RunLog, ckpt: Checkpointer, dims: ParallelDims, steps_run: in
 
 def banner(cfg: Config, dims: ParallelDims, accumulation: int, resume_tag: str | None) -> str:
     t = cfg.train
-    return (f"cplm_dist: {cfg.model.name} {parameter_count(cfg)['total'] / 1e6:.1f}M parameters, "
+    total, active = parameter_count(cfg)["total"], active_parameters(cfg)  # a sparse model: a token uses top_k experts
+    return (f"cplm_dist: {cfg.model.name} {total / 1e6:.1f}M parameters"
+            + (f" ({active / 1e6:.1f}M active a token)" if active != total else "") + ", "
             f"copy {cfg.copy.mix + '/' + cfg.copy.paste if cfg.copy.enabled else 'off'}, tp={dims.tp_size} "
             + (f"pp={dims.pp_size} " if dims.pp_size > 1 else "") + (f"cp={dims.cp_size} " if dims.cp_size > 1 else "")
             + f"dp={dims.dp_size} ZeRO-{t.zero_stage} {t.precision}, global batch {t.global_batch_size} = "

@@ -6,7 +6,8 @@ and is dropped for the rest of this start; training and metrics.jsonl go on.
     <out_dir>/logs/metrics.jsonl     one record per line: {"event": "train" | "valid" | "resume" | "summary", ...}
     <out_dir>/logs/tensorboard/      event files (`tensorboard --logdir <out_dir>/logs/tensorboard`)
 
-A resumed run appends; when steps repeat after a resume, the later record of a step is the one
+A sparse model's train records carry its routing under "moe" (per layer and over layers:
+cplm_dist.training.moe_log). A resumed run appends; when steps repeat after a resume, the later record of a step is the one
 that counts (`read_metrics` keeps it). Each resume first records the work it repeats,
 {"event": "resume", "step": N, "reached": M, "recomputed": M - N}: M is the highest step the run
 before it logged (exact at train.log_interval=1, else the last logged step), so summing
@@ -26,6 +27,7 @@ import torch.distributed as dist
 from cplm_dist.config import Config
 from cplm_dist.config.curriculum import source_names
 from cplm_dist.distributed import ParallelDims
+from cplm_dist.training.moe_log import MoEWindow, console
 from cplm_dist.training.reduction import source_figures
 from cplm_dist.training.step import StepResult
 from cplm_dist.training.throughput import device_peak_flops, flops_per_token, peak_memory_bytes
@@ -51,6 +53,8 @@ class RunLog:
         self.device, self.hosts = device, dims.hosts
         self.source_names = source_names(cfg)
         self.source_tokens = dict.fromkeys(self.source_names, 0)  # cumulative trained tokens (load_state on resume)
+        # a sparse model's routing figures over the window, every stage's at pp > 1 (cplm_dist.training.moe_log)
+        self.moe = MoEWindow(dims.pp_group if dims.pp_size > 1 else None) if cfg.model.moe.num_experts else None
         self._new_window()
         if not self.enabled:
             return
@@ -118,6 +122,8 @@ class RunLog:
             w["lm"].append(result.lm_loss)
             w["share"].append(result.copy_share)
             w["sources"] = [a + b for a, b in zip(w["sources"], result.source_sums)] or w["sources"]
+            if self.moe is not None:
+                self.moe.add(result.moe)
         w["time"] += seconds
         w["data_wait"] += result.data_wait_s
         w["steps"] += 1
@@ -140,12 +146,15 @@ class RunLog:
             "data_wait_max_rank": waits.index(max(waits)),
         }
         record["sources"] = self.sources_record(w["sources"])  # per source: token means over the window's good steps
+        if self.moe is not None:  # every rank: the stages' figures are gathered over pp
+            record["moe"] = self.moe.record()
         self.record("train", record)
         self.info(f"step {step:>6}/{self.total_steps} | loss {record['loss']:.4f} | lm {record['lm_loss']:.4f} | "
                   f"copy share {record['copy_share']:.3f} | lr {record['lr']:.2e} | grad norm {result.grad_norm:.3f} | "
                   f"{tps:,.0f} tok/s | {record['tflops_per_device']:.2f} TFLOP/s/device"
                   + (f" | MFU {record['mfu']:.1%}" if record["mfu"] is not None else "")
                   + f" | mem {record['peak_memory_gb']:.2f} GB"
+                  + console(record.get("moe", {}))
                   + (f" | data wait {max(waits):.3f}s (rank {record['data_wait_max_rank']}{self.hosts.on_host(record['data_wait_max_rank'])})"
                      if max(waits) > 0.05 * record["step_time_s"] else ""))
         self._new_window()

@@ -10,7 +10,9 @@ activations + backward of weights). Forward FLOPs per token:
 d_attn = num_heads x model.head_dim, the width of q (hidden_size unless model.head_dim says
 otherwise: Qwen3's 16 x 128 beside hidden 1024). N_matmul counts every parameter that multiplies
 an activation: QKV, attention output, MLP, the LM head (V x D, tied or not) and the copy head's q,
-k and gate; not the embedding lookup or the norms. The attention term is PaLM's (Chowdhery et al.
+k and gate; not the embedding lookup or the norms. In a sparse layer (model.moe) a token meets
+the router, top_k of the E experts and the shared expert: N_matmul counts those (active
+parameters, cplm_dist.model.counting), so MFU is on the FLOPs a token costs. The attention term is PaLM's (Chowdhery et al.
 2022, appendix B) and Megatron's: the full T x T product, although causal kernels skip about half
 of it; MFU by this convention is comparable with their published figures. So per token: 6 * N_matmul + 12 * L * T * d_attn + 6 * T * H_c * d_c.
 

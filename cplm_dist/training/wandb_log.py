@@ -13,7 +13,8 @@ into that one run. Steps a resume recomputes (metrics.jsonl keeps the later reco
 online by W&B, which keeps a run's steps increasing: its history shows the first values.
 
 Every record of metrics.jsonl that has a step goes to W&B as `<event>/<key>` ("train/loss",
-"valid/loss", "resume/recomputed"); the run's name is train.out_dir's last part, its config
+"valid/loss", "resume/recomputed"; a sparse model's "train/moe/L0/max_load", its
+"train/moe/L0/tokens_per_expert/<expert>"); the run's name is train.out_dir's last part, its config
 the whole resolved config, its group and tags train.wandb_group and train.wandb_tags.
 
 W&B is an outside service: when it fails (it does not start -- no login, no route, a bad entity
@@ -114,13 +115,16 @@ def wandb_values(event: str, values: dict) -> dict:
 
 
 def flat_values(prefix: str, values: dict) -> dict:
-    """{"<prefix>/<key>[/<sub>...]": value} of a record without its step: nested dicts flattened."""
+    """{"<prefix>/<key>[/<sub>...]": value} of a record without its step: nested dicts flattened, a
+    list of numbers as one key an item (`<key>/<index>`)."""
     out = {}
     for key, value in values.items():
         if key == "step" and "/" not in prefix:
             continue
         if isinstance(value, dict):
             out.update(flat_values(f"{prefix}/{key}", value))
+        elif isinstance(value, list) and value and all(isinstance(v, (int, float)) for v in value):
+            out.update({f"{prefix}/{key}/{i}": v for i, v in enumerate(value)})  # per expert: moe/L<i>/tokens_per_expert/<j>
         else:
             out[f"{prefix}/{key}"] = value
     return out

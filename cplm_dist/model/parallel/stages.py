@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 
 from cplm_dist.config import Config
 from cplm_dist.model.counting import parameter_count, parameters_per_device, tensor_sizes_per_device
+from cplm_dist.model.layer_shapes import model_layer_shapes
 from cplm_dist.model.loss import padded_vocab_size
 
 
@@ -42,7 +43,8 @@ def pipeline_layers(cfg: Config) -> list[PipelineLayer]:
     vocab = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, cfg.parallel.tp)
     parts = parameter_count(cfg)
     layers = [PipelineLayer("embedding", "", vocab * D + parts["positions"], True)]
-    layers += [PipelineLayer("layer", f"layers.{i}.", parts["layers"] // m.num_layers, True) for i in range(m.num_layers)]
+    layers += [PipelineLayer("layer", f"layers.{i}.", sum(s.numel for s in shapes), True)
+               for i, shapes in enumerate(model_layer_shapes(m))]  # a sparse layer weighs its experts
     if m.tie_embeddings:
         layers.append(PipelineLayer("tied", "", 0, False))
     return layers + [PipelineLayer("head", "", vocab * D + parts["final_norm"] + parts["copy_head"], True)]
