@@ -15,7 +15,9 @@ Buffers: `router.expert_bias` (auxiliary-loss-free balancing, persistent), the s
 The auxiliary losses reach the gradient through megatron's MoEAuxLossAutoScaler, whose scale the
 train step sets to 1 / accumulation (`set_aux_loss_scale`), the factor DeepSpeed applies to the LM
 loss; they are never part of the LM loss or the copy share. `update_expert_bias` applies the step's
-summed token counts once a step, after every micro-batch (cplm_dist.training.step).
+summed token counts once a step, after every micro-batch (cplm_dist.training.step); a training
+forward counts once, recomputed or not (cplm_dist.model.moe_recompute). Split linears (the
+experts at expert_tp > 1, the shared expert) carry megatron's tp marks (`_mark_splits`).
 """
 
 from __future__ import annotations
