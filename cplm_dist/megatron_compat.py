@@ -215,7 +215,11 @@ def moe_modules() -> types.SimpleNamespace:
     - the aux-loss tracker allocates with device="cuda": the router's tracker calls go to ours
       instead (cplm_dist.model.moe_stats, which our logs read; cplm_dist.model.moe points
       `router_module.save_to_aux_losses_tracker` there, the model package being above this one).
-    With CUDA only the last two apply. A megatron-core other than MOE_MENDED is refused for MoE
+    - uneven all-gathers: at expert_tp > 1 the all-to-all dispatcher gathers each tp rank's routed
+      tokens, a different count per rank, with torch's list all_gather, which gloo refuses for
+      unequal sizes; on gloo they are padded to the largest and cut back (`_gather_uneven`).
+    With CUDA only the aux-loss tracker and the split sizes apply (and the gather on gloo). A
+    megatron-core other than MOE_MENDED is refused for MoE
     with one line (the dense model is unaffected)."""
     from cplm_dist.errors import ConfigError
 
@@ -246,9 +250,29 @@ def moe_modules() -> types.SimpleNamespace:
         return mappings.all_to_all(group, input_, listed(output_split_sizes_), listed(input_split_sizes))
 
     token_dispatcher.all_to_all = all_to_all
+    if not getattr(mappings._gather_along_first_dim, "_cplm_uneven", False):
+        mappings._gather_along_first_dim = _gather_uneven(mappings._gather_along_first_dim)
     return types.SimpleNamespace(TransformerConfig=TransformerConfig, MoELayer=moe_layer.MoELayer,
                                  TopKRouter=router.TopKRouter, router_module=router, moe_utils=moe_utils,
                                  get_moe_module_spec=get_moe_module_spec, build_module=build_module)
+
+
+def _gather_uneven(gather):
+    """megatron's _gather_along_first_dim, whose uneven form (`output_split_sizes`) gloo refuses:
+    there each rank's rows are padded to the largest count, gathered, and cut back to their sizes."""
+
+    def gathered(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or group.size() == 1 or torch.distributed.get_backend(group) != "gloo":
+            return gather(input_, group, output_split_sizes, use_global_buffer)
+        largest = max(output_split_sizes)
+        padded = input_.new_zeros((largest, *input_.shape[1:]))
+        padded[:input_.shape[0]] = input_
+        pieces = [torch.empty_like(padded) for _ in output_split_sizes]
+        torch.distributed.all_gather(pieces, padded.contiguous(), group=group)
+        return torch.cat([piece[:n] for piece, n in zip(pieces, output_split_sizes)])
+
+    gathered._cplm_uneven = True
+    return gathered
 
 
 def collective_holders() -> list:

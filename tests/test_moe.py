@@ -4,9 +4,15 @@ dense per-token reference, and sparse runs at every layout equal to one process 
 The reference routes each token alone: the router's logits x W^T, its scores (softmax or sigmoid
 plus the expert bias for the choice), the top-k, their weights (renormalised where the config
 says), and the weighted sum of the chosen experts' SwiGLU outputs, plus the shared expert (scaled
-by its gate). Outputs and every gradient are compared."""
+by its gate). Outputs and every gradient are compared.
+
+The layouts (docs/moe.md, Expert parallelism) are compared with one shared one-process run, loss and
+gradient norm at each of 10 steps: six 2-rank layouts, ep x pp at 4 ranks, and the batch cut
+differently with activation checkpointing; bad expert layouts exit 2 with one line."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,8 +20,8 @@ import torch.nn.functional as F
 
 from cplm_dist.config import load_config
 from cplm_dist.distributed import destroy_distributed, init_distributed
-from tests.spawn import run_ranks
-from tests.test_train import REPO, argv, losses, train
+from cplm_dist.training.run_log import read_metrics
+from tests.test_train import REPO, argv, run_cli, train
 
 LAYER_CASES = {
     "alltoall": [],
@@ -133,28 +139,131 @@ def test_an_expert_layout_that_does_not_fit_the_world_is_one_line():
         check_expert_world(cfg, 2)
 
 
+def test_a_training_forward_counts_its_tokens_once_recomputed_or_not(one_rank):
+    """The routed-token counts (megatron's, for the expert bias and the global auxiliary loss; ours,
+    for the logs) grow once per training forward: not in evaluation nor under no_grad, and not again
+    when activation checkpointing recomputes the layer in backward (cplm_dist.model.moe_recompute),
+    where the global auxiliary loss's gradient is also the one its forward computed (2 micro-batches:
+    its running average over them)."""
+    from cplm_dist.model.cplm import build_model
+    from cplm_dist.model.moe import sparse_layers
+
+    cfg = load_config(REPO / "configs/quickstart.yaml", ["model.num_layers=2", "model.hidden_size=32", "model.num_heads=4",
+                                                        "model.num_kv_heads=2", "model.ffn_hidden_size=24",
+                                                        "model.vocab_size=512", "model.moe.num_experts=4",
+                                                        "model.moe.score=sigmoid", "model.moe.expert_bias=true",
+                                                        "model.moe.aux_loss=global"])
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    layers = sparse_layers(model)
+    micro_batches = [torch.randint(0, 512, (2, 16)) for _ in range(2)]
+
+    def counters():
+        return [t.clone() for layer in layers for t in layer._counters()]
+
+    def step(recompute: bool):
+        for layer in model.layers:
+            layer.recompute = recompute
+        model.zero_grad()
+        for ids in micro_batches:
+            model(ids).nll.sum().backward()
+        found = counters(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        for layer in layers:
+            for t in layer._counters():
+                t.zero_()
+            layer.reset_replay()
+        return found
+
+    model.eval()
+    with torch.no_grad():
+        model(micro_batches[0])
+    model.train()
+    with torch.no_grad():
+        model(micro_batches[0])
+    assert all(not t.any() for t in counters()), "evaluation and no_grad forwards count nothing"
+    (plain, plain_grads), (recomputed, recomputed_grads) = step(False), step(True)
+    assert float(plain[0].sum()) == 2 * 2 * 16 * 2  # megatron's: micro-batches x tokens x top-k
+    assert float(plain[3].sum()) == 2 * 2 * 16 * 2  # our own load figure counts them too
+    for a, b in zip(plain, recomputed):
+        torch.testing.assert_close(a, b)
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(recomputed_grads[name], grad, msg=name)
+
+
 # --- sparse runs at every layout equal one process ------------------------------------------------
 
 SPARSE = ("model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.aux_loss=sequence", "model.moe.aux_loss_coeff=0.01",
-          "train.global_batch_size=4", "train.micro_batch_size=2", "optim.clip_grad=0.05", "train.precision=fp32")
+          "model.moe.score=sigmoid", "model.moe.expert_bias=true", "train.global_batch_size=4", "train.micro_batch_size=2",
+          "optim.clip_grad=0.05", "train.precision=fp32", "train.train_steps=10")
+TP_SP = ("parallel.tp=2", "parallel.sequence_parallel=true")
+
+
+def trajectory(out_dir) -> dict[int, tuple[float, float]]:
+    """step -> (loss, gradient norm before clipping) from a run's metrics."""
+    return {s: (r["loss"], r["grad_norm"]) for s, r in read_metrics(Path(out_dir) / "logs" / "metrics.jsonl").items()}
 
 
 @pytest.fixture(scope="module")
 def one_process(small_data, tmp_path_factory):
-    """The straight sparse run every layout is compared with: one process, 10 steps."""
+    """The straight sparse run every layout is compared with: one process, 10 steps, micro-batch 2
+    x accumulation 2, the per-sequence auxiliary loss and the expert bias on, clipping every step."""
     out = tmp_path_factory.mktemp("moe-one") / "run"
-    assert train(1, argv(small_data, out, *SPARSE, "train.train_steps=10")) == [0]
-    return losses(out)
+    assert train(1, argv(small_data, out, *SPARSE)) == [0]
+    return trajectory(out)
 
 
-@pytest.mark.parametrize("layout", [
-    ("parallel.ep=2", "train.zero_stage=1"),
-    ("parallel.ep=2", "train.zero_stage=2"),
-    ("parallel.ep=2", "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.expert_tp=1", "train.zero_stage=1"),
-], ids=["ep2-dp2-zero1", "ep2-dp2-zero2", "ep2-tp2-sp-zero1"])
+def assert_follows(got: dict, want: dict) -> None:
+    """Loss and gradient norm (the one clipping used: each expert counted once) at every step, 1e-4."""
+    assert sorted(got) == sorted(want)
+    for step, (loss, norm) in want.items():
+        assert got[step][0] == pytest.approx(loss, abs=1e-4), ("loss", step)
+        assert got[step][1] == pytest.approx(norm, abs=1e-4, rel=1e-5), ("grad_norm", step)
+
+
+LAYOUTS = {  # 2 ranks each; what each adds
+    "dp2-zero0": ("train.zero_stage=0",),  # the engine's all-reduce path, our norm and clipping (ep > 1 at ZeRO-0 is refused)
+    "ep2-dp2-zero2": ("parallel.ep=2", "train.zero_stage=2"),
+    "ep2-tp2-etp1-zero1": ("parallel.ep=2", *TP_SP, "parallel.expert_tp=1", "train.zero_stage=1"),  # ep over the tp ranks
+    "ep2-tp2-etp1-zero2": ("parallel.ep=2", *TP_SP, "parallel.expert_tp=1", "train.zero_stage=2"),
+    "tp2-etp2-zero1": (*TP_SP, "parallel.expert_tp=2", "train.zero_stage=1"),  # experts split over tp (uneven gathers)
+    "ep2-cp2-zero1": ("parallel.ep=2", "parallel.cp=2", "train.zero_stage=1"),  # ep carved out of cp
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_a_sparse_run_at_ep2_equals_one_process(small_data, tmp_path, one_process, layout):
-    assert train(2, argv(small_data, tmp_path / "run", *SPARSE, "train.train_steps=10", *layout)) == [0, 0]
-    got = losses(tmp_path / "run")
-    assert sorted(got) == sorted(one_process)
-    for step in one_process:
-        assert got[step] == pytest.approx(one_process[step], abs=1e-4), step
+    assert train(2, argv(small_data, tmp_path / "run", *SPARSE, *LAYOUTS[layout])) == [0, 0]
+    assert_follows(trajectory(tmp_path / "run"), one_process)
+
+
+def test_a_sparse_pipeline_at_ep2_equals_one_process(small_data, tmp_path, one_process):
+    """ep 2 x pp 2 (1F1B, dp 2 a stage: 4 ranks): the layer indices a stage builds, the auxiliary
+    loss's gradient through DeepSpeed's pipeline engine and each stage's expert bias."""
+    layout = ("parallel.ep=2", "parallel.pp=2", "train.zero_stage=1", "train.micro_batch_size=1")
+    assert train(4, argv(small_data, tmp_path / "run", *SPARSE, *layout)) == [0] * 4
+    assert_follows(trajectory(tmp_path / "run"), one_process)
+
+
+def test_one_micro_batch_of_4_equals_two_of_2_recomputed(small_data, tmp_path, one_process):
+    """The same batch cut into 1 micro-batch of 4 instead of 2 of 2 trains alike: the per-sequence
+    auxiliary loss is invariant to the cut (micro_batch and global are not: docs/moe.md), the expert
+    bias moves once a step from the step's counts, and activation checkpointing counts nothing twice."""
+    layout = ("train.micro_batch_size=4", "train.activation_checkpointing=true")
+    assert train(1, argv(small_data, tmp_path / "run", *SPARSE, *layout)) == [0]
+    assert_follows(trajectory(tmp_path / "run"), one_process)
+
+
+@pytest.mark.parametrize("extra, world, expected", [
+    (("parallel.ep=2", "train.zero_stage=3"), None,
+     "error: parallel.ep > 1 with train.zero_stage=3: ZeRO-3 would partition each expert over ranks that do not hold "
+     "it; use train.zero_stage=1 or 2 (experts reduced over the expert-data-parallel group)"),
+    (("parallel.ep=3",), None, "error: parallel.ep=3 does not divide model.moe.num_experts=4: choose ep from [1, 2, 4]"),
+    (("parallel.ep=4", "train.zero_stage=1"), "2", "error: parallel.ep=4 x expert_tp=1 does not divide the 2 ranks of a pipeline stage "
+     "(tp x cp x dp): choose ep from [1, 2]"),
+], ids=["zero3", "ep-experts", "ep-world"])
+def test_an_expert_layout_that_cannot_work_is_one_line_exit_2(small_data, tmp_path, extra, world, expected):
+    env = {"RANK": "0", "WORLD_SIZE": world, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"} if world else None
+    proc = run_cli(argv(small_data, tmp_path / "run", *SPARSE, *extra), env)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert [line for line in proc.stderr.splitlines() if line.startswith(("error", "Traceback"))] == [expected]
+    assert not (tmp_path / "run").exists()

@@ -21,6 +21,7 @@ import torch.utils.checkpoint
 from cplm_dist.model.attention import Attention
 from cplm_dist.model.mlp import make_mlp
 from cplm_dist.model.moe import SparseMLP
+from cplm_dist.model.moe_recompute import checkpoint_contexts
 from cplm_dist.model.norm import make_norm
 from cplm_dist.model.parts import PartSpec
 from cplm_dist.model.static_cache import StaticKV
@@ -56,5 +57,7 @@ class TransformerLayer(torch.nn.Module):
             return self.block(x, cos, sin, masks, cache)
         block = self.compiled if self.compiled is not None else self.block
         if self.recompute and self.training and torch.is_grad_enabled():
-            return torch.utils.checkpoint.checkpoint(block, x, cos, sin, masks, use_reentrant=False)
+            # a sparse layer's recomputation replays its routing counts (cplm_dist.model.moe_recompute)
+            return torch.utils.checkpoint.checkpoint(block, x, cos, sin, masks, use_reentrant=False,
+                                                     context_fn=checkpoint_contexts)
         return block(x, cos, sin, masks)

@@ -18,10 +18,14 @@ Buffers: `router.expert_bias` (auxiliary-loss-free balancing, persistent), the s
 The auxiliary losses reach the gradient through megatron's MoEAuxLossAutoScaler, whose scale the
 train step sets to 1 / accumulation (`set_aux_loss_scale`), the factor DeepSpeed applies to the LM
 loss; they are never part of the LM loss or the copy share. `update_expert_bias` applies the step's
-summed token counts once a step, after every micro-batch (cplm_dist.training.step).
+summed token counts once a step, after every micro-batch (cplm_dist.training.step); a training
+forward counts once, recomputed or not (cplm_dist.model.moe_recompute). Split linears (the
+experts at expert_tp > 1, the shared expert) carry megatron's tp marks (`_mark_splits`).
 """
 
 from __future__ import annotations
+
+import collections
 
 import torch
 import torch.distributed as dist
@@ -31,6 +35,7 @@ from cplm_dist.config import ModelConfig
 from cplm_dist.config.backbones import backbone
 from cplm_dist.megatron_compat import moe_modules, parallel_state
 from cplm_dist.model.moe_grouped import grouped_wanted, use_grouped_gemm
+from cplm_dist.model.moe_recompute import checkpointed, recomputing
 from cplm_dist.model.moe_stats import record_aux_loss
 from cplm_dist.model.parallel.sharding import mark_split
 
@@ -90,18 +95,31 @@ class SparseMLP(torch.nn.Module):
         for j, expert in enumerate(self.experts.local_experts):
             for param in expert.parameters():
                 param.expert_id = offset + j
-        if config.expert_tensor_parallel_size > 1:
-            for expert in self.experts.local_experts:
-                _mark_split_mlp(expert, config.gated_linear_unit)
-        if self.shared_experts is not None and tp_size > 1:
-            _mark_split_mlp(self.shared_experts, config.gated_linear_unit)
+        self._mark_splits(config)
         self.num_experts, self.top_k = m.moe.num_experts, m.moe.top_k
         self.register_buffer("load", torch.zeros(m.moe.num_experts, dtype=torch.float64), persistent=False)
         self.register_buffer("routing_sums", torch.zeros(3, dtype=torch.float64), persistent=False)  # tokens, dropped, entropy
+        self._replay = collections.deque()  # counters before each checkpointed forward (cplm_dist.model.moe_recompute)
+        self._found = None  # the counters a recomputation found, put back after it
+        self.router.register_forward_pre_hook(self._before_routing)
         self.router.register_forward_hook(self._count)
+        self.router.register_forward_hook(self._after_routing)
         if self.sequence_parallel:
             for param in self._replicated():
                 param.register_hook(self._sum_over_tp)
+
+    def _mark_splits(self, config) -> None:
+        """megatron marks its split linears only when it initialises them (we do: perform_initialization
+        is off), and our seeded initialisation and checkpoints read the marks (cplm_dist.model.parallel.sharding):
+        the shared expert is split over tp like the dense MLP, the experts over expert-tp when it is
+        > 1 (then = tp, the same ranks); fc1 column-wise ([gate; up]: stride 2), fc2 row-wise."""
+        stride = 2 if config.gated_linear_unit else 1
+        mlps = [self.shared_experts] if self.shared_experts is not None else []
+        if config.expert_tensor_parallel_size > 1:
+            mlps += list(self.experts.local_experts)
+        for mlp in mlps:
+            mark_split(mlp.linear_fc1.weight, dim=0, stride=stride)
+            mark_split(mlp.linear_fc2.weight, dim=1)
 
     def _replicated(self) -> list[torch.nn.Parameter]:
         """Parameters every tp rank holds whole but applies to its own positions (router, shared gate)."""
@@ -115,28 +133,54 @@ class SparseMLP(torch.nn.Module):
         dist.all_reduce(grad, group=self.tp_group)
         return grad
 
-    def _count(self, router, inputs, output) -> None:
-        """Per training forward: routed tokens per expert, dropped assignments, router entropy. Not
-        in evaluation (no grad), nor when activation checkpointing runs the layer again inside the
-        backward pass (the same tokens: counted in their forward)."""
-        if not (router.training and torch.is_grad_enabled()) or torch._C._current_graph_task_id() != -1:
-            return
-        with torch.no_grad():  # the check above reads the caller's grad mode: a no_grad decorator would hide it
-            self._add_counts(router, inputs[0], output[1])
+    def _counters(self) -> list[torch.Tensor]:
+        """What a training forward adds to: megatron's router counts (expert bias, global aux loss) and ours."""
+        r = self.router
+        return [t for t in (r.local_tokens_per_expert, getattr(r, "global_tokens_per_expert", None),
+                            getattr(r, "ga_steps", None), self.load, self.routing_sums) if t is not None]
 
-    def _add_counts(self, router, x: torch.Tensor, routing_map: torch.Tensor) -> None:
-        x = x.reshape(-1, x.shape[-1]).float()
-        self.load += routing_map.sum(0).double().to(self.load.device)
-        logits = F.linear(x, router.weight.float())
-        if router.score_function == "softmax":
-            probs = logits.softmax(-1)
-        else:
-            probs = torch.sigmoid(logits)
-            probs = probs / probs.sum(-1, keepdim=True)
-        entropy = -(probs * probs.clamp_min(1e-20).log()).sum(-1)
-        tokens = x.shape[0]
-        self.routing_sums += torch.tensor([tokens, tokens * self.top_k - float(routing_map.sum()), float(entropy.sum())],
-                                          dtype=torch.float64, device=self.routing_sums.device)
+    def _before_routing(self, router, _inputs) -> None:
+        """Under activation checkpointing: a checkpointed forward keeps the counters it starts from; its
+        recomputation starts from them again and `_after_routing` puts back what it found."""
+        if not (router.training and torch.is_grad_enabled()):
+            return
+        if recomputing():
+            self._found = [t.clone() for t in self._counters()]
+            if self._replay:
+                for t, kept in zip(self._counters(), self._replay.popleft()):
+                    t.copy_(kept)
+        elif checkpointed():
+            self._replay.append([t.clone() for t in self._counters()])
+
+    def _after_routing(self, _router, _inputs, _output) -> None:
+        if self._found is not None:
+            for t, found in zip(self._counters(), self._found):
+                t.copy_(found)
+            self._found = None
+
+    def reset_replay(self) -> None:
+        """Once a step: checkpointed forwards never recomputed (none in training) leave nothing behind."""
+        self._replay.clear()
+
+    def _count(self, router, inputs, output) -> None:
+        """Per training forward: routed tokens per expert, dropped assignments, router entropy. (Grad
+        mode is read here, outside the no_grad below: inside it, it would always read off.)"""
+        if not (router.training and torch.is_grad_enabled()):
+            return
+        with torch.no_grad():
+            _, routing_map = output
+            x = inputs[0].reshape(-1, inputs[0].shape[-1]).float()
+            self.load += routing_map.sum(0).double().to(self.load.device)
+            logits = F.linear(x, router.weight.float())
+            if router.score_function == "softmax":
+                probs = logits.softmax(-1)
+            else:
+                probs = torch.sigmoid(logits)
+                probs = probs / probs.sum(-1, keepdim=True)
+            entropy = -(probs * probs.clamp_min(1e-20).log()).sum(-1)
+            tokens = x.shape[0]
+            self.routing_sums += torch.tensor([tokens, tokens * self.top_k - float(routing_map.sum()), float(entropy.sum())],
+                                              dtype=torch.float64, device=self.routing_sums.device)
 
     def train(self, mode: bool = True) -> "SparseMLP":
         self._layer[0].training = mode
@@ -149,13 +193,6 @@ class SparseMLP(torch.nn.Module):
         if bias is not None:
             out = out + bias
         return out if self.sequence_parallel else out.transpose(0, 1)
-
-
-def _mark_split_mlp(mlp: torch.nn.Module, gated: bool) -> None:
-    """megatron's column/row-parallel MLP as our sharding reads it: fc1's rows split ([gate_r; up_r]
-    on rank r when gated: stride 2, the dense fc1's layout), fc2's columns."""
-    mark_split(mlp.linear_fc1.weight, dim=0, stride=2 if gated else 1)
-    mark_split(mlp.linear_fc2.weight, dim=1)
 
 
 def sparse_layers(model: torch.nn.Module) -> list[SparseMLP]:
@@ -182,3 +219,4 @@ def update_expert_bias(model: torch.nn.Module) -> None:
                 router.local_tokens_per_expert, router.expert_bias, router.config.moe_router_bias_update_rate))
             router.local_tokens_per_expert.zero_()
         router.reset_global_aux_loss_tracker()
+        layer.reset_replay()

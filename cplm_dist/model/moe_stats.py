@@ -15,6 +15,8 @@ from collections import defaultdict
 
 import torch
 
+from cplm_dist.model.moe_recompute import recomputing
+
 # name -> layer number (1-based, megatron's) -> [sum of values, count]
 _AUX: dict[str, dict[int, list]] = defaultdict(dict)
 
@@ -22,7 +24,7 @@ _AUX: dict[str, dict[int, list]] = defaultdict(dict)
 def record_aux_loss(name: str, loss: torch.Tensor, layer_number: int | None, num_layers: int, **_groups) -> None:
     """megatron's save_to_aux_losses_tracker signature: one value of one layer's auxiliary loss
     (coefficient divided out), detached; averaged over the calls when a step is reported."""
-    if layer_number is None:
+    if layer_number is None or recomputing():  # a checkpointed layer's recomputation reports nothing twice
         return
     entry = _AUX[name].setdefault(layer_number, [torch.zeros((), dtype=torch.float64), 0])
     entry[0] += loss.detach().double().cpu()

@@ -20,7 +20,9 @@ At parallel.pp > 1 the model is a `PipelineModule` (cplm_dist.training.pipeline)
 its pipeline engine, whose process grid (axes pipe, data, model) is the same rank layout as ours
 (the model axis tp x cp wide under context parallelism: cplm_dist.training.mpu).
 At ZeRO-0 there DeepSpeed's fp32 clipping would count each later stage's tp-replicated parameters
-out and the tied embedding twice, so the optimizer clips itself (`clip_before_step`).
+out and the tied embedding twice, so the optimizer clips itself (`clip_before_step`); so it does
+for a sparse model at ZeRO-0, where DeepSpeed averages each dp rank's own norm, and the experts
+differ between ep ranks (`clips_itself`).
 
 The optimizer (GuardedAdamW with weight-decay groups, or GuardedMuon) and LR schedule are ours, handed to
 DeepSpeed, which steps them at accumulation boundaries and saves them in its checkpoints.
@@ -43,7 +45,7 @@ from cplm_dist.training.zero_partitions import bind_partitions
 def deepspeed_config(cfg: Config, dims: ParallelDims, load_universal: bool = False) -> dict:
     t = cfg.train
     accumulation = batch_layout(cfg, dims.dp_size)
-    clip_ourselves = dims.pp_size > 1 and t.zero_stage == 0
+    clip_ourselves = clips_itself(cfg, dims)
     # DualPipeV sends whole activations (DeepSpeed refuses partitioned ones with it)
     partitioned = dims.tp_size > 1 and not cfg.parallel.sequence_parallel and cfg.parallel.pp_schedule == "1f1b"
     return {
@@ -84,6 +86,15 @@ def zero3_context_reduction(cfg: Config) -> dict:
     return {"reduce_scatter": False, "contiguous_gradients": True}
 
 
+def clips_itself(cfg: Config, dims: ParallelDims) -> bool:
+    """Our optimizer takes the gradient norm and clips (`clip_before_step`), not DeepSpeed: at ZeRO-0
+    with pipeline stages (DeepSpeed's fp32 clipping counts each later stage's tp-replicated
+    parameters out, the tied embedding twice) or with experts (DeepSpeed's averages the dp ranks'
+    own norms, which differ where the ranks hold different experts: cplm_dist.training.optim.grad_norm
+    counts each expert once)."""
+    return cfg.train.zero_stage == 0 and (dims.pp_size > 1 or cfg.model.moe.num_experts > 0)
+
+
 def build_engine(model: torch.nn.Module, cfg: Config, dims: ParallelDims, load_universal: bool = False):
     """(engine, optimizer we built, scheduler) for the model; DeepSpeed's init joins our process
     group. `load_universal`: the engine will resume from a universal checkpoint (a reshape)."""
@@ -112,7 +123,7 @@ def build_engine(model: torch.nn.Module, cfg: Config, dims: ParallelDims, load_u
         deepspeed.zero.Init(module=model, data_parallel_group=dims.grad_group, config_dict_or_path=zero_keys,
                             mpu=DeepSpeedMPU(dims), dtype=next(model.parameters()).dtype)
     pipeline = dims.pp_size > 1
-    if pipeline and cfg.train.zero_stage == 0:
+    if clips_itself(cfg, dims):
         clip_before_step(optimizer, model, dims, cfg.optim.clip_grad)
     engine, _, _, _ = deepspeed.initialize(
         model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config,

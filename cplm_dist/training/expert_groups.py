@@ -16,6 +16,17 @@ DeepSpeed's expert reduction sums an expert's gradient over the expert-dp group 
 dp (its dense average's divisor: an expert saw the tokens of all its ep ranks), so an expert's
 gradient equals the one-process gradient at every ep. ZeRO-3 with experts is refused in config
 validation (cplm_dist.config.sparse).
+
+The gradient norm (clipping): ZeRO-1/2 sum each rank's squares over dp, then over the
+model-parallel group (tp; pipe x tp at a pipeline), so over all of a stage's ranks, counting a
+parameter without a model-parallel mark on model-parallel rank 0 only (a replicated one). An
+expert is never replicated there: the ranks holding one (its expert-dp group) each keep a
+different ZeRO partition of it, and at expert_tp = 1 the tp ranks hold different experts (ep
+over the tp ranks). So experts are marked `model_parallel` (DeepSpeed's is_model_parallel_parameter)
+and counted on every rank: each element exactly once. Unmarked, the experts of tp rank 1 were
+left out of the norm (measured: ep 2 x tp 2 at expert_tp = 1, 1.8967 for 1.9102 at step 1, the
+loss off by 3e-4 at step 5 through the clip). ZeRO-0 takes its norm and clipping from us
+(cplm_dist.training.engine.clips_itself), where DeepSpeed would average each rank's own norm.
 """
 
 from __future__ import annotations
@@ -52,6 +63,7 @@ def tag_experts(model: torch.nn.Module) -> str | None:
     for param in experts:
         param.allreduce = False
         param.group_name = name
+        param.model_parallel = True  # counted on every rank in ZeRO's gradient norm (above)
     return name
 
 

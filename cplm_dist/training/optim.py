@@ -24,7 +24,8 @@ import torch
 import torch.distributed as dist
 
 from cplm_dist.config import Config
-from cplm_dist.training.expert_groups import with_expert_groups
+from cplm_dist.megatron_compat import parallel_state
+from cplm_dist.training.expert_groups import is_expert, with_expert_groups
 from cplm_dist.training.muon import Orthogonaliser, mark_matrices
 
 
@@ -207,20 +208,35 @@ def build_optimizer(model: torch.nn.Module, cfg: Config, tp_group: dist.ProcessG
 def grad_norm(model: torch.nn.Module, tp_group: dist.ProcessGroup | None,
               pp_group: dist.ProcessGroup | None = None) -> float:
     """Global L2 norm of the gradients held in `model` (ZeRO stage 0, where DeepSpeed reports
-    none): split parameters count on every tp rank, replicated ones once; with pipeline stages
-    (`pp_group`) every stage's part, the tied embedding's second copy not counted."""
+    none): split parameters count on every tp rank, replicated ones once; experts (a sparse model,
+    their gradients already reduced over their expert-dp group) summed over the ranks holding
+    different experts or different shards of one (megatron's expert-tp x ep group), so each once;
+    with pipeline stages (`pp_group`) every stage's part, the tied embedding's second copy not counted."""
     tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
-    squares = [p.grad.float().pow(2).sum() for p in model.parameters()
-               if p.grad is not None and not getattr(p, "ds_pipe_replicated", False)
-               and (getattr(p, "tensor_model_parallel", False) or tp_rank == 0)]
+    dense, experts = [], []
+    for p in model.parameters():
+        if p.grad is None or getattr(p, "ds_pipe_replicated", False):
+            continue
+        if is_expert(p):
+            experts.append(p.grad.float().pow(2).sum())
+        elif getattr(p, "tensor_model_parallel", False) or tp_rank == 0:
+            dense.append(p.grad.float().pow(2).sum())
     # a rank holding no counted gradient still joins the all-reduce, with a zero on the model's
     # device (NCCL reduces device tensors only)
     device = next(model.parameters()).device
-    total = torch.stack(squares).sum() if squares else torch.zeros((), device=device)
-    for group in (tp_group, pp_group):
-        if group is not None and dist.get_world_size(group) > 1:
-            dist.all_reduce(total, group=group)
+    total = torch.stack(dense).sum() if dense else torch.zeros((), device=device)
+    _sum_over(total, tp_group)
+    if experts:  # the ranks of one stage (its expert group) all hold sparse layers, or none
+        expert_total = torch.stack(experts).sum()
+        _sum_over(expert_total, parallel_state.get_expert_tensor_and_model_parallel_group())
+        total = total + expert_total
+    _sum_over(total, pp_group)
     return float(total.sqrt())
+
+
+def _sum_over(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(tensor, group=group)
 
 
 @torch.no_grad()

@@ -158,13 +158,13 @@ class TrainStep:
                 engine.backward(loss)
             if engine.is_gradient_accumulation_boundary():
                 self.optimizer.skipped_last = self.optimizer.skipped_spike = False
-                if self.zero_stage == 0:  # DeepSpeed reports no norm at stage 0
+                if self.zero_stage == 0 and self.optimizer.before_step is None:  # DeepSpeed reports no norm at stage 0
                     norm = grad_norm(engine.module, self.dims.tp_group)
             with _phase(phases, "optimizer", device):
                 engine.step()
         figures = self._figures or self.groups.reduce(sums)
-        if norm is None:
-            norm = engine.get_global_grad_norm()
+        if norm is None:  # ZeRO-0 clipped by our optimizer (engine.clips_itself) kept its norm; ZeRO-1/2: DeepSpeed's
+            norm = getattr(self.optimizer, "grad_norm", None) if self.zero_stage == 0 else engine.get_global_grad_norm()
         self._follow_schedule(skipped_before, schedule_before)
         return self._result(figures, norm, lr, skipped_before, data_wait)
 
