@@ -165,7 +165,7 @@ def test_what_qwen3_moe_does_not_compute_is_one_line(hf_moe, tmp_path):
     cases = [
         (["model.moe.first_dense_layers=0"], "sparse layers [1, 2] (decoder_sparse_step=1, mlp_only_layers=[0]) but "
          "model.moe gives [0, 1, 2]: set model.moe.first_dense_layers=1 model.moe.layer_freq=1"),
-        (["model.moe.top_k=1"], "num_experts_per_tok=2 but the run's model.moe.top_k is 1: set model.moe.top_k=2"),
+        (["model.moe.top_k=3"], "num_experts_per_tok=2 but the run's model.moe.top_k is 3: set model.moe.top_k=2"),
         (["model.moe.normalize=false"], "norm_topk_prob=true but the run's model.moe.normalize is false: set "
          "model.moe.normalize=true"),
         (["model.moe.ffn_hidden_size=64"], "moe_intermediate_size=32 but the run's model.moe.ffn_hidden_size is 64: set "
