@@ -18,7 +18,7 @@ import math
 from cplm_dist.config import Config
 from cplm_dist.config.backbones import backbone
 from cplm_dist.config.sparse import expert_tp
-from cplm_dist.model.layer_shapes import ParameterShape, model_layer_shapes, norm_shapes
+from cplm_dist.model.layer_shapes import ParameterShape, layer_kinds, model_layer_shapes, norm_shapes
 from cplm_dist.model.loss import padded_vocab_size
 from cplm_dist.model.mixes import MIXES
 
@@ -31,6 +31,12 @@ def _all_layers(cfg: Config, layers: int | None = None) -> list[ParameterShape]:
     return [s for shapes in model_layer_shapes(cfg.model, layers) for s in shapes]
 
 
+def _layers_sum(cfg: Config, value, layers: int | None = None, keep=lambda s: True) -> float:
+    """The sum of value(s) over the layers' tensors s that `keep` keeps, by kind of layer (at most
+    two): the planner asks for it for every candidate layout."""
+    return sum(count * sum(value(s) for s in kind if keep(s)) for kind, count in layer_kinds(cfg.model, layers))
+
+
 def _active_numel(s: ParameterShape, cfg: Config) -> float:
     """What of a tensor one token uses: a routed expert's top_k / E (each token meets top_k of the
     E equal experts), everything else whole."""
@@ -41,7 +47,7 @@ def _active_numel(s: ParameterShape, cfg: Config) -> float:
 def _layer_matrices(cfg: Config, layers: int | None = None) -> int:
     """Weight-matrix parameters one token multiplies in the layers (QKV, attention out, MLP fc1 and
     fc2; in a sparse layer the router, top_k experts and the shared expert)."""
-    return round(sum(_active_numel(s, cfg) for s in _all_layers(cfg, layers) if s.matrix))
+    return round(_layers_sum(cfg, lambda s: _active_numel(s, cfg), layers, lambda s: s.matrix))
 
 
 def _norm_tensors(cfg: Config) -> list[int]:
@@ -81,7 +87,7 @@ def parameter_count(cfg: Config, *, padded: bool = False) -> dict[str, int]:
     parts = {
         "embedding": vocab * D,
         "positions": _positions(cfg),
-        "layers": sum(s.numel for s in _all_layers(cfg)),
+        "layers": _layers_sum(cfg, lambda s: s.numel),
         "final_norm": sum(_norm_tensors(cfg)),
         "lm_head": 0 if m.tie_embeddings else vocab * D,
         "copy_head": sum(copy_head_parameters(cfg)),
@@ -93,7 +99,7 @@ def parameter_count(cfg: Config, *, padded: bool = False) -> dict[str, int]:
 def active_parameters(cfg: Config) -> int:
     """Parameters one token uses (parameter_count's total for a dense model): a sparse layer's
     router, top_k of its E experts and its shared expert, and everything outside the experts."""
-    idle = sum(s.numel - _active_numel(s, cfg) for s in _all_layers(cfg) if s.expert is not None)
+    idle = _layers_sum(cfg, lambda s: s.numel - _active_numel(s, cfg), keep=lambda s: s.expert is not None)
     return parameter_count(cfg)["total"] - round(idle)
 
 
@@ -103,10 +109,10 @@ def parameters_per_device(cfg: Config, tp: int) -> float:
     layer's experts split over parallel.expert_tp and, whole experts, over parallel.ep."""
     m = cfg.model
     vocab = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp)
-    shapes = _all_layers(cfg)
-    split = sum(s.numel for s in shapes if s.split is not None and s.expert is None)
+    split = _layers_sum(cfg, lambda s: s.numel, keep=lambda s: s.split is not None and s.expert is None)
     split += vocab * m.hidden_size * (1 if m.tie_embeddings else 2)
-    experts = sum(s.numel / (expert_tp(cfg) if s.split is not None else 1) for s in shapes if s.expert is not None)
+    experts = _layers_sum(cfg, lambda s: s.numel / (expert_tp(cfg) if s.split is not None else 1),
+                          keep=lambda s: s.expert is not None)
     return split / tp + replicated_parameters(cfg) + experts / cfg.parallel.ep
 
 
@@ -114,7 +120,7 @@ def replicated_parameters(cfg: Config) -> int:
     """Parameters every tp rank holds whole: the norms, the copy head, a sparse layer's router and
     shared-expert gate, and where the backbone has them the row-parallel linears' biases and
     learned positions (under sequence parallelism, the ones whose gradients are summed over tp)."""
-    layers = sum(s.numel for s in _all_layers(cfg) if s.split is None)
+    layers = _layers_sum(cfg, lambda s: s.numel, keep=lambda s: s.split is None)
     return layers + sum(_norm_tensors(cfg)) + _positions(cfg) + sum(copy_head_parameters(cfg))
 
 

@@ -138,19 +138,49 @@ def sparse_mlp_shapes(m: ModelConfig) -> list[ParameterShape]:
     return out
 
 
+# (the model config's repr, sparse) -> that kind of layer's shapes: the planner asks for every
+# layer of thousands of candidate layouts, and a model has two kinds of layer at most
+_KINDS: dict[tuple[str, bool], tuple[ParameterShape, ...]] = {}
+
+
+def _layer_kind(m: ModelConfig, sparse: bool, key: str | None = None) -> tuple[ParameterShape, ...]:
+    key = (repr(m) if key is None else key, sparse)
+    if key not in _KINDS:
+        if len(_KINDS) > 256:
+            _KINDS.clear()
+        _KINDS[key] = tuple(_under("attn_norm", norm_shapes(m)) + _under("attention", attention_shapes(m))
+                            + _under("mlp_norm", norm_shapes(m))
+                            + _under("mlp", sparse_mlp_shapes(m) if sparse else mlp_shapes(m)))
+    return _KINDS[key]
+
+
 def layer_shapes(m: ModelConfig, index: int = 0) -> list[ParameterShape]:
     """Every parameter of transformer layer `index` (cplm_dist.model.block), in module order; its
     MLP slot the sparse one where model.moe makes that layer sparse."""
-    sparse = index in m.moe.sparse_layers(m.num_layers)
-    return (_under("attn_norm", norm_shapes(m)) + _under("attention", attention_shapes(m))
-            + _under("mlp_norm", norm_shapes(m)) + _under("mlp", sparse_mlp_shapes(m) if sparse else mlp_shapes(m)))
+    return list(_layer_kind(m, index in m.moe.sparse_layers(m.num_layers)))
 
 
 def model_layer_shapes(m: ModelConfig, layers: int | None = None) -> list[list[ParameterShape]]:
     """Each layer's shapes: all model.num_layers, or the first `layers` of them (a pipeline stage's
     count: exact for a dense model or an evenly sparse one, an approximation where
     model.moe.first_dense_layers or layer_freq make layers differ)."""
-    return [layer_shapes(m, i) for i in range(m.num_layers if layers is None else layers)]
+    key, sparse = repr(m), set(m.moe.sparse_layers(m.num_layers))
+    return [list(_layer_kind(m, i in sparse, key)) for i in range(m.num_layers if layers is None else layers)]
+
+
+def layer_kind_list(m: ModelConfig) -> list[tuple[ParameterShape, ...]]:
+    """Each layer's shapes, layer by layer, as the shared tuple of its kind (not copies)."""
+    key, sparse = repr(m), set(m.moe.sparse_layers(m.num_layers))
+    return [_layer_kind(m, i in sparse, key) for i in range(m.num_layers)]
+
+
+def layer_kinds(m: ModelConfig, layers: int | None = None) -> list[tuple[tuple[ParameterShape, ...], int]]:
+    """The distinct kinds of layer among the first `layers` (default all), each with how many of
+    them it is: a sum over the layers' tensors is a sum over at most two kinds (dense, sparse)."""
+    n = m.num_layers if layers is None else layers
+    sparse = sum(1 for i in m.moe.sparse_layers(m.num_layers) if i < n)
+    key = repr(m)
+    return [(_layer_kind(m, kind, key), count) for kind, count in ((False, n - sparse), (True, sparse)) if count]
 
 
 # a layer's QKV weight: orthogonalised per projection (queries, keys, values) under optim.muon.split_qkv

@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 
 from cplm_dist.config import Config
 from cplm_dist.model.counting import parameter_count, parameters_per_device, tensor_sizes_per_device
-from cplm_dist.model.layer_shapes import model_layer_shapes
+from cplm_dist.model.layer_shapes import layer_kind_list, layer_kinds
 from cplm_dist.model.loss import padded_vocab_size
 
 
@@ -43,8 +43,8 @@ def pipeline_layers(cfg: Config) -> list[PipelineLayer]:
     vocab = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, cfg.parallel.tp)
     parts = parameter_count(cfg)
     layers = [PipelineLayer("embedding", "", vocab * D + parts["positions"], True)]
-    layers += [PipelineLayer("layer", f"layers.{i}.", sum(s.numel for s in shapes), True)
-               for i, shapes in enumerate(model_layer_shapes(m))]  # a sparse layer weighs its experts
+    sizes = {id(kind): sum(s.numel for s in kind) for kind, _ in layer_kinds(m)}  # a sparse layer weighs its experts
+    layers += [PipelineLayer("layer", f"layers.{i}.", sizes[id(kind)], True) for i, kind in enumerate(layer_kind_list(m))]
     if m.tie_embeddings:
         layers.append(PipelineLayer("tied", "", 0, False))
     return layers + [PipelineLayer("head", "", vocab * D + parts["final_norm"] + parts["copy_head"], True)]
