@@ -112,10 +112,10 @@ class SparseMLP(torch.nn.Module):
         """megatron marks its split linears only when it initialises them (we do: perform_initialization
         is off), and our seeded initialisation and checkpoints read the marks (cplm_dist.model.parallel.sharding):
         the shared expert is split over tp like the dense MLP, the experts over expert-tp when it is
-        > 1 (then = tp, the same ranks); fc1 column-wise ([gate; up]: stride 2), fc2 row-wise."""
+        tp (the same ranks; at expert_tp = 1 < tp each expert is whole on its rank, unmarked); fc1 column-wise ([gate; up]: stride 2), fc2 row-wise."""
         stride = 2 if config.gated_linear_unit else 1
         mlps = [self.shared_experts] if self.shared_experts is not None else []
-        if config.expert_tensor_parallel_size > 1:
+        if config.expert_tensor_parallel_size == config.tensor_model_parallel_size:  # split over the tp ranks (1: whole)
             mlps += list(self.experts.local_experts)
         for mlp in mlps:
             mark_split(mlp.linear_fc1.weight, dim=0, stride=stride)
