@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import shutil
 from collections import OrderedDict
 from pathlib import Path
 
@@ -100,15 +101,16 @@ def expert_split(name: str, gated: bool) -> ShardSpec:
 
 def experts_to_universal(step_dir: Path, out: Path, record: list[dict], m) -> None:
     """zero/<global name>/<state>.pt for every expert of the ZeRO-1/2 checkpoint `step_dir` of
-    model `m`, from the ZeRO files `record` names (rank 0, after DeepSpeed's converter wrote the rest)."""
+    model `m`, from the ZeRO files `record` names (rank 0, after DeepSpeed's converter wrote the
+    rest). Memory holds one ZeRO file and one expert at a time: the fragments go through files in
+    out/experts-tmp first, as DeepSpeed's converter does with its own."""
     from deepspeed.checkpoint import constants as c
 
     from cplm_dist.checkpoint.reshape import how_to_split
     from cplm_dist.config.backbones import backbone
 
-    gated = backbone(m).mlp == "swiglu"
-
-    pieces: dict[tuple[str, str], dict[int, dict[int, torch.Tensor]]] = {}  # (name, state) -> etp -> edp -> fragment
+    gated, tmp = backbone(m).mlp == "swiglu", out / "experts-tmp"
+    fragments: dict[tuple[str, str], dict[int, dict[int, Path]]] = {}  # (name, state) -> etp -> edp -> its file
     shapes, steps = {}, {}
     for entry in record:
         if not entry["experts"]:
@@ -125,17 +127,21 @@ def experts_to_universal(step_dir: Path, out: Path, record: list[dict], m) -> No
                     steps[name] = states[g]["step"]
                 flat = {"fp32": fp32[g], **{k: v for k, v in states[g].items() if k in MOMENTS}}
                 for key, tensor in flat.items():
-                    by_edp = pieces.setdefault((name, key), {}).setdefault(entry["expert_tp_rank"], {})
-                    by_edp[entry["edp_rank"]] = tensor.narrow(0, where.start, where.numel).clone()
-    if not pieces:
+                    etp, edp = entry["expert_tp_rank"], entry["edp_rank"]
+                    path = tmp / name / f"{key}.{etp}.{edp}.pt"
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    torch.save(tensor.narrow(0, where.start, where.numel).clone(), path)
+                    fragments.setdefault((name, key), {}).setdefault(etp, {})[edp] = path
+        del sd, fp32, states
+    if not fragments:
         raise ReshapeError(f"{step_dir}: its ZeRO files hold no expert partitions although the model has experts")
-    for (name, key), by_etp in pieces.items():
-        shards = []
+    for (name, key), by_etp in fragments.items():
+        shards, numel = [], torch.Size(shapes[name]).numel()
         for etp in sorted(by_etp):
-            flat = torch.cat([by_etp[etp][r] for r in sorted(by_etp[etp])])
-            if flat.numel() != torch.Size(shapes[name]).numel():
+            flat = torch.cat([safe_load(by_etp[etp][r], map_location="cpu") for r in sorted(by_etp[etp])])
+            if flat.numel() != numel:
                 raise ReshapeError(f"{step_dir}: the ZeRO fragments of {name} ({key}, expert-tp rank {etp}) hold "
-                                   f"{flat.numel()} of its {torch.Size(shapes[name]).numel()} elements")
+                                   f"{flat.numel()} of its {numel} elements")
             shards.append(flat.view(shapes[name]))
         spec = expert_split(name, gated)
         folder = out / "zero" / name
@@ -143,6 +149,7 @@ def experts_to_universal(step_dir: Path, out: Path, record: list[dict], m) -> No
         torch.save({c.PARAM: join_shards(shards, spec), **how_to_split(spec)}, folder / f"{key}.pt")
     for name, step in steps.items():
         torch.save(step, out / "zero" / name / "step.pt")
+    shutil.rmtree(tmp)
 
 
 @contextlib.contextmanager
