@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from cplm_dist.checkpoint.expert_files import expert_ranks
 from cplm_dist.checkpoint.manifest import Manifest, ReshapeError
 from cplm_dist.checkpoint.parameter_record import EXPERT_PARAMETERS, UNIVERSAL_INFO, canonical_names
 from cplm_dist.checkpoint.safe_io import load_states, model_states_file, safe_load
@@ -56,8 +57,6 @@ def partition_record(engine, cfg, dims) -> list[dict] | None:
     on every rank of a sparse ZeRO-1/2 run; None (no collective) otherwise. Built once a run."""
     if cfg.model.moe.num_experts == 0 or cfg.train.zero_stage not in (1, 2):
         return None
-    from cplm_dist.checkpoint.expert_files import expert_ranks
-
     names = canonical_names(engine.module)
     ep_rank, etp_rank, edp_rank = expert_ranks()
     mine = {"file": Path(engine._get_zero_ckpt_name("", "")).name,  # DeepSpeed 0.19's name of this rank's ZeRO file
