@@ -1,7 +1,7 @@
 """Checkpoints of sparse models (cplm_dist.checkpoint.expert_files): a run at ep 2 saves every ep
 rank's experts by global id; it resumes exactly at ep 2, its checkpoint evaluates at ep 1 (and at
 ep 2) to the validation loss the run reported, a missing expert file is refused with one line,
-a resume at another ep too; an ep-1 save is as before. One saved ep-2 run serves them all."""
+a resume at another ep without --reshape too; an ep-1 save is as before. One saved ep-2 run serves them all."""
 
 from __future__ import annotations
 
@@ -123,7 +123,7 @@ def _load_error(step_dir: Path) -> str:
 
 
 def test_a_missing_expert_file_or_another_ep_is_refused_with_one_line(small_data, tmp_path, ep2_run):
-    from cplm_dist.checkpoint import CheckpointError, ReshapeError, check_layout, find_resume, read_manifest
+    from cplm_dist.checkpoint import CheckpointError, check_layout, find_resume, read_manifest
     from cplm_dist.config import load_config
 
     step = tmp_path / "step-00000006"
@@ -133,12 +133,11 @@ def test_a_missing_expert_file_or_another_ep_is_refused_with_one_line(small_data
     message = run_ranks(_load_error, 1, args=(step,))[0]
     assert "experts_pp_00_ep_01_etp_00.pt" in message and "missing or damaged" in message and "\n" not in message
     assert {p.name: p.read_bytes() for p in step.iterdir()} == before  # nothing written or removed
-    # a resume at ep 1: another layout; --reshape across ep is refused before any process starts
+    # a resume at ep 1: another layout, refused without --reshape (tests/test_moe_reshape.py reshapes it)
     args = argv(small_data, tmp_path / "other", *SPARSE, *BIAS, "train.zero_stage=1", f"train.train_steps={STEPS + 2}")
     cfg = load_config(args[1], args[2:])
-    with pytest.raises(ReshapeError, match=r"--reshape of a sparse model saved at ep > 1 or to another ep \(here 1\) "
-                                           "is not supported yet"):
-        find_resume(cfg, str(ep2_run / "checkpoints" / "step-00000006"), 1, 2, reshape=True)
+    with pytest.raises(CheckpointError, match=r"another layout \(ep 2 -> 1\).*add --reshape"):
+        find_resume(cfg, str(ep2_run / "checkpoints" / "step-00000006"), 1, 2)
     # at ZeRO-0 the optimizer states are dp rank 0's (ep rank 0's experts'): such a save does not resume
     manifest = read_manifest(ep2_run / "checkpoints" / "step-00000006")
     zero0 = dataclasses.replace(manifest, layout=dataclasses.replace(manifest.layout, zero_stage=0))

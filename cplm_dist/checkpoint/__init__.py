@@ -13,6 +13,8 @@ it for evaluation.
     expert_files.py a sparse model's experts at ep > 1 by global expert id: written beside
                  DeepSpeed's files, each rank's own put back on resume, all of them for load_model
     reshape.py   resume at another tp, dp or ZeRO stage through DeepSpeed's universal checkpoint
+    reshape_experts.py a sparse model's experts in a reshape: converted from their expert-dp ZeRO
+                 partitions and loaded by global expert id, so a run continues at another ep
     loading.py   `load_checkpoint_config`, `load_model` at any tp and ep (no DeepSpeed engine)
     run_lock.py  `RunLock`: one trainer at a time on train.out_dir (a flock on run.lock, a heartbeat, stale takeover)
 

@@ -55,7 +55,7 @@ def saved_ep(manifest: Manifest) -> int:
     return max(manifest.layout.ep, int((manifest.config.get("parallel") or {}).get("ep") or 1))
 
 
-def _expert_ranks() -> tuple[int, int, int]:
+def expert_ranks() -> tuple[int, int, int]:
     """(ep rank, expert-tp rank, expert-data-parallel rank) of this rank (megatron's groups)."""
     from cplm_dist.megatron_compat import parallel_state
 
@@ -73,7 +73,7 @@ def expert_state(model: torch.nn.Module, dims) -> tuple[str, dict] | None:
     experts = [(n, p) for n, p in model.named_parameters() if getattr(p, "expert_id", None) is not None]
     if not experts:
         return None
-    ep_rank, etp_rank, edp_rank = _expert_ranks()
+    ep_rank, etp_rank, edp_rank = expert_ranks()
     if edp_rank != 0:
         return None
     keys = {n: global_expert_name(names[n], p) for n, p in experts}
@@ -123,7 +123,7 @@ def load_own_experts(model: torch.nn.Module, manifest: Manifest, dims) -> None:
     if dims.ep_size == 1 or not any(getattr(p, "expert_id", None) is not None for p in model.parameters()):
         return
     check_expert_files(manifest, hashed=False)
-    ep_rank, etp_rank, _ = _expert_ranks()
+    ep_rank, etp_rank, _ = expert_ranks()
     name = expert_file_name(dims.pp_rank, ep_rank, etp_rank)
     if name not in manifest.files:
         raise CheckpointError(f"{manifest.step_dir}: no {name} in its manifest (saved at another layout): resume at the "

@@ -175,10 +175,22 @@ class Manifest:
         be read in place (ZeRO shards by dp x cp, so dp counts only under ZeRO > 0; cp always, as
         the checkpoint records which ranks held which part of each sequence; pp_schedule always,
         as the optimizer's files record which stages each pipeline rank held; ep always, as each
-        ep rank's optimizer partitions hold its own experts)."""
+        ep rank's optimizer partitions hold its own experts; a sparse model's expert_tp, as its
+        partitions hold each expert's expert-tp shard)."""
         saved, here = self.layout, Layout.of(cfg, tp, dp)
         must_match = ["tp", "pp", "pp_schedule", "cp", "ep", "zero_stage"] + (["dp"] if here.zero_stage > 0 or saved.zero_stage > 0 else [])
-        return {k: (getattr(saved, k), getattr(here, k)) for k in must_match if getattr(saved, k) != getattr(here, k)}
+        diff = {k: (getattr(saved, k), getattr(here, k)) for k in must_match if getattr(saved, k) != getattr(here, k)}
+        # a sparse model's experts split over expert_tp (null: tp): another split is another layout too
+        etp = (saved_expert_tp(self), cfg.parallel.expert_tp or tp)
+        if cfg.model.moe.num_experts and etp[0] != etp[1]:
+            diff["expert_tp"] = etp
+        return diff
+
+
+def saved_expert_tp(manifest: Manifest) -> int:
+    """The experts' tensor-parallel size a checkpoint was saved at (its config's parallel.expert_tp;
+    null: its tp)."""
+    return int((manifest.config.get("parallel") or {}).get("expert_tp") or manifest.layout.tp)
 
 
 def upgrade(data: dict) -> dict:
@@ -343,9 +355,11 @@ def check_reshape(manifest: Manifest, cfg: Config, tp: int) -> None:
     """One line when the saved run cannot continue at this layout (before any process starts);
     the conversion itself is cplm_dist.checkpoint.reshape's."""
     saved, path = manifest.layout, manifest.step_dir
-    if saved.ep > 1 or cfg.parallel.ep != saved.ep:
-        raise ReshapeError(f"{path} (saved at parallel.ep={saved.ep}): --reshape of a sparse model saved at ep > 1 or "
-                           f"to another ep (here {cfg.parallel.ep}) is not supported yet: resume at its layout ({saved})")
+    if cfg.model.moe.num_experts and saved.zero_stage == 3 and (saved.ep, saved_expert_tp(manifest)) != (
+            cfg.parallel.ep, cfg.parallel.expert_tp or tp):
+        raise ReshapeError(f"{path}: --reshape of a sparse model saved at ZeRO-3 to another ep or expert_tp is not "
+                           f"supported (its experts' partitions are converted from ZeRO-1/2 only): resume at its layout "
+                           f"({saved}), or reshape it to ZeRO-1 at its ep first")
     try:
         check_tp_divides(cfg.model, tp)
     except ConfigError as e:

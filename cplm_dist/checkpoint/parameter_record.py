@@ -7,6 +7,8 @@ layout (cplm_dist.checkpoint.reshape):
     state[PARAMETERS]       ours: {"names": {saved name: CPLM name}, "specs": {CPLM name: [dim,
                             stride, full_rows]}, "order": this rank's CPLM names in its optimizer's
                             index order, "tp_rank": this rank's tp rank}
+    state[EXPERT_PARAMETERS] a sparse model's experts in every rank's ZeRO-1/2 partitions, by global
+                            id (cplm_dist.checkpoint.reshape_experts.partition_record)
 
 At pp = 1 a saved name is the CPLM name. At pp > 1 DeepSpeed names a stage's parameters by the
 global index of their pipeline layer (`3.self_attention.linear_qkv.weight`,
@@ -27,6 +29,7 @@ from cplm_dist.model.parallel.sharding import ShardSpec, spec_of
 
 UNIVERSAL_INFO = "universal_checkpoint_info"  # the key DeepSpeed's converter reads from the model states
 PARAMETERS = "cplm_parameters"  # ours, beside it
+EXPERT_PARAMETERS = "cplm_expert_partitions"  # ours too: a sparse model's expert partitions (reshape_experts)
 
 
 def canonical_names(model: torch.nn.Module) -> dict[str, str]:
@@ -85,12 +88,16 @@ def _union(parts: list[dict]) -> dict:
 class ParameterRecord:
     """This rank's share of what a save records (module docstring), built once a run."""
 
-    def __init__(self, info: dict, names: dict, specs: dict, order: list[str], tp_rank: int):
+    def __init__(self, info: dict, names: dict, specs: dict, order: list[str], tp_rank: int,
+                 experts: list[dict] | None = None):
         self.info, self.names, self.specs, self.order, self.tp_rank = info, names, specs, order, tp_rank
+        self.experts = experts
 
     @classmethod
-    def of(cls, model: torch.nn.Module, cfg, tp_rank: int, pp_size: int) -> "ParameterRecord":
-        """Gathered over every rank where the model is split into stages (a collective then)."""
+    def of(cls, model: torch.nn.Module, cfg, tp_rank: int, pp_size: int,
+           experts: list[dict] | None = None) -> "ParameterRecord":
+        """Gathered over every rank where the model is split into stages (a collective then).
+        `experts`: the expert partitions (reshape_experts.partition_record), already gathered."""
         from cplm_dist.training.optim import parameter_groups
 
         names = canonical_names(model)
@@ -104,12 +111,13 @@ class ParameterRecord:
             info = _union([p[0] for p in parts])
             names = {k: v for p in parts for k, v in p[1].items()}
             specs = {k: v for p in parts for k, v in p[2].items()}
-        return cls(info, names, specs, order, tp_rank)
+        return cls(info, names, specs, order, tp_rank, experts)
 
     def state(self) -> dict:
         """The entries a save adds to its model states."""
         return {UNIVERSAL_INFO: self.info,
-                PARAMETERS: {"names": self.names, "specs": self.specs, "order": self.order, "tp_rank": self.tp_rank}}
+                PARAMETERS: {"names": self.names, "specs": self.specs, "order": self.order, "tp_rank": self.tp_rank},
+                **({} if self.experts is None else {EXPERT_PARAMETERS: self.experts})}
 
 
 def _spec_json(spec: ShardSpec) -> list:

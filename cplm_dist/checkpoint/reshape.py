@@ -1,5 +1,5 @@
-"""Reshape on resume: a checkpoint saved at one layout (tp, pp and its schedule, cp, dp, ZeRO stage)
-continues at another,
+"""Reshape on resume: a checkpoint saved at one layout (tp, pp and its schedule, cp, dp, ZeRO stage,
+a sparse model's ep and expert_tp) continues at another,
 carrying the fp32 master weights, AdamW's moments and step, the schedule and the data position.
 
 The go-between is DeepSpeed's universal checkpoint: one directory per parameter holding its full,
@@ -16,7 +16,9 @@ engine's stages give them before loading (`link_names`): any pp (and schedule) r
    (`deepspeed.checkpoint.ds_to_universal`) joins the ZeRO shards and then the tp shards, told how
    by the parameter layout every save records (`universal_info`: vocabulary rows and their
    unpadded size, row-parallel splits, SwiGLU's two sub-parameters, replicated tensors, a
-   pipeline's tied copy). ZeRO-0 checkpoints hold a plain torch AdamW state per tp rank (and
+   pipeline's tied copy). A sparse model's experts are left out of what that converter reads
+   and converted by global expert id from their own ZeRO partitions
+   (cplm_dist.checkpoint.reshape_experts), so any ep reads any other. ZeRO-0 checkpoints hold a plain torch AdamW state per tp rank (and
    stage), which that converter does not read (it reads ZeRO optimizer shards only):
    `_zero0_to_universal` writes the same files from them (a pipeline's weights from its layer
    files) with our shard layout (cplm_dist.model.parallel.sharding). The other ranks wait for it
@@ -24,7 +26,8 @@ engine's stages give them before loading (`link_names`): any pp (and schedule) r
    bounded by `train.reshape_timeout_minutes` (120), not by `train.collective_timeout_minutes`.
 2. **From universal** (`load_reshaped`, every rank). ZeRO 1-3 engines load it themselves
    (`checkpoint.load_universal` in their DeepSpeed config, cplm_dist.training.engine): every rank cuts its
-   tp shard and its ZeRO partition.
+   tp shard and its ZeRO partition, and reads its own experts by their global ids; the routers'
+   expert bias (a buffer, which the universal loaders do not set) comes from the saved module states.
    A ZeRO-0 engine has no such loader (its optimizer is our AdamW), so `load_zero0` takes each
    parameter's shard with our layout and sets the weights, moments and step itself.
 
@@ -50,16 +53,19 @@ import torch
 import torch.distributed as dist
 
 from cplm_dist.checkpoint.manifest import Layout, Manifest, ReshapeError
-from cplm_dist.checkpoint.parameter_record import (PARAMETERS, UNIVERSAL_INFO, canonical_names, spec_from_json,
-                                                   universal_info)
+from cplm_dist.checkpoint.parameter_record import (EXPERT_PARAMETERS, PARAMETERS, UNIVERSAL_INFO, canonical_names,
+                                                   spec_from_json, universal_info)
 from cplm_dist.checkpoint.rank_zero_work import rank_zero_does
+from cplm_dist.checkpoint.reshape_experts import by_global_id, experts_to_universal, load_expert_bias, without_experts
 from cplm_dist.checkpoint.safe_io import (load_states, model_states_file, model_states_name, os_error, safe_load,
                                           weights_only_torch_load)
 from cplm_dist.config import Config
 from cplm_dist.errors import CheckpointError
 from cplm_dist.megatron_compat import import_deepspeed
 from cplm_dist.model.layer_shapes import muon_shape, muon_shapes
+from cplm_dist.model.moe_naming import expert_of
 from cplm_dist.model.parallel.sharding import full_shape, join_shards, spec_of, take_shard
+from cplm_dist.training.expert_groups import saved_as_dense
 from cplm_dist.training.optim import parameter_groups
 
 log = logging.getLogger(__name__)
@@ -81,6 +87,11 @@ def to_universal(source: Manifest, out: Path, model: torch.nn.Module, cfg: Confi
         _zero0_to_universal(source, out, model, cfg, {p: s or load_states(p) for p, s in states.items()})
         _readable_by_every_stage(out, cfg)
         return
+    experts = first.get(EXPERT_PARAMETERS)  # a sparse model's expert partitions (cplm_dist.checkpoint.reshape_experts)
+    sparse = cfg.model.moe.num_experts > 0 and saved.zero_stage in (1, 2)
+    if sparse and experts is None:
+        raise ReshapeError(f"{step_dir} is a sparse checkpoint saved before cplm_dist recorded its experts' ZeRO "
+                           f"partitions: resume it at its layout ({saved}) without --reshape, then save again to reshape")
     del first, states
     import_deepspeed()
     from deepspeed.checkpoint import ds_to_universal
@@ -88,7 +99,8 @@ def to_universal(source: Manifest, out: Path, model: torch.nn.Module, cfg: Confi
     args = argparse.Namespace(input_folder=str(step_dir), output_folder=str(out), num_extract_workers=1,
                               num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=False)
     quiet = contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO())
-    with quiet[0], quiet[1], trusted_torch_load(universal_info(model)):  # the layout where a save lacks it
+    # the layout where a save lacks it; the experts are converted apart (below), by global id
+    with quiet[0], quiet[1], trusted_torch_load(universal_info(model), drop_experts=sparse):
         ds_to_universal.main(args)
     (out.parent / "latest_universal").unlink(missing_ok=True)  # the converter's pointer; we name `out` ourselves
     for f in out.glob("layer_*-model_states.pt"):  # pipeline layer files: the weights are in zero/
@@ -97,6 +109,8 @@ def to_universal(source: Manifest, out: Path, model: torch.nn.Module, cfg: Confi
     for saved_name, name in names.items():  # a pipeline's DeepSpeed names -> CPLM names
         if saved_name != name and (out / "zero" / saved_name).is_dir():
             (out / "zero" / saved_name).rename(out / "zero" / name)
+    if sparse:
+        experts_to_universal(step_dir, out, experts, cfg.model)
     _momentum_folders(out, model, cfg)
     _readable_by_every_stage(out, cfg)
 
@@ -151,12 +165,13 @@ def _readable_by_every_stage(out: Path, cfg: Config) -> None:
                 os.link(have, p)
 
 
-def trusted_torch_load(info: dict | None = None):
+def trusted_torch_load(info: dict | None = None, drop_experts: bool = False):
     """While DeepSpeed's converter and universal loader run, their torch.load reads through the
     checkpoint allow-list (safe_io.weights_only_torch_load). megatron-core's layers
     save an `_extra_state` of None in the module states, which the converter would copy as a weight
     (None.float()): those entries are left out of what it reads. `info`: the layout for model
-    states saved without one (by cplm_dist before reshaping existed)."""
+    states saved without one (by cplm_dist before reshaping existed). `drop_experts`: the converter
+    sees no expert (reshape_experts.without_experts: ours converts them)."""
 
     def clean(obj):
         _momentum_as_moments(obj)
@@ -164,6 +179,8 @@ def trusted_torch_load(info: dict | None = None):
             obj["module"] = {k: v for k, v in obj["module"].items() if v is not None}
             if info is not None:
                 obj.setdefault(UNIVERSAL_INFO, info)
+        if drop_experts:
+            without_experts(obj)
         return obj
 
     return weights_only_torch_load(clean)
@@ -305,7 +322,8 @@ def load_reshaped(engine, source: Manifest, cfg: Config, dims) -> dict:
     saved, tmp = source.layout, Path(cfg.train.out_dir) / f".reshape-{source.tag}"
     start = time.perf_counter()
     names = [None] * dims.world_size  # every stage's parameter names, under which its engine loads them
-    dist.all_gather_object(names, canonical_names(engine.module))
+    # (experts apart: the same local name is another expert on each ep rank, loaded by global id)
+    dist.all_gather_object(names, {k: v for k, v in canonical_names(engine.module).items() if expert_of(k) is None})
     marker = tmp.with_name(tmp.name + ".done")
 
     def convert() -> str | None:
@@ -339,13 +357,14 @@ def _load_universal(engine, universal: Path, cfg: Config, dims, source: Manifest
     # first group's, weight decay included); the learning rate is the schedule's
     settings = [{k: v for k, v in g.items() if k not in ("params", "lr", "initial_lr")} for g in engine.optimizer.param_groups]
     if cfg.train.zero_stage > 0:
-        with trusted_torch_load():
+        with trusted_torch_load(), saved_as_dense(engine), by_global_id(engine):  # experts by global id
             path, client_state = engine.load_checkpoint(str(universal.parent), tag=universal.name, load_optimizer_states=True,
                                                         load_lr_scheduler_states=True)
         if path is None:
             raise CheckpointError(f"DeepSpeed could not load the universal form of {source.step_dir}")
     else:
         client_state = load_zero0(universal, engine.module, engine.optimizer, engine.lr_scheduler, dims.tp_rank, dims.tp_size)
+    load_expert_bias(engine.module, source, cfg)  # a buffer: the loaders above set parameters only
     for group, kept, lr in zip(engine.optimizer.param_groups, settings, engine.lr_scheduler.get_last_lr()):
         group.update(kept, lr=lr)
     # DeepSpeed's ZeRO-3 loader hands every group one and the same step tensor, which AdamW would

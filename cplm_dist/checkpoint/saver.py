@@ -37,6 +37,7 @@ from cplm_dist.checkpoint.manifest import (COMPLETE, LATEST, Layout, Manifest, c
 from cplm_dist.checkpoint.parameter_record import ParameterRecord
 from cplm_dist.checkpoint.pruning import decay_start, tags_to_delete
 from cplm_dist.checkpoint.reshape import load_reshaped
+from cplm_dist.checkpoint.reshape_experts import partition_record
 from cplm_dist.checkpoint.safe_io import os_error, use_safe_loading
 from cplm_dist.config import Config, to_dict
 from cplm_dist.distributed import ParallelDims
@@ -152,7 +153,8 @@ class Checkpointer:
         tag = tag_for(step)
         state = {**client_state, "step": step, "rng": rng_state()}
         if self.record is None:  # what a reshape reads (gathered over the stages at pp > 1: once a run)
-            self.record = ParameterRecord.of(engine.module, self.cfg, self.dims.tp_rank, self.dims.pp_size)
+            self.record = ParameterRecord.of(engine.module, self.cfg, self.dims.tp_rank, self.dims.pp_size,
+                                             partition_record(engine, self.cfg, self.dims))
         state.update(self.record.state())
         if self.cfg.train.async_save:  # cplm_dist.checkpoint.async_save: the host copy now, the writing behind
             self.background = start_save(self, engine, tag, state, step, consumed_samples, self.run)

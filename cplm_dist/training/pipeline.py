@@ -152,14 +152,22 @@ class PipelineStages:
     def canonical_named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         """(name in CPLM, parameter) for every parameter this stage holds: the seeded
         initialisation and the weight-decay groups go by these names."""
+        return self._canonical("named_parameters")
+
+    def canonical_named_buffers(self) -> list[tuple[str, torch.Tensor]]:
+        """(name in CPLM, buffer) for every buffer this stage holds (a reshape restores the routers'
+        expert bias by them: cplm_dist.checkpoint.reshape_experts)."""
+        return self._canonical("named_buffers")
+
+    def _canonical(self, named: str) -> list[tuple[str, torch.Tensor]]:
         funcs = [f for phase in getattr(self, "phase_funcs", [self.forward_funcs]) for f in phase]  # DualPipeV: both
         modules = [f for f in funcs if isinstance(f, torch.nn.Module)] + list(self.tied_modules.values())
         seen, out = set(), []
         for module in modules:
-            for name, p in module.named_parameters():
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    out.append((module.canonical_prefix + name, p))
+            for name, t in getattr(module, named)():
+                if id(t) not in seen:
+                    seen.add(id(t))
+                    out.append((module.canonical_prefix + name, t))
         return out
 
     def to(self, *args, **kwargs):
