@@ -127,3 +127,19 @@ def _spec_json(spec: ShardSpec) -> list:
 def spec_from_json(value: list) -> ShardSpec:
     dim, stride, full_rows = value
     return ShardSpec(dim, stride, full_rows)
+
+
+def how_to_split(spec) -> dict:
+    """The keys by which DeepSpeed's universal loader cuts a full tensor into tp shards (the
+    same its converter writes): the split dimension, SwiGLU's two sub-parameters, vocabulary rows
+    to pad. Replicated tensors need none (their full shape is their shape)."""
+    from deepspeed.checkpoint import constants as c
+
+    if not spec.is_split:
+        return {}
+    keys = {c.CAT_DIM: spec.dim}
+    if spec.stride > 1:
+        keys[c.PARAM_N_SUB_PARAMS] = spec.stride
+    if spec.full_rows:
+        keys[c.VOCAB_TENSOR] = True
+    return keys

@@ -54,7 +54,7 @@ import torch.distributed as dist
 
 from cplm_dist.checkpoint.manifest import Layout, Manifest, ReshapeError
 from cplm_dist.checkpoint.parameter_record import (EXPERT_PARAMETERS, PARAMETERS, UNIVERSAL_INFO, canonical_names,
-                                                   spec_from_json, universal_info)
+                                                   how_to_split, spec_from_json, universal_info)
 from cplm_dist.checkpoint.rank_zero_work import rank_zero_does
 from cplm_dist.checkpoint.reshape_experts import by_global_id, experts_to_universal, load_expert_bias, without_experts
 from cplm_dist.checkpoint.safe_io import (load_states, model_states_file, model_states_name, os_error, safe_load,
@@ -262,22 +262,6 @@ def _zero0_to_universal(source: Manifest, out: Path, model: torch.nn.Module, cfg
                out / "zero" / "optimizer_state.pt")
     for path in states:  # the schedule and our client state, read from the model states
         shutil.copy2(path, out / path.name)
-
-
-def how_to_split(spec) -> dict:
-    """The keys by which DeepSpeed's universal loader cuts a full tensor into tp shards (the
-    same its converter writes): the split dimension, SwiGLU's two sub-parameters, vocabulary rows
-    to pad. Replicated tensors need none (their full shape is their shape)."""
-    from deepspeed.checkpoint import constants as c
-
-    if not spec.is_split:
-        return {}
-    keys = {c.CAT_DIM: spec.dim}
-    if spec.stride > 1:
-        keys[c.PARAM_N_SUB_PARAMS] = spec.stride
-    if spec.full_rows:
-        keys[c.VOCAB_TENSOR] = True
-    return keys
 
 
 def load_zero0(universal: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler, tp_rank: int,

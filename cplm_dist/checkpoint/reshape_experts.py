@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from cplm_dist.checkpoint.expert_files import expert_ranks
 from cplm_dist.checkpoint.manifest import Manifest, ReshapeError
-from cplm_dist.checkpoint.parameter_record import EXPERT_PARAMETERS, UNIVERSAL_INFO, canonical_names
+from cplm_dist.checkpoint.parameter_record import EXPERT_PARAMETERS, UNIVERSAL_INFO, canonical_names, how_to_split
 from cplm_dist.checkpoint.safe_io import load_states, model_states_file, safe_load
 from cplm_dist.model.moe_naming import expert_of, global_expert_name
 from cplm_dist.model.parallel.sharding import ShardSpec, join_shards
@@ -105,7 +105,6 @@ def experts_to_universal(step_dir: Path, out: Path, record: list[dict], m) -> No
     out/experts-tmp first, as DeepSpeed's converter does with its own."""
     from deepspeed.checkpoint import constants as c
 
-    from cplm_dist.checkpoint.reshape import how_to_split
     from cplm_dist.config.backbones import backbone
 
     gated, tmp = backbone(m).mlp == "swiglu", out / "experts-tmp"
