@@ -30,6 +30,20 @@ def _logprobs(model_dir: Path, ids: torch.Tensor, remote: bool = False) -> torch
         return torch.log_softmax(_hf_model(model_dir, remote)(input_ids=ids).logits.float(), dim=-1)
 
 
+def _saved_with_live_router(make_model, directory, seed: int) -> None:
+    """A random HF sparse model saved with norms away from 1 and a router that routes: transformers
+    starts the router at zero (every expert tied), which would hide a wrong expert order."""
+    torch.manual_seed(seed)
+    model = make_model()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            elif ".gate.weight" in name:
+                p.normal_(0.0, 0.5)
+    model.save_pretrained(directory)
+
+
 @pytest.fixture(scope="module")
 def hf_moe(tmp_path_factory):
     """A random transformers Qwen3-MoE (random norms and router too), saved with save_pretrained,
@@ -42,15 +56,7 @@ def hf_moe(tmp_path_factory):
                             num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[0],
                             rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=2048,
                             tie_word_embeddings=False)
-    torch.manual_seed(5)
-    model = Qwen3MoeForCausalLM(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-            elif name.endswith("mlp.gate.weight"):  # transformers starts the router at zero: every expert tied
-                p.normal_(0.0, 0.5)
-    model.save_pretrained(directory)
+    _saved_with_live_router(lambda: Qwen3MoeForCausalLM(config), directory, seed=5)
     return directory, _logprobs(directory, _ids(512))
 
 
@@ -216,15 +222,7 @@ def test_a_transformers_mixtral_imports_and_exports_as_a_sparse_llama(tmp_path):
     config = MixtralConfig(vocab_size=512, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
                            num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, rms_norm_eps=1e-5,
                            rope_theta=10000.0, max_position_embeddings=2048, tie_word_embeddings=False)
-    torch.manual_seed(7)
-    model = MixtralForCausalLM(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-            elif ".gate.weight" in name:
-                p.normal_(0.0, 0.5)
-    model.save_pretrained(tmp_path / "mixtral")
+    _saved_with_live_router(lambda: MixtralForCausalLM(config), tmp_path / "mixtral", seed=7)
     want = _logprobs(tmp_path / "mixtral", _ids(512))
     (r,) = run_ranks(_import_worker, 1, args=(tmp_path / "mixtral", 1, 1, str(tmp_path / "out"), MIXTRAL))
     torch.testing.assert_close(r["logprobs"], want, rtol=1e-5, atol=1e-5)
