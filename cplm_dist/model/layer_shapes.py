@@ -138,12 +138,23 @@ def sparse_mlp_shapes(m: ModelConfig) -> list[ParameterShape]:
     return out
 
 
+_LAYERS: dict[tuple[str, bool], tuple[ParameterShape, ...]] = {}  # (repr of the model config, sparse): its layer's entries
+
+
 def layer_shapes(m: ModelConfig, index: int = 0) -> list[ParameterShape]:
     """Every parameter of transformer layer `index` (cplm_dist.model.block), in module order; its
-    MLP slot the sparse one where model.moe makes that layer sparse."""
+    MLP slot the sparse one where model.moe makes that layer sparse. Kept per model config and
+    kind of layer: a sparse layer lists every expert (256 entries a layer at 128 experts), and the
+    planner asks for them thousands of times."""
     sparse = index in m.moe.sparse_layers(m.num_layers)
-    return (_under("attn_norm", norm_shapes(m)) + _under("attention", attention_shapes(m))
-            + _under("mlp_norm", norm_shapes(m)) + _under("mlp", sparse_mlp_shapes(m) if sparse else mlp_shapes(m)))
+    key = (repr(m), sparse)
+    if key not in _LAYERS:
+        if len(_LAYERS) > 64:
+            _LAYERS.clear()
+        _LAYERS[key] = tuple(_under("attn_norm", norm_shapes(m)) + _under("attention", attention_shapes(m))
+                             + _under("mlp_norm", norm_shapes(m))
+                             + _under("mlp", sparse_mlp_shapes(m) if sparse else mlp_shapes(m)))
+    return list(_LAYERS[key])
 
 
 def model_layer_shapes(m: ModelConfig, layers: int | None = None) -> list[list[ParameterShape]]:
