@@ -30,6 +30,9 @@ LAYOUTS = {
                      "train.micro_batch_size=2"],
     # Muon: one momentum buffer for the matrices, the direction gathered over the partitions at the step
     "dp2-muon-zero1": ["optim.name=muon", "train.zero_stage=1", "train.global_batch_size=4", "train.micro_batch_size=2"],
+    # a sparse model: 4 experts over ep 2 (2 a rank), their states over the expert-dp ranks, the all-to-all on "ep/"
+    "ep2-zero1": ["model.moe.num_experts=4", "model.moe.expert_impl=sequential", "parallel.ep=2", "train.zero_stage=1",
+                  "train.global_batch_size=4", "train.micro_batch_size=2"],
 }
 
 
@@ -47,7 +50,7 @@ def _real_worker(names):
     for name in names:
         cfg = _config(name)
         layout = layout_of(cfg, 2)
-        dims = init_distributed(layout.tp, pp_size=layout.pp)
+        dims = init_distributed(layout.tp, pp_size=layout.pp, ep_size=cfg.parallel.ep, expert_tp_size=cfg.parallel.expert_tp)
         out[name] = real_roles(cfg, dims, layout, torch.device("cpu"))
         parallel_state.destroy_model_parallel()
     return out
@@ -74,6 +77,16 @@ def _pairs(dry, real, name):
 def test_parameters_and_collectives_equal_the_real_ranks(dry, real, name):
     for role, rank in _pairs(dry, real, name):
         assert role.trace.parameters == rank["parameters"]
+        real_bytes = dict(rank["collectives"])
+        if name.startswith("ep"):  # a real router's tokens: the all-to-all's buffer is the larger of what a rank sends
+            # (tokens x top_k, always) and receives, so the balanced trace is its lower bound; the counts' gather
+            # over tp x ep ("other") is bookkeeping the fake rank's drop-and-pad path skips
+            traced, measured = role.trace.collectives["ep/all_to_all_single"], real_bytes.pop("ep/all_to_all_single")
+            assert traced <= measured < 1.5 * traced
+            real_bytes = {k: v for k, v in real_bytes.items() if not k.startswith("other/")}
+            traced_rest = {k: v for k, v in {**role.trace.collectives, **role.trace.boundary}.items() if not k.startswith("ep/")}
+            assert traced_rest == pytest.approx(real_bytes, rel=1e-9)
+            continue
         assert {**role.trace.collectives, **role.trace.boundary} == pytest.approx(rank["collectives"], rel=1e-9)
     if name.startswith("tp2"):  # the tp group's traffic is there to compare
         assert any(k.startswith("tp/") for k in rank["collectives"])
@@ -144,6 +157,9 @@ def test_real_shape_dry_run_of_1_7b_at_tp2(tmp_path, capsys):
     (["--gpus", "6", "parallel.cp=4"], "parallel.tp=1 x parallel.cp=4 x parallel.pp=1 = 4 does not divide WORLD_SIZE=6"),
     (["--gpus", "6", "parallel.cp=2", "parallel.pp=2"], "parallel.tp=1 x parallel.cp=2 x parallel.pp=2 = 4 does not divide WORLD_SIZE=6"),
     (["--json", "no/such/dir/dry.json"], "its parent directory no/such/dir does not exist"),
+    (["model.moe.num_experts=8", "parallel.ep=3", "train.zero_stage=1"], "parallel.ep=3 does not divide model.moe.num_experts=8"),
+    (["--gpus", "2", "model.moe.num_experts=8", "parallel.ep=4", "train.zero_stage=1"],
+     "parallel.ep=4 x expert_tp=1 does not divide the 2 ranks of a pipeline stage"),
 ])
 def test_a_layout_that_cannot_exist_is_one_line_and_exit_2(capsys, args, message):
     from cplm_dist_tools.dry_run import main
@@ -269,3 +285,50 @@ def test_a_dualpipev_layout_dry_runs_each_rank_as_its_two_stages(capsys):
         assert "tied/all_reduce" not in role.modelled["collectives"] and abs(role.error) < 0.2, role.error
     assert main(["--config", "tiny", "--gpus", "4", *overrides]) == 0
     assert "x pp 2 x dp 1" in (out := capsys.readouterr().out) and "dualpipev bubble 11.1%" in out
+
+
+def test_a_sparse_layout_dry_runs_each_role_as_counting_and_the_communication_model_say():
+    """tp 2 + sequence parallelism x ep 2 (experts whole: expert_tp 1, ep over the tp ranks) on 4
+    fake ranks: a role for each tp rank (the ep ranks alike, routing balanced), each holding the
+    parameters counting says (4 of the 8 experts of each layer), its tp and ep collectives exactly
+    the communication model's (the all-to-alls of 2 sparse layers, no MLP gathers of their own),
+    the experts' reduction modelled over their expert-dp ranks, and the estimate as near the trace
+    as the same model's dense twin's (tiny's own offset, not the experts')."""
+    from cplm_dist.model.counting import parameters_per_device
+
+    overrides = [*CP_DRY, "parallel.tp=2", "parallel.sequence_parallel=true", "train.zero_stage=1", "data.seq_length=256"]
+    sparse = ["model.moe.num_experts=8", "model.moe.expert_impl=sequential", "parallel.ep=2", "parallel.expert_tp=1"]
+    cfg = load_config("tiny", [*overrides, *sparse])
+    result = dry_run(cfg, gpus=4, device=DEVICES["h200"])
+    L = result.layout
+    assert (L.tp, L.dp, L.ep) == (2, 2, 2) and [r.tp_rank for r in result.roles] == [0, 1]
+    model = step_bytes(cfg, tp=2, dp=2, zero=1, micro_batch=L.micro_batch, accumulation=L.accumulation, seq_len=256,
+                       precision="fp32", activation_checkpointing=False, sequence_parallel=True)
+    for role in result.roles:
+        assert role.trace.parameters == parameters_per_device(cfg, 2)
+        assert role.trace.collectives == pytest.approx({k: v for k, v in model.items() if k.startswith(("tp/", "ep/"))}, rel=1e-9)
+        assert model["ep/all_to_all_single"] > 0 and role.modelled["collectives"]["edp/all_reduce"] > 0
+    twin = dry_run(load_config("tiny", overrides), gpus=4, device=DEVICES["h200"]).heaviest
+    assert abs(result.heaviest.error - twin.error) < 0.05, (result.heaviest.error, twin.error)
+
+
+def test_the_sparse_run_config_dry_runs_and_the_estimator_is_within_10_percent(tmp_path, capsys):
+    """configs/runs/qwen3-30b-a3b.yaml at its real widths (hidden 2048, 128 experts of 768, top-8,
+    151k vocabulary, 4096 tokens; 4 of its 48 layers to keep the suite short) on 64 fake ranks: tp 2
+    + sp x ep 8 x pp 2 under DualPipeV; every rank holds 16 experts a layer, its all-to-all bytes
+    are the communication model's, and the estimator is within 10% of the traced peak."""
+    from cplm_dist_tools.dry_run import main
+
+    out = tmp_path / "dry.json"
+    assert main(["--config", str(REPO / "configs/runs/qwen3-30b-a3b.yaml"), "--gpus", "64", "--device", "h100",
+                 "model.num_layers=4", "train.global_batch_size=64", "--json", str(out)]) == 0
+    stdout = capsys.readouterr().out
+    assert "(ep 8 over tp x cp x dp)" in stdout and "| ep rank |" in stdout
+    result = json.loads(out.read_text())
+    cfg = load_config(REPO / "configs/runs/qwen3-30b-a3b.yaml", ["model.num_layers=4", "train.global_batch_size=64"])
+    for role in result["roles"]:
+        model = step_bytes(cfg, tp=2, dp=16, zero=1, micro_batch=1, accumulation=result["accumulation"], seq_len=4096,
+                           precision="bf16", activation_checkpointing=False, sequence_parallel=True, pp=2,
+                           stage=role["pp_stage"])
+        assert role["collectives_traced"]["ep/all_to_all_single"] == pytest.approx(model["ep/all_to_all_single"], rel=1e-9)
+        assert abs(role["estimate_bytes"] - role["peak_bytes"]) / role["peak_bytes"] < 0.10, role
