@@ -637,11 +637,11 @@ def test_the_planner_enumerates_ep_by_the_configs_rules_and_keeps_it_in_a_node(c
                  "--top", "2"]) == 0
     out = capsys.readouterr().out
     assert "| tp | cp | pp | dp | ep | expert tp | ZeRO |" in out and " ep=4 " in out.split("best: ")[1]
-    for ep, message in ((3, "--ep 3 does not divide model.moe.num_experts=8"), (16, "--ep 16 does not divide --gpus 8")):
-        assert main(["--config", "tiny", *SPARSE, "--gpus", "8", "--ep", str(ep)]) == 2
+    for ep, message in ((3, "--ep 3 does not divide model.moe.num_experts=8"), (8, "--ep 8 does not divide --gpus 4")):
+        assert main(["--config", "tiny", *SPARSE, "--gpus", "4", "--ep", str(ep)]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and message in err[0], err
-    assert main(["--config", "tiny", *SPARSE, "--gpus", "8", "parallel.ep=3"]) == 2  # the config's own rule, at load
+    assert main(["--config", "tiny", *SPARSE, "--gpus", "4", "parallel.ep=3"]) == 2  # the config's own rule, at load
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "parallel.ep=3 does not divide model.moe.num_experts=8" in err[0], err
 
