@@ -78,7 +78,7 @@ from cplm_dist.model.loss import padded_vocab_size
 from cplm_dist.model.parallel.stages import loss_stage, pipeline_stages
 from cplm_dist.profiling import communication
 from cplm_dist.config.sparse import check_expert_world, expert_tp
-from cplm_dist.profiling.dry_run_experts import balanced_routing, check_traceable
+from cplm_dist.profiling.dry_run_experts import balanced_routing, check_traceable, traced_experts
 from cplm_dist.profiling.dry_run_schedule import RoleSchedule
 from cplm_dist.profiling.expert_cost import ExpertGroups, local_expert_elements
 from cplm_dist.profiling.fake_world import fake_rank, rank_of
@@ -362,7 +362,7 @@ def dry_run(cfg: Config, *, gpus: int, device: Device, cluster: Cluster | None =
     is called with a line per role traced."""
     start = time.perf_counter()
     layout = layout_of(cfg, gpus)
-    cfg = replace(cfg, train=replace(cfg.train, compile=False))  # traced eager: what the estimator counts
+    cfg = traced_experts(replace(cfg, train=replace(cfg.train, compile=False)))  # traced eager (and experts as on a GPU): what the estimator counts
     cluster = cluster or Cluster(gpus=gpus, memory_gib=device.memory_gib, peak_tflops=device.peak_flops(layout.precision) / 1e12)
     t = cfg.train
     estimates = stage_estimates(cfg, tp=layout.tp, dp=layout.dp, micro_batch=layout.micro_batch, seq_len=layout.seq_len,

@@ -8,7 +8,9 @@ megatron's own drop-and-pad path instead (moe_pad_expert_input_to_capacity at ca
 or the config's capacity_factor where it is set), whose shapes are static: each expert receives
 exactly its capacity, ceil(tokens x top_k / E x factor) rows from every rank, which at factor 1 is
 what a perfectly balanced dropless router gives it. The counts handed to the experts are plain
-integers (numpy), as the dispatcher hands them after its device-to-host copy.
+integers (numpy), as the dispatcher hands them after its device-to-host copy. The experts run as a
+GPU runs them (`traced_experts`): model.moe.expert_impl auto is traced as the grouped GEMM in bf16
+(what auto picks on CUDA), one expert after another in fp32.
 
 What the real layer does beside routing and a fake one cannot: its routing statistics
 (SparseMLP's counters: `float()` of a sum) and the auxiliary losses' log entries, both left out;
@@ -33,6 +35,20 @@ def check_traceable(cfg: Config) -> None:
         raise UsageError(f"model.moe.dispatcher={cfg.model.moe.dispatcher}: the dry run traces the alltoall dispatcher "
                          "only (the allgather one sizes its buffers from the routing's values); the planner and the "
                          "estimator cost both")
+
+
+def traced_experts(cfg: Config) -> Config:
+    """cfg with model.moe.expert_impl as a GPU would run it (the module docstring): the fake rank
+    builds on the CPU device, where auto would pick the sequential loop."""
+    from dataclasses import replace
+
+    from cplm_dist.profiling.expert_cost import grouped_experts
+
+    e = cfg.model.moe
+    if not e.num_experts or e.expert_impl != "auto":
+        return cfg
+    impl = "grouped" if grouped_experts(cfg) else "sequential"
+    return replace(cfg, model=replace(cfg.model, moe=replace(e, expert_impl=impl)))
 
 
 @contextlib.contextmanager

@@ -29,15 +29,17 @@ times tp when the expert input is gathered; measured with saved-tensor hooks, te
                 loss 4 E + E + 4 k more [the scores, the routing map, the top-k probabilities it
                 reads]; with sigmoid scores 3 E more [the expert bias's path])
     dispatcher  r k c x 12 (the permutation's int64 indices and the permuted fp32 probabilities)
-    experts     x (b D [fc1's input: the sorted tokens] + b EXPERT_SAVED x F [SwiGLU: fc1's [gate;
-                up] output (2 F), SiLU(gate), up + 0, their product, weighed by the probability;
-                GELU: EXPERT_SAVED_GELU])
+    experts     x (b D [fc1's input: the sorted tokens] + b EXPERT_SAVED x F [megatron's SwiGLU
+                expert: fc1's [gate; up] output (2 F), SiLU(gate), up + 0, their product, weighed
+                by the probability; the grouped path (cplm_dist.model.moe_grouped) keeps no up + 0:
+                EXPERT_SAVED_GROUPED; GELU: EXPERT_SAVED_GELU])
     shared      SHARED_SAVED x b x its width / tp (megatron's MLP: as an expert's, without the
                 weighing)
 (z-loss's tensors, the expert counts and a capacity factor's drop masks are not counted: E or
 fewer elements a layer, or only where tokens are dropped, which the bound above already covers.)
-    grouped     model.moe.expert_impl grouped (auto on CUDA): the local experts' weights stacked
-                into one operand per linear each forward, kept for backward (b x their elements)
+    grouped     model.moe.expert_impl grouped, or auto in bf16 (what a GPU runs; its grouped GEMM
+                takes bf16): the local experts' weights stacked into one operand per linear each
+                forward, kept for backward (b x their elements, once a sparse layer and micro-batch)
 
 The token dispatcher's collectives per sparse layer and micro-batch ("ep/<collective>", the bytes
 the profiler's collective timer counts, `dispatcher_bytes_per_micro_batch`), with n = r x T x B
@@ -77,6 +79,7 @@ from cplm_dist.config.sparse import expert_tp
 from cplm_dist.model.parallel.stages import Stage, stage_layer_indices
 
 EXPERT_SAVED = 6  # b F per expert row a gated expert keeps (fc1's 2 F output, SiLU(gate), up + 0, product, weighed)
+EXPERT_SAVED_GROUPED = 5  # ... through the grouped GEMM (no up + 0)
 EXPERT_SAVED_GELU = 3  # ... a GELU expert (fc1's output, the GELU, weighed)
 SHARED_SAVED = {"swiglu": 5, "gelu": 3}  # b x its width per position, the shared expert (megatron's MLP, unweighed)
 
@@ -157,15 +160,23 @@ def sparse_mlp_bytes_per_token(cfg: Config, tp: int, act_bytes: int) -> float:
     router = r * (4 * E + 16 * k + (5 * E + 4 * k if balancing else 0) + (3 * E if e.score == "sigmoid" else 0))
     dispatcher = r * k * _kept(cfg) * 12
     F = expert_width(cfg) / expert_tp(cfg)
-    experts = expert_tokens(cfg, tp) * b * (D + (EXPERT_SAVED if backbone(m).gated_mlp else EXPERT_SAVED_GELU) * F)
+    gated = EXPERT_SAVED_GROUPED if grouped_experts(cfg) else EXPERT_SAVED
+    experts = expert_tokens(cfg, tp) * b * (D + (gated if backbone(m).gated_mlp else EXPERT_SAVED_GELU) * F)
     shared = b * SHARED_SAVED[backbone(m).mlp] * e.shared_ffn_hidden_size / tp
     return transposed + router + dispatcher + experts + shared
 
 
+def grouped_experts(cfg: Config) -> bool:
+    """Whether the experts run through the grouped GEMM as costed: model.moe.expert_impl grouped,
+    or auto in bf16 (auto picks it on CUDA, whose grouped GEMM takes bf16)."""
+    impl = cfg.model.moe.expert_impl
+    return impl == "grouped" or impl == "auto" and cfg.train.precision == "bf16"
+
+
 def grouped_stack_bytes(cfg: Config, act_bytes: int) -> float:
     """Per sparse layer and micro-batch: the local experts' weights stacked for the grouped GEMM
-    (model.moe.expert_impl grouped, or auto: grouped on CUDA), kept for backward; 0 otherwise."""
-    if not sparse(cfg) or cfg.model.moe.expert_impl == "sequential":
+    (`grouped_experts`), kept for backward; 0 otherwise."""
+    if not sparse(cfg) or not grouped_experts(cfg):
         return 0.0
     return act_bytes * cfg.model.moe.num_experts // cfg.parallel.ep * expert_elements(cfg) / expert_tp(cfg)
 
