@@ -39,7 +39,9 @@ exactly):
               b (F + F)                     GELU: fc1 output, GELU output
 
 (nh, nkv = heads per tp rank; in bf16 each norm also keeps an fp32 copy of each of its tensors, 4 D
-bytes a tensor per layer, not counted). With activation checkpointing a layer keeps only its input
+bytes a tensor per layer, not counted). A sparse layer (model.moe) has its MLP line from
+cplm_dist.profiling.expert_cost (router, dispatcher, experts, shared expert; the grouped path's
+stacked weights), and its routed experts' states are partitioned over the expert-dp ranks. With activation checkpointing a layer keeps only its input
 (b D per token) and one layer's activations exist at a time, during its recomputation.
 
 Sequence parallelism (parallel.sequence_parallel, tp > 1) keeps the norms' tensors for T/tp
