@@ -44,6 +44,31 @@ def test_qwen3_config_has_the_released_shapes():
     assert parameter_count(cfg)["layers"] == 28 * (3 * 1024 * 3072 + 1024 * (2048 + 2 * 1024) + 2048 * 1024 + 2 * 1024 + 2 * 128)
 
 
+def test_sparse_configs_have_their_shapes_and_the_run_passes_preflight(capsys):
+    """qwen3-30b-a3b is Qwen3-30B-A3B: 30,532,122,624 parameters without the copy head (every layer
+    128 experts of 768, top-8), 3.35B active a token; deepseek-v3-like-15b keeps DeepSeek-V3's
+    recipe (first 3 layers dense, a shared expert, sigmoid scores with the expert bias) at 14.7B.
+    The 64-GPU run config passes preflight, which names its experts' layout, and a world its ep
+    does not fit is one line (exit 2)."""
+    from cplm_dist.model.counting import active_parameters
+    from cplm_dist.train.preflight import main
+
+    qwen = load_config("qwen3-30b-a3b", ["copy.enabled=false"])
+    assert parameter_count(qwen)["total"] == 30_532_122_624 and 3.3e9 < active_parameters(qwen) < 3.4e9
+    assert qwen.model.moe.sparse_layers(48) == list(range(48))
+    ds = load_config("deepseek-v3-like-15b")
+    e = ds.model.moe
+    assert ds.model.name == "deepseek-v3-like-15b" and abs(parameter_count(ds)["total"] / 15e9 - 1) < 0.05
+    assert e.sparse_layers(ds.model.num_layers)[0] == 3 and e.shared_ffn_hidden_size == e.ffn_hidden_size
+    assert (e.score, e.expert_bias) == ("sigmoid", True)
+    run = CONFIG_DIR / "runs" / "qwen3-30b-a3b.yaml"
+    assert main(["--world", "64", "--config", str(run)]) == 0
+    assert "tp 2 x pp 2 x dp 16 (experts: ep 8 x expert_tp 1 of 128), ZeRO-1" in capsys.readouterr().err
+    assert main(["--world", "36", "--config", str(run), "parallel.pp=1", "train.global_batch_size=36"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "parallel.ep=8 x expert_tp=1 does not divide the 36 ranks" in err[0], err
+
+
 def test_overrides_are_typed_and_nested():
     cfg = load_config("tiny", ["model.num_layers=4", "copy.mix=joint", "model.norm_eps=1e-6", "copy.enabled=false"])
     assert cfg.model.num_layers == 4 and cfg.copy.mix == "joint" and cfg.model.norm_eps == 1e-6

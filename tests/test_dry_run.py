@@ -3,8 +3,10 @@ ZeRO 0-3, pp 2 and sequence parallelism, every rank's parameters and the model's
 equal a real 2-rank gloo job's exactly, the traced peak equals the real trace's, and the dry run's
 whole peak (traced + DeepSpeed's modelled states and buckets) is within 10% of a real DeepSpeed
 step's peak of live tensors (measured the same way, MemTracker). A real-shape dry run (cplm-1.7b
-at tp 2) agrees with the estimator and the communication model; bad layouts are one line and
-exit 2, one that does not fit exit 1; the planner confirms its choice with --dry-run."""
+at tp 2) agrees with the estimator and the communication model; a sparse layout (ep 2) traces the
+real ranks' parameters, its all-to-all the real one's lower bound (balanced routing), the
+estimator within 10%; bad layouts (an ep that does not fit too) are one line and exit 2, one that
+does not fit exit 1; the planner confirms its choice with --dry-run."""
 
 import json
 from pathlib import Path
@@ -30,6 +32,9 @@ LAYOUTS = {
                      "train.micro_batch_size=2"],
     # Muon: one momentum buffer for the matrices, the direction gathered over the partitions at the step
     "dp2-muon-zero1": ["optim.name=muon", "train.zero_stage=1", "train.global_batch_size=4", "train.micro_batch_size=2"],
+    # a sparse model: 4 experts over ep 2 (2 a rank), their states over the expert-dp ranks, the all-to-all on "ep/"
+    "ep2-zero1": ["model.moe.num_experts=4", "model.moe.expert_impl=sequential", "parallel.ep=2", "train.zero_stage=1",
+                  "train.global_batch_size=4", "train.micro_batch_size=2"],
 }
 
 
@@ -47,7 +52,7 @@ def _real_worker(names):
     for name in names:
         cfg = _config(name)
         layout = layout_of(cfg, 2)
-        dims = init_distributed(layout.tp, pp_size=layout.pp)
+        dims = init_distributed(layout.tp, pp_size=layout.pp, ep_size=cfg.parallel.ep, expert_tp_size=cfg.parallel.expert_tp)
         out[name] = real_roles(cfg, dims, layout, torch.device("cpu"))
         parallel_state.destroy_model_parallel()
     return out
@@ -74,6 +79,16 @@ def _pairs(dry, real, name):
 def test_parameters_and_collectives_equal_the_real_ranks(dry, real, name):
     for role, rank in _pairs(dry, real, name):
         assert role.trace.parameters == rank["parameters"]
+        real_bytes = dict(rank["collectives"])
+        if name.startswith("ep"):  # a real router's tokens: the all-to-all's buffer is the larger of what a rank sends
+            # (tokens x top_k, always) and receives, so the balanced trace is its lower bound; the counts' gather
+            # over tp x ep ("other") is bookkeeping the fake rank's drop-and-pad path skips
+            traced, measured = role.trace.collectives["ep/all_to_all_single"], real_bytes.pop("ep/all_to_all_single")
+            assert traced <= measured < 1.5 * traced
+            real_bytes = {k: v for k, v in real_bytes.items() if not k.startswith("other/")}
+            traced_rest = {k: v for k, v in {**role.trace.collectives, **role.trace.boundary}.items() if not k.startswith("ep/")}
+            assert traced_rest == pytest.approx(real_bytes, rel=1e-9)
+            continue
         assert {**role.trace.collectives, **role.trace.boundary} == pytest.approx(rank["collectives"], rel=1e-9)
     if name.startswith("tp2"):  # the tp group's traffic is there to compare
         assert any(k.startswith("tp/") for k in rank["collectives"])
@@ -85,6 +100,8 @@ def test_peak_within_10_percent_of_the_real_step(dry, real, name):
         assert role.trace.peak_bytes == pytest.approx(rank["peak_bytes"], rel=0.10)  # the same schedule, real tensors
         # the whole step: DeepSpeed's engine, optimizer states and buckets included (modelled in the dry run)
         assert role.peak_bytes == pytest.approx(rank["step_peak_bytes"], rel=0.10), (role.modelled, rank["step_by_kind"])
+        if name.startswith("ep"):  # a sparse step: the estimator (experts' states over expert-dp) within 10% too
+            assert abs(role.error) < 0.10, role.error
 
 
 def test_a_qwen3_layout_dry_runs_as_counting_and_the_communication_model_say():
@@ -144,6 +161,9 @@ def test_real_shape_dry_run_of_1_7b_at_tp2(tmp_path, capsys):
     (["--gpus", "6", "parallel.cp=4"], "parallel.tp=1 x parallel.cp=4 x parallel.pp=1 = 4 does not divide WORLD_SIZE=6"),
     (["--gpus", "6", "parallel.cp=2", "parallel.pp=2"], "parallel.tp=1 x parallel.cp=2 x parallel.pp=2 = 4 does not divide WORLD_SIZE=6"),
     (["--json", "no/such/dir/dry.json"], "its parent directory no/such/dir does not exist"),
+    (["model.moe.num_experts=8", "parallel.ep=3", "train.zero_stage=1"], "parallel.ep=3 does not divide model.moe.num_experts=8"),
+    (["--gpus", "2", "model.moe.num_experts=8", "parallel.ep=4", "train.zero_stage=1"],
+     "parallel.ep=4 x expert_tp=1 does not divide the 2 ranks of a pipeline stage"),
 ])
 def test_a_layout_that_cannot_exist_is_one_line_and_exit_2(capsys, args, message):
     from cplm_dist_tools.dry_run import main
@@ -269,3 +289,31 @@ def test_a_dualpipev_layout_dry_runs_each_rank_as_its_two_stages(capsys):
         assert "tied/all_reduce" not in role.modelled["collectives"] and abs(role.error) < 0.2, role.error
     assert main(["--config", "tiny", "--gpus", "4", *overrides]) == 0
     assert "x pp 2 x dp 1" in (out := capsys.readouterr().out) and "dualpipev bubble 11.1%" in out
+
+
+@pytest.mark.parametrize("expert_tp", [1, 2])
+def test_a_sparse_layout_dry_runs_each_role_as_counting_and_the_communication_model_say(expert_tp):
+    """tp 2 + sequence parallelism x ep 2 on 4 fake ranks, experts whole (expert_tp 1: ep over the
+    tp ranks) or split like the MLP (expert_tp 2: their inputs gathered over tp, the combine
+    reduce-scattered in fp32): a role for each tp rank (the ep ranks alike, routing balanced), each
+    holding the parameters counting says (4 of the 8 experts of each layer), its tp and ep
+    collectives exactly the communication model's (the all-to-alls of 2 sparse layers, no MLP
+    gathers of their own; beside them only the routers' token counts summed over tp, "other/",
+    bookkeeping the model leaves out), the experts' reduction modelled over their expert-dp ranks."""
+    from cplm_dist.model.counting import parameters_per_device
+
+    overrides = [*CP_DRY, "parallel.tp=2", "parallel.sequence_parallel=true", "train.zero_stage=1", "data.seq_length=256"]
+    sparse = ["model.moe.num_experts=8", "model.moe.expert_impl=sequential", "parallel.ep=2", f"parallel.expert_tp={expert_tp}"]
+    cfg = load_config("tiny", [*overrides, *sparse])
+    result = dry_run(cfg, gpus=4, device=DEVICES["h200"])
+    L = result.layout
+    assert (L.tp, L.dp, L.ep) == (2, 2, 2) and [r.tp_rank for r in result.roles] == [0, 1]
+    model = step_bytes(cfg, tp=2, dp=2, zero=1, micro_batch=L.micro_batch, accumulation=L.accumulation, seq_len=256,
+                       precision="fp32", activation_checkpointing=False, sequence_parallel=True)
+    for role in result.roles:
+        assert role.trace.parameters == parameters_per_device(cfg, 2)
+        traced = {k: v for k, v in role.trace.collectives.items() if not k.startswith("other/")}
+        assert traced == pytest.approx({k: v for k, v in model.items() if k.startswith(("tp/", "ep/"))}, rel=1e-9)
+        assert model["ep/all_to_all_single"] > 0  # the experts' gradients over 4 / (ep x expert_tp) expert-dp ranks:
+        assert ("edp/all_reduce" in role.modelled["collectives"]) == (expert_tp == 1)  # none at expert_tp 2
+

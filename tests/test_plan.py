@@ -578,3 +578,91 @@ def test_the_70b_long_context_config_is_the_planned_cp_x_pp_layout(tmp_path, cap
     assert dual.memory_gib <= cluster.headroom * cluster.memory_gib
     assert dual.bubble == pytest.approx(bubble(2, 16, "dualpipev")) and plain.bubble == pytest.approx(bubble(2, 16))
     assert dual.bubble < plain.bubble and dual.step_s < plain.step_s and dual.step_s < alone.step_s
+
+
+SPARSE = ["train.precision=bf16", "model.moe.num_experts=8", "model.moe.top_k=2", "model.moe.ffn_hidden_size=64"]
+
+
+def test_experts_cost_per_ep_rank_and_their_dispatch_crosses_the_ep_group():
+    """A sparse tiny model: ep 2 halves the experts' parameters a rank holds (counting's), their
+    ZeRO-1 optimizer states are partitioned over the expert-dp ranks (dp / ep) where the dense ones
+    are over dp; the all-to-all moves 4 x tokens x top_k x D x b + 8 x tokens x top_k a sparse layer
+    and micro-batch on "ep/" (twice the forward's under recomputation), the experts' gradients go
+    over "edp/", and the MLP's own tp gathers are gone under sequence parallelism."""
+    from cplm_dist.profiling.expert_cost import ExpertGroups, dispatcher_bytes_per_micro_batch, local_expert_elements
+
+    one, two = (load_config("tiny", [*SPARSE, f"parallel.ep={ep}", "train.zero_stage=1"]) for ep in (1, 2))
+    whole = pipeline_stages(one, 1, 1)[0]
+    assert local_expert_elements(one, whole, 1) == 2 * local_expert_elements(two, whole, 1) == 2 * 8 * 3 * 128 * 64
+    assert parameters_per_device(one, 1) - parameters_per_device(two, 1) == local_expert_elements(two, whole, 1)
+    assert ExpertGroups.of(two, tp=1, cp=1, dp=4).expert_dp == 2
+    e1, e2 = (estimate(c, tp=1, dp=4, micro_batch=2, seq_len=64, zero=1) for c in (one, two))
+    experts = local_expert_elements(two, whole, 1)
+    assert e1.optimizer - e2.optimizer == pytest.approx(12 * 2 * experts / 4 - 12 * experts / 2)
+    tokens, D, k, b = 2 * 64, 128, 2, 2
+    assert dispatcher_bytes_per_micro_batch(two, tp=1, tokens=tokens, act_bytes=b, sparse_layers=1,
+                                            activation_checkpointing=False) == {"ep/all_to_all_single": 4 * tokens * k * D * b + 8 * tokens * k}
+    layout = dict(tp=1, dp=4, zero=1, micro_batch=2, accumulation=3, seq_len=64, precision="bf16", sequence_parallel=False)
+    plain, recomputed = (step_bytes(two, activation_checkpointing=ckpt, **layout) for ckpt in (False, True))
+    forward = 2 * tokens * k * D * b + 4 * tokens * k
+    assert recomputed["ep/all_to_all_single"] - plain["ep/all_to_all_single"] == 3 * 2 * forward  # 2 layers, 3 micro-batches
+    assert plain["edp/all_reduce"] == plain["edp/all_gather_into_tensor"] == experts * b
+    at_ep1 = step_bytes(one, activation_checkpointing=False, **layout)
+    assert plain["dp/all_reduce"] == at_ep1["dp/all_reduce"]  # the dense part over dp, whatever ep
+    assert at_ep1["edp/all_reduce"] == 2 * experts * b  # at ep 1 every expert, over as many expert-dp ranks
+    sp = dict(activation_checkpointing=False, sequence_parallel=True)
+    for_sparse, for_dense = (tp_bytes_per_micro_batch(c, tp=2, tokens=tokens, act_bytes=b, sparse_layers=n, **sp)
+                             for c, n in ((two, 2), (load_config("tiny", ["train.precision=bf16"]), 0)))
+    h = tokens * D * b
+    assert for_dense["all_gather_into_tensor"] - for_sparse["all_gather_into_tensor"] == 2 * 3 * h
+    assert for_dense["reduce_scatter_tensor"] - for_sparse["reduce_scatter_tensor"] == 2 * 2 * h
+
+
+def test_the_planner_enumerates_ep_by_the_configs_rules_and_keeps_it_in_a_node(capsys):
+    """Sparse tiny on 16 GPUs (8 a node), no stages: every fitting layout's ep divides the experts,
+    ep x expert_tp divides the ranks, ZeRO 1-2 at ep > 1, sequence parallel at tp > 1; layouts at
+    ep > 1 are considered and ep inside a node ranks first among ties; the CLI prints ep and
+    refuses an --ep that cannot exist with one line (exit 2)."""
+    from cplm_dist_tools.plan import main
+
+    cfg = load_config("tiny", SPARSE)
+    fits, considered = plan(cfg, Cluster(gpus=16), seq_len=256, global_batch=64, max_pp=1)
+    assert fits and {p.ep for p in fits} >= {1, 2, 4, 8}
+    for p in fits:
+        assert 8 % p.ep == 0 and (p.tp * p.cp * p.dp) % (p.ep * p.expert_tp) == 0 and p.expert_tp in (1, p.tp)
+        assert p.ep == 1 or p.zero_stage in (1, 2)
+        assert p.tp == 1 or p.sequence_parallel
+    assert fits[0].ep * fits[0].expert_tp <= 8
+    assert main(["--config", "tiny", *SPARSE, "--gpus", "16", "--max-pp", "1", "--ep", "4", "--global-batch", "64",
+                 "--top", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "| tp | cp | pp | dp | ep | expert tp | ZeRO |" in out and " ep=4 " in out.split("best: ")[1]
+    for ep, message in ((3, "--ep 3 does not divide model.moe.num_experts=8"), (8, "--ep 8 does not divide --gpus 4")):
+        assert main(["--config", "tiny", *SPARSE, "--gpus", "4", "--ep", str(ep)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and message in err[0], err
+    assert main(["--config", "tiny", *SPARSE, "--gpus", "4", "parallel.ep=3"]) == 2  # the config's own rule, at load
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "parallel.ep=3 does not divide model.moe.num_experts=8" in err[0], err
+
+
+def test_the_30b_a3b_run_config_is_the_planned_layout():
+    """configs/runs/qwen3-30b-a3b.yaml is what tools/plan.py --write proposed for it on 64 H100s
+    (8 nodes; docs/moe.md): ep 8 inside a node (expert_tp 1), tp 2 with sequence parallelism, pp 2
+    under DualPipeV, ZeRO-1; it fits 80 GiB and is predicted as its header says; the same layout
+    with ep across nodes (16) is slower, and nothing at ep 1 fits (all 128 experts on a rank)."""
+    import re
+
+    ours = load_config(REPO / "configs/runs/qwen3-30b-a3b.yaml")
+    p, t = ours.parallel, ours.train
+    assert (p.tp, p.pp, p.ep, p.expert_tp, p.pp_schedule, t.zero_stage) == (2, 2, 8, 1, "dualpipev", 1)
+    cluster = Cluster(gpus=64)
+    common = dict(seq_len=ours.data.seq_length, global_batch=t.global_batch_size, sequence_parallel=True, zero=1,
+                  activation_checkpointing=False, micro_batch=t.micro_batch_size, tp=2, pp=2, pp_schedule="dualpipev")
+    chosen = predict(ours, cluster, ep=8, expert_tp=1, **common)
+    header = (REPO / "configs/runs/qwen3-30b-a3b.yaml").read_text().splitlines()[1]
+    assert f"predicted {chosen.step_s:.3g} s a step" in header and f"{chosen.memory_gib:.1f} GiB a GPU" in header, header
+    assert chosen.memory_gib <= cluster.headroom * cluster.memory_gib
+    assert predict(ours, cluster, ep=16, expert_tp=1, **common).step_s > chosen.step_s
+    assert predict(ours, cluster, ep=1, expert_tp=1, **common).memory_gib > cluster.memory_gib
+    assert re.search(r"MFU \d+\.\d%", header)

@@ -178,6 +178,45 @@ def test_layer_activation_formula_equals_what_autograd_keeps(precision, act_byte
     assert measured * 120 == layer_activation_bytes_per_token(cfg, tp, act_bytes) * 120 + per_layer_constant
 
 
+# a sparse MLP's cases: (precision, overrides); softmax with the balancing loss, sigmoid with the expert bias and a
+# shared expert in bf16, and neither balancing loss nor a shared expert
+SPARSE_CASES = [("fp32", ["model.moe.top_k=2"]),
+                ("bf16", ["model.moe.score=sigmoid", "model.moe.expert_bias=true", "model.moe.shared_ffn_hidden_size=96"]),
+                ("fp32", ["model.moe.top_k=4", "model.moe.aux_loss_coeff=0", "model.moe.num_experts=16"])]
+
+
+def _sparse_cfg(extra):
+    return load_config("tiny", ["model.num_layers=1", "model.moe.num_experts=8", "model.moe.ffn_hidden_size=64",
+                                "model.moe.expert_impl=sequential", *extra])
+
+
+def _sparse_saved_bytes_worker():
+    from cplm_dist.distributed import init_distributed
+    from cplm_dist.model import build_model
+
+    init_distributed(1)
+    out = []
+    for precision, extra in SPARSE_CASES:
+        dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+        model = build_model(_sparse_cfg(extra)).to(dtype).train()
+        x = torch.randn(2, 32, 128, dtype=dtype, requires_grad=True)
+        exclude = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        out.append(_storage_bytes(lambda: model.layers[0].mlp(x), exclude) / 64)
+    return out
+
+
+def test_sparse_mlp_formula_is_what_autograd_keeps():
+    """A sparse MLP (megatron's MoE layer, one rank, dropless: tokens x top_k rows whatever the
+    routing) keeps for backward what expert_cost.sparse_mlp_bytes_per_token says, per token, to
+    0.5% (the expert counts, E int64 a layer, and in bf16 a few bytes of the shared expert's aside)."""
+    from cplm_dist.profiling.expert_cost import sparse_mlp_bytes_per_token
+
+    measured = run_ranks(_sparse_saved_bytes_worker, 1)[0]
+    for (precision, extra), got in zip(SPARSE_CASES, measured):
+        predicted = sparse_mlp_bytes_per_token(_sparse_cfg(extra), 1, 2 if precision == "bf16" else 4)
+        assert abs(got / predicted - 1) < 0.005, (extra, got, predicted)
+
+
 # (arch, precision, tp, sequence parallel, extra overrides) of one layer's saved bytes at cp = 2, in one 4-rank job
 CP_LAYER_CASES = [("llama", "fp32", 1, False, []), ("llama", "bf16", 1, False, []), ("gpt2", "fp32", 1, False, []),
                   ("gpt2", "fp32", 1, False, ["model.num_kv_heads=8"]), ("llama", "fp32", 2, True, []),

@@ -1,5 +1,5 @@
 """Dry-run a training layout at full scale with no GPU: trace the real model of every distinct rank
-(tp rank x pipeline stage x cp rank) at the real shapes in a fake process group of the real world size, and
+(tp rank x pipeline stage x cp rank x a sparse model's ep rank) at the real shapes in a fake process group of the real world size, and
 compare its memory and collectives with the estimator and the communication model
 (cplm_dist/profiling/dry_run.py, docs/parallelism.md).
 
@@ -7,6 +7,7 @@ compare its memory and collectives with the estimator and the communication mode
     python tools/dry_run.py --config configs/runs/cplm-1.7b.yaml --gpus 16 parallel.tp=2 --json dry.json
     python tools/plan.py --config cplm-7b --gpus 64 --dry-run          # the planner's choice, confirmed
     python tools/dry_run.py --config configs/runs/cplm-1.7b-32k.yaml --gpus 8 --device h100   # cp=2: both cp ranks
+    python tools/dry_run.py --config configs/runs/qwen3-30b-a3b.yaml --gpus 64 --device h100   # sparse: ep 8
 
 Exit 0 when every rank fits 90% of the device's memory (the planner's headroom), 1 with one line
 naming the heaviest rank when one does not, 2 for a layout that cannot exist. Nothing is
@@ -43,7 +44,7 @@ def real(cfg, layout, json_path: str | None) -> int:
     world = LaunchEnv.from_environ(mpi_rendezvous=False).world_size
     if world != layout.world:
         raise UsageError(f"--real runs in a job of --gpus ranks: this launch has {world} (torchrun --nproc-per-node {layout.world})")
-    dims = init_distributed(layout.tp, pp_size=layout.pp)
+    dims = init_distributed(layout.tp, pp_size=layout.pp, ep_size=cfg.parallel.ep, expert_tp_size=cfg.parallel.expert_tp)
     try:
         roles = real_roles(cfg, dims, layout, torch.device("cpu"))
     finally:

@@ -1,15 +1,17 @@
 """Plan a training layout: which tp x cp x pp x dp x ZeRO x micro-batch x checkpointing x sequence
-parallelism fits a cluster, and which is fastest (cplm_dist/profiling/planner.py, docs/parallelism.md).
+parallelism (x ep x expert_tp for a sparse model) fits a cluster, and which is fastest
+(cplm_dist/profiling/planner.py, docs/parallelism.md, docs/moe.md).
 
     python tools/plan.py --config cplm-1.7b --gpus 8
     python tools/plan.py --config cplm-1.7b --gpus 8 --seq-len 32768 --global-batch 64 model.max_seq_len=32768
     python tools/plan.py --config cplm-70b --gpus 512 --seq-len 4096 --global-batch 1024 --top 5
     python tools/plan.py --config configs/runs/cplm-7b.yaml --gpus 64 --write configs/runs/cplm-7b.yaml
+    python tools/plan.py --config qwen3-30b-a3b --gpus 64 --seq-len 4096 --global-batch 512   # ep too
 
 The sequence length and global batch default to the config's data.seq_length and
 train.global_batch_size; precision is train.precision. Predictions, not measurements: compute at
 --achievable x the GPU's dense peak, communication at the stated bandwidths. --write sets the
-chosen layout's fields in a run config, parallel.pp and parallel.cp included (a file keeps its other sections; a
+chosen layout's fields in a run config, parallel.pp and parallel.cp included (a sparse model's parallel.ep and expert_tp) (a file keeps its other sections; a
 shipped name becomes `base: <name>`; cplm_dist/profiling/layout_config.py, cplm_dist/config/editing.py).
 """
 
@@ -29,19 +31,23 @@ COLUMNS = [("tp", "tp"), ("cp", "cp"), ("pp", "pp"), ("dp", "dp"), ("zero_stage"
            ("compute_s", "compute s"), ("tp_comm_s", "tp s"), ("cp_comm_s", "cp s"), ("exposed_dp_s", "dp s (exposed)"), ("optimizer_s", "optimizer s"),
            ("pp_comm_s", "pp s"), ("bubble", "bubble"), ("pp_schedule", "schedule"), ("step_s", "step s"), ("mfu", "MFU"),
            ("tokens_per_s", "tokens/s")]
+# a sparse model's (model.moe): its expert layout after dp, its dispatcher's exposed all-to-alls after cp's
+EXPERT_COLUMNS = {"dp": [("ep", "ep"), ("expert_tp", "expert tp")], "cp_comm_s": [("ep_comm_s", "ep s")]}
 
 
 def _cell(value) -> str:
     return ("on" if value else "off") if isinstance(value, bool) else str(value)
 
 
-def table(plans: list[Plan]) -> str:
-    lines = ["| " + " | ".join(h for _, h in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+def table(plans: list[Plan], experts: bool = False) -> str:
+    """The plans as a markdown table; `experts`: a sparse model's columns too (EXPERT_COLUMNS)."""
+    columns = [c for key, h in COLUMNS for c in [(key, h), *(EXPERT_COLUMNS.get(key, []) if experts else [])]]
+    lines = ["| " + " | ".join(h for _, h in columns) + " |", "|" + "---|" * len(columns)]
     for p in plans:
         row = p.as_dict()
         cells = [(f"{row[k]:.1%}" if k in ("mfu", "bubble") else f"{row[k]:.2f}" if k == "memory_gib" else
                   f"{row[k]:,.0f}" if k == "tokens_per_s" else f"{row[k]:.3g}" if k.endswith("_s") else _cell(row[k]))
-                 for k, _ in COLUMNS]
+                 for k, _ in columns]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -57,6 +63,19 @@ def confirm(best: Plan, args, cluster: Cluster, seq_len: int, global_batch: int)
     device = device_named("h100" if args.gpu_gb <= 80 else "h200", args.gpu_gb)
     print(f"dry run of the best layout ({device.name} figures, {args.gpu_gb:g} GiB):", flush=True)
     return report(dry_run(chosen, gpus=args.gpus, device=device, cluster=cluster, progress=lambda line: print(line, flush=True)), None)
+
+
+def check_ep(cfg, ep: int, gpus: int) -> None:
+    """--ep: one line where no layout could take it (config.sparse's rules: ep divides the experts
+    and a pipeline stage's ranks, so at least the GPUs)."""
+    e = cfg.model.moe.num_experts
+    if ep < 1 or (ep > 1 and not e):
+        raise UsageError(f"--ep {ep}: must be a positive integer, and > 1 only for a sparse model (model.moe.num_experts)")
+    if e and e % ep:
+        raise UsageError(f"--ep {ep} does not divide model.moe.num_experts={e}: choose ep from "
+                         f"{[d for d in divisors(e)]}")
+    if gpus % ep:
+        raise UsageError(f"--ep {ep} does not divide --gpus {gpus} (ep x expert_tp divides a pipeline stage's tp x cp x dp ranks)")
 
 
 def max_pp(cfg, args) -> int:
@@ -79,6 +98,8 @@ def main(argv=None) -> int:
     p.add_argument("--overlap", type=float, default=0.8, help="share of ZeRO communication under compute that it hides")
     p.add_argument("--max-pp", type=int, help="largest pipeline degree to consider (default: any; 1: no pipelining)")
     p.add_argument("--max-cp", type=int, help="largest context-parallel degree to consider (default: any; 1: none)")
+    p.add_argument("--ep", type=int, help="a sparse model's expert parallelism: only this ep (default: any dividing "
+                                          "model.moe.num_experts)")
     p.add_argument("--seq-len", type=int, help="default: data.seq_length")
     p.add_argument("--global-batch", type=int, help="sequences per step (default: train.global_batch_size)")
     p.add_argument("--top", type=int, default=8, help="layouts to print")
@@ -95,6 +116,8 @@ def main(argv=None) -> int:
         raise UsageError(f"--max-pp {args.max_pp} must be a positive integer")
     if args.max_cp is not None and args.max_cp < 1:
         raise UsageError(f"--max-cp {args.max_cp} must be a positive integer")
+    if args.ep is not None:
+        check_ep(cfg, args.ep, args.gpus)
     seq = args.seq_len or cfg.data.seq_length
     batch = args.global_batch or cfg.train.global_batch_size
     if (args.write or args.dry_run) and seq > cfg.model.max_seq_len:
@@ -103,7 +126,7 @@ def main(argv=None) -> int:
     cluster = Cluster(gpus=args.gpus, gpus_per_node=args.gpus_per_node, memory_gib=args.gpu_gb,
                       peak_tflops=args.peak_tflops, achievable=args.achievable, intra_gbps=args.intra_gbps,
                       inter_gbps=args.inter_gbps, overlap=args.overlap)
-    fits, considered = plan(cfg, cluster, seq_len=seq, global_batch=batch, max_pp=args.max_pp, max_cp=args.max_cp)
+    fits, considered = plan(cfg, cluster, seq_len=seq, global_batch=batch, max_pp=args.max_pp, max_cp=args.max_cp, ep=args.ep)
     n = parameter_count(cfg)["total"]
     head = (f"{cfg.model.name} ({n / 1e9:.2f}B parameters, {cfg.train.precision}) on {args.gpus} GPUs "
             f"({args.gpus_per_node} a node, {args.gpu_gb:g} GiB), {batch} x {seq} tokens a step: "
@@ -117,7 +140,8 @@ def main(argv=None) -> int:
             print(f"no layout fits {cluster.headroom:.0%} of {args.gpu_gb:g} GiB, even with pipeline parallelism (pp up to "
                   f"{max_pp(cfg, args)}): this size needs more GPUs, more memory a GPU or a smaller global batch")
         return 1
-    print(table(fits[: args.top]))
+    sparse = cfg.model.moe.num_experts > 0
+    print(table(fits[: args.top], experts=sparse))
     best = fits[0]
     if best.pp > 1 and not any(p.pp == 1 for p in fits):
         print(f"no layout fits {cluster.headroom:.0%} of {args.gpu_gb:g} GiB without pipeline parallelism: "
@@ -125,10 +149,12 @@ def main(argv=None) -> int:
     if best.cp > 1 and not any(p.cp == 1 for p in fits):
         print(f"no layout fits {cluster.headroom:.0%} of {args.gpu_gb:g} GiB without context parallelism: "
               f"{seq} tokens a sequence need cp > 1 on {args.gpus} GPUs")
-    print(f"best: tp={best.tp} cp={best.cp} pp={best.pp} dp={best.dp} ZeRO-{best.zero_stage} micro {best.micro_batch} x accumulation {best.accumulation}, "
+    experts = f" ep={best.ep} expert_tp={best.expert_tp}" if sparse else ""
+    print(f"best: tp={best.tp} cp={best.cp} pp={best.pp} dp={best.dp}{experts} ZeRO-{best.zero_stage} micro {best.micro_batch} x accumulation {best.accumulation}, "
           f"checkpointing {'on' if best.activation_checkpointing else 'off'}, sequence parallel "
           f"{'on' if best.sequence_parallel else 'off'}: predicted {best.step_s:.3g} s a step"
           f"{f' ({best.pp_schedule}, bubble {best.bubble:.1%})' if best.pp > 1 else ''}{f' (cp {best.cp_comm_s:.3g} s exposed)' if best.cp > 1 else ''}"
+          f"{f' (ep all-to-all {best.ep_comm_s:.3g} s exposed)' if best.ep > 1 else ''}"
           f", MFU {best.mfu:.1%}, {best.memory_gib:.1f} GiB a GPU")
     if args.dry_run:
         status = confirm(best, args, cluster, seq, batch)
@@ -137,7 +163,7 @@ def main(argv=None) -> int:
     if args.write:
         note = (f"{PLAN_NOTE} --gpus {args.gpus} (a prediction, docs/parallelism.md): predicted {best.step_s:.3g} s "
                 f"a step{f' (pp={best.pp} {best.pp_schedule}, bubble {best.bubble:.1%})' if best.pp > 1 else ''}"
-                f"{f' (cp={best.cp})' if best.cp > 1 else ''}, MFU {best.mfu:.1%}, "
+                f"{f' (cp={best.cp})' if best.cp > 1 else ''}{f' (ep={best.ep})' if best.ep > 1 else ''}, MFU {best.mfu:.1%}, "
                 f"{best.memory_gib:.1f} GiB a GPU")
         write_run_config(Path(args.write), args.config, best, seq, batch, note)
         print(f"wrote {args.write}")

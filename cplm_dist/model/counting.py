@@ -13,6 +13,8 @@ large configs can be trusted without building them.
 
 from __future__ import annotations
 
+import copy
+import functools
 import math
 
 from cplm_dist.config import Config
@@ -21,6 +23,26 @@ from cplm_dist.config.sparse import expert_tp
 from cplm_dist.model.layer_shapes import ParameterShape, layer_kinds, model_layer_shapes, norm_shapes
 from cplm_dist.model.loss import padded_vocab_size
 from cplm_dist.model.mixes import MIXES
+
+
+def per_model(fn):
+    """Remember `fn(cfg, ...)` per model, copy head and tp / ep / expert_tp layout: a sparse model's
+    layers list every expert (12k entries for a 48-layer model of 128 experts), and the planner
+    asks for the same counts thousands of times. Returns a copy of a list or dict result."""
+    cache: dict = {}
+
+    @functools.wraps(fn)
+    def remembered(cfg: Config, *args, **kwargs):
+        p = cfg.parallel
+        key = (repr(cfg.model), repr(cfg.copy), p.tp, p.ep, p.expert_tp, args, tuple(sorted(kwargs.items())))
+        if key not in cache:
+            if len(cache) > 4096:
+                cache.clear()
+            cache[key] = fn(cfg, *args, **kwargs)
+        found = cache[key]
+        return copy.copy(found) if isinstance(found, (list, dict)) else found
+
+    return remembered
 
 
 def _all_layers(cfg: Config, layers: int | None = None) -> list[ParameterShape]:
@@ -76,6 +98,7 @@ def copy_head_parameters(cfg: Config) -> tuple[int, int]:
     return 2 * D * c.num_heads * c.head_dim + sum(n for n, matmul in own if matmul), sum(n for n, matmul in own if not matmul)
 
 
+@per_model
 def parameter_count(cfg: Config, *, padded: bool = False) -> dict[str, int]:
     """Parameters by part, and their total, over all tp ranks (each counted once).
 
@@ -96,6 +119,7 @@ def parameter_count(cfg: Config, *, padded: bool = False) -> dict[str, int]:
     return parts
 
 
+@per_model
 def active_parameters(cfg: Config) -> int:
     """Parameters one token uses (parameter_count's total for a dense model): a sparse layer's
     router, top_k of its E experts and its shared expert, and everything outside the experts."""
@@ -103,6 +127,7 @@ def active_parameters(cfg: Config) -> int:
     return parameter_count(cfg)["total"] - round(idle)
 
 
+@per_model
 def parameters_per_device(cfg: Config, tp: int) -> float:
     """Parameters one tp rank holds (before ZeRO-3 sharding), padded vocabulary included: the
     tp-split matrices / tp, plus what every rank replicates (norms, the copy head); a sparse
@@ -116,6 +141,7 @@ def parameters_per_device(cfg: Config, tp: int) -> float:
     return split / tp + replicated_parameters(cfg) + experts / cfg.parallel.ep
 
 
+@per_model
 def replicated_parameters(cfg: Config) -> int:
     """Parameters every tp rank holds whole: the norms, the copy head, a sparse layer's router and
     shared-expert gate, and where the backbone has them the row-parallel linears' biases and
@@ -124,6 +150,7 @@ def replicated_parameters(cfg: Config) -> int:
     return layers + sum(_norm_tensors(cfg)) + _positions(cfg) + sum(copy_head_parameters(cfg))
 
 
+@per_model
 def matmul_parameters(cfg: Config, *, layers: int | None = None, heads: bool = True) -> int:
     """Parameters that multiply an activation once per token (docs/performance.md): every weight
     matrix of `layers` transformer layers (default all; a sparse layer's router, top_k experts and
@@ -133,6 +160,7 @@ def matmul_parameters(cfg: Config, *, layers: int | None = None, heads: bool = T
     return _layer_matrices(cfg, layers) + (m.vocab_size * m.hidden_size + copy_head_parameters(cfg)[0] if heads else 0)
 
 
+@per_model
 def tensor_sizes_per_device(cfg: Config, tp: int, *, layers: int | None = None, first: bool = True,
                             last: bool = True) -> list[int]:
     """Elements of each parameter tensor one tp rank holds, in module order (they sum to
@@ -152,6 +180,13 @@ def tensor_sizes_per_device(cfg: Config, tp: int, *, layers: int | None = None, 
             width = c.num_heads * c.head_dim
             sizes += [width * D, width * D] + [n for n, _ in _copy_mix_tensors(cfg)]
     return sizes
+
+
+@per_model
+def summed_over_tp(cfg: Config, grad_sum: str, layers: int | None = None) -> int:
+    """Elements of the replicated layer tensors whose gradients are summed over tp when `grad_sum`
+    (layer_shapes.ALWAYS, UNDER_SEQUENCE_PARALLEL) says, in `layers` layers (default all)."""
+    return sum(s.numel for s in _all_layers(cfg, layers) if s.grad_sum == grad_sum)
 
 
 def _held(s: ParameterShape, cfg: Config) -> bool:

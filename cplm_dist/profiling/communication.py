@@ -72,6 +72,12 @@ head's keys on the last stage only, and the ids (and positions) once a forward o
 The dp collectives run over dp x cp ranks (DeepSpeed's sequence-data-parallel group: gradients
 summed over cp, ZeRO partitioned over dp x cp), with the same volumes, filed under "dp/".
 The step's token count summed over cp (8 bytes a micro-batch) is bookkeeping, not counted.
+A sparse model (model.moe; cplm_dist.profiling.expert_cost): each sparse layer's token dispatch and
+combine, forward and backward, on the ep group ("ep/": the all-to-all, or the all-gather
+dispatcher's gathers and scatters) and at expert_tp = tp > 1 the experts' tp gathers ("tp/"); its
+MLP's own tp gathers and scatters are gone (a shared expert keeps them). The routed experts'
+gradients are reduced over the expert-data-parallel ranks ("edp/": tp x cp x dp / (ep x
+expert_tp) ranks, as ZeRO 0-2 reduce dp's), the rest over dp x cp ("dp/").
 Small bookkeeping collectives (gradient norm, overflow checks, loss averaging) are not counted,
 nor collectives over a single rank (they move nothing; the profiler skips them too).
 """
@@ -81,11 +87,13 @@ from __future__ import annotations
 from collections import defaultdict
 
 from cplm_dist.config import Config
-from cplm_dist.model.counting import copy_head_parameters, replicated_parameters
-from cplm_dist.model.layer_shapes import ALWAYS, UNDER_SEQUENCE_PARALLEL, model_layer_shapes
+from cplm_dist.model.counting import copy_head_parameters, replicated_parameters, summed_over_tp
+from cplm_dist.model.layer_shapes import ALWAYS, UNDER_SEQUENCE_PARALLEL
 from cplm_dist.model.loss import padded_vocab_size
 from cplm_dist.model.mixes import MIXES
 from cplm_dist.model.parallel.stages import pipeline_stages, stage_tensor_sizes
+from cplm_dist.profiling.expert_cost import (ExpertGroups, dispatcher_bytes_per_micro_batch, local_expert_elements,
+                                             stage_sparse_layers)
 from cplm_dist.profiling.muon_cost import muon_step_cost
 
 ZERO3_PERSISTENCE_THRESHOLD = 100_000  # DeepSpeed's stage3_param_persistence_threshold default
@@ -100,9 +108,11 @@ def _copy_terms(cfg: Config) -> int:
 
 def tp_bytes_per_micro_batch(cfg: Config, *, tp: int, tokens: int, act_bytes: int, activation_checkpointing: bool,
                              sequence_parallel: bool, layers: int | None = None, first: bool = True,
-                             last: bool = True) -> dict[str, float]:
+                             last: bool = True, sparse_layers: int = 0) -> dict[str, float]:
     """{collective: bytes} of one micro-batch's forward and backward on the tp group: of `layers`
-    transformer layers (default all), with the embedding (`first`) and the head (`last`)."""
+    transformer layers (default all), `sparse_layers` of them sparse (no MLP gather and scatter of
+    their own: cplm_dist.profiling.expert_cost, which adds the dispatcher's), with the embedding
+    (`first`) and the head (`last`)."""
     if tp == 1:
         return {}
     m, c = cfg.model, cfg.copy
@@ -110,19 +120,19 @@ def tp_bytes_per_micro_batch(cfg: Config, *, tp: int, tokens: int, act_bytes: in
     emb, head = int(first), int(last)
     ckpt = 1 if activation_checkpointing else 0  # a recomputed layer repeats all but its MLP's output collective
     loss = 3 * 4 * tokens * head
-    shapes = [s for layer in model_layer_shapes(m, layers) for s in layer]  # replicated weights whose gradients are summed over tp
-    heads = sum(s.numel for s in shapes if s.grad_sum == ALWAYS)  # the qk-norm's (over each rank's own heads)
+    heads = summed_over_tp(cfg, ALWAYS, layers)  # the qk-norm's (over each rank's own heads)
     if not sequence_parallel:
         return {"all_reduce": h * (2 * L + emb + 2 * L + head + ckpt * L) + loss + heads * act_bytes}
     keys = 4 * tokens * c.num_heads * c.head_dim * head if c.enabled else 0
     terms = 4 * tokens * _copy_terms(cfg) * head if c.enabled else 0
-    layer = sum(s.numel for s in shapes if s.grad_sum == UNDER_SEQUENCE_PARALLEL)  # norms, a router (each rank's positions)
+    layer = summed_over_tp(cfg, UNDER_SEQUENCE_PARALLEL, layers)  # norms, a router (each rank's positions)
     norms = layer + heads + head * (m.hidden_size + sum(copy_head_parameters(cfg)))  # the replicated weights
     if layers is None:
         assert norms == replicated_parameters(cfg)
+    S = 0 if m.moe.shared_ffn_hidden_size else sparse_layers  # a shared expert gathers and scatters as the MLP does
     return {
-        "all_gather_into_tensor": h * (2 * L + 4 * L + 2 * head + emb + ckpt * 2 * L) + keys + terms,
-        "reduce_scatter_tensor": h * (2 * L + 2 * L + emb + head + ckpt * L) + keys,
+        "all_gather_into_tensor": h * (2 * L + 4 * L + 2 * head + emb + ckpt * 2 * L - S * (3 + ckpt)) + keys + terms,
+        "reduce_scatter_tensor": h * (2 * L + 2 * L + emb + head + ckpt * L - 2 * S) + keys,
         "all_reduce": norms * act_bytes + loss,
     }
 
@@ -187,13 +197,14 @@ def cp_step_parts(cfg: Config, *, tp: int, cp: int, micro_batch: int, accumulati
 
 
 def dp_bytes_per_step(cfg: Config, *, tp: int, dp: int, zero: int, accumulation: int, param_bytes: int,
-                      pp: int = 1, stage: int = 0) -> dict[str, float]:
-    """{collective: bytes} of one optimizer step on the dp group (of pipeline `stage`'s parameters);
+                      pp: int = 1, stage: int = 0, experts: float = 0.0) -> dict[str, float]:
+    """{collective: bytes} of one optimizer step on the dp group (of pipeline `stage`'s parameters,
+    less `experts` elements: a sparse model's routed experts, reduced over their own group);
     `dp` its ranks (dp x cp under context parallelism)."""
     if dp == 1:
         return {}
     sizes = stage_tensor_sizes(cfg, tp, pp, stage)
-    p = sum(sizes) * param_bytes
+    p = (sum(sizes) - experts) * param_bytes
     if zero == 0:
         return {"all_reduce": p}
     if zero == 1:
@@ -221,10 +232,15 @@ def step_bytes(cfg: Config, *, tp: int, dp: int, zero: int, micro_batch: int, ac
     held = None if pp == 1 else pipeline_stages(cfg, pp, tp)[stage]  # DualPipeV: the rank's two stages
     first, last = (True, True) if held is None else (held.first, held.last)
     layers = None if held is None else held.layers
+    own = held or pipeline_stages(cfg, 1, tp)[0]
+    sparse = stage_sparse_layers(cfg, own, tp)
     per_micro = tp_bytes_per_micro_batch(cfg, tp=tp, tokens=tokens, act_bytes=b, activation_checkpointing=activation_checkpointing,
-                                         sequence_parallel=sp, layers=layers, first=first, last=last)
+                                         sequence_parallel=sp, layers=layers, first=first, last=last, sparse_layers=sparse)
     for name, size in per_micro.items():
         out[f"tp/{name}"] += size * accumulation
+    for key, size in dispatcher_bytes_per_micro_batch(cfg, tp=tp, tokens=tokens, act_bytes=b, sparse_layers=sparse,
+                                                      activation_checkpointing=activation_checkpointing).items():
+        out[key] += size * accumulation  # the token dispatcher's: "ep/", and "tp/" at expert_tp = tp
     if pp > 1:
         between = dualpipev_bytes_per_micro_batch if held.chunks == 2 else pp_bytes_per_micro_batch
         for key, size in between(cfg, tp=tp, pp=pp, stage=stage, tokens=tokens, act_bytes=b, sequence_parallel=sp).items():
@@ -237,13 +253,27 @@ def step_bytes(cfg: Config, *, tp: int, dp: int, zero: int, micro_batch: int, ac
                                           last=last).values():
         for name, size in sizes.items():
             out[f"cp/{name}"] += size * accumulation
+    experts = local_expert_elements(cfg, own, tp) if zero < 3 else 0.0  # ZeRO-3 (ep 1): the experts are dp's
     for name, size in dp_bytes_per_step(cfg, tp=tp, dp=dp * cp, zero=zero, accumulation=accumulation, param_bytes=b,
-                                        pp=pp, stage=stage).items():
+                                        pp=pp, stage=stage, experts=experts).items():
         out[f"dp/{name}"] += size
-    own = held or pipeline_stages(cfg, 1, tp)[0]
+    for name, size in expert_dp_bytes_per_step(experts * b, ExpertGroups.of(cfg, tp=tp, cp=cp, dp=dp).expert_dp, zero,
+                                               accumulation).items():
+        out[f"edp/{name}"] += size
     for key, size in muon_step_cost(cfg, own, tp=tp, partitions=dp * cp, zero=zero)[1].items():  # Muon's gathers
         out[key] += size
     return dict(out)
+
+
+def expert_dp_bytes_per_step(size: float, ranks: int, zero: int, accumulation: int) -> dict[str, float]:
+    """{collective: bytes} of one optimizer step on the expert-data-parallel group (`ranks`, the
+    ranks holding the same experts) for a rank's `size` bytes of routed experts: ZeRO 0-2 as
+    `dp_bytes_per_step` counts them (ZeRO-3 runs at ep 1 only, where the experts are dp's)."""
+    if ranks == 1 or not size:
+        return {}
+    if zero == 0:
+        return {"all_reduce": size}
+    return {"all_reduce": size * (accumulation if zero == 2 else 1), "all_gather_into_tensor": size}
 
 
 def ring_factor(collective: str, ranks: int) -> float:

@@ -17,8 +17,13 @@ with pipeline stages or without) every cp rank is traced: each holds T/c positio
 attention and the copy head over the prefix its chunks see (cp rank 0's second chunk sees all T,
 the largest blocks), and issues the cp group's gathers, which the collective counter files under
 "cp/" and the communication model (cplm_dist.profiling.communication) predicts. The dp x cp group
-reduces the gradients and partitions ZeRO's states: modelled as dp over dp x cp ranks. What each
-role runs:
+reduces the gradients and partitions ZeRO's states: modelled as dp over dp x cp ranks. A sparse
+model (model.moe) is traced with its expert groups (parallel.ep, parallel.expert_tp) in the fake
+world, routing balanced (cplm_dist.profiling.dry_run_experts: a fake tensor has no values to route
+by): each rank holds E / ep experts of each sparse layer and receives as many tokens as it sends,
+so the ep ranks of a tp rank and stage are alike and one is traced for them (its `ep_rank`); its
+dispatcher's all-to-alls are counted under "ep/", and its experts' optimizer states and gradients
+modelled over the expert-dp ranks (cplm_dist.profiling.expert_cost). What each role runs:
 
     pp = 1   min(accumulation, 2) micro-batches, each forward then backward: the second runs with
              the first one's gradients alive, as in a step that accumulates
@@ -72,7 +77,10 @@ from cplm_dist.model.counting import parameter_count, replicated_parameters
 from cplm_dist.model.loss import padded_vocab_size
 from cplm_dist.model.parallel.stages import loss_stage, pipeline_stages
 from cplm_dist.profiling import communication
+from cplm_dist.config.sparse import check_expert_world, expert_tp
+from cplm_dist.profiling.dry_run_experts import balanced_routing, check_traceable, traced_experts
 from cplm_dist.profiling.dry_run_schedule import RoleSchedule
+from cplm_dist.profiling.expert_cost import ExpertGroups, local_expert_elements
 from cplm_dist.profiling.fake_world import fake_rank, rank_of
 from cplm_dist.profiling.memory import bubble, bucket_bytes, optimizer_bytes, stage_estimates, state_bytes_per_parameter
 from cplm_dist.profiling.muon_cost import muon_step_cost
@@ -107,6 +115,8 @@ def layout_of(cfg: Config, gpus: int) -> RunLayout:
     cp x pp that does not divide the world, batch arithmetic that does not work; the heads and pp
     bounds are checked when the config loads)."""
     batch = BatchLayout.of(cfg, gpus)
+    check_expert_world(cfg, gpus)  # a sparse model's ep x expert_tp dividing a stage's ranks
+    check_traceable(cfg)
     return RunLayout(**asdict(Layout.of(cfg, cfg.parallel.tp, batch.dp)), world=gpus, micro_batch=batch.micro,
                      accumulation=batch.accumulation, seq_len=cfg.data.seq_length, precision=cfg.train.precision)
 
@@ -141,6 +151,7 @@ class RoleTrace:
     roofline_s: float  # the traced micro-batches' operators at the roofline, per micro-batch
     flops: float  # per micro-batch
     seconds: float  # wall time of the trace
+    ep_rank: int = 0  # a sparse model's: which E / ep experts of each sparse layer the rank holds
 
 
 @dataclass
@@ -162,7 +173,8 @@ class Role:
 
     def as_json(self) -> dict:
         t = self.trace
-        return {"tp_rank": self.tp_rank, "pp_stage": self.pp_stage, "cp_rank": self.cp_rank, "traced_as": self.traced_as,
+        return {"tp_rank": self.tp_rank, "pp_stage": self.pp_stage, "cp_rank": self.cp_rank, "ep_rank": t.ep_rank,
+                "traced_as": self.traced_as,
                 "parameters": t.parameters, "peak_bytes": self.peak_bytes, "estimate_bytes": self.estimate_bytes,
                 "traced": {"peak_bytes": t.peak_bytes, "by_kind": t.by_kind, "micro_batches": t.micro_batches,
                            "flops_per_micro_batch": t.flops, "roofline_s_per_micro_batch": t.roofline_s},
@@ -257,7 +269,8 @@ def trace_rank(cfg: Config, dims: ParallelDims, layout: RunLayout, device: torch
                      parameter_bytes=sum(p.numel() * p.element_size() for p in params),
                      peak_bytes=by_kind.pop("total"), by_kind=by_kind, collectives=collectives,
                      boundary={k: v * scale for k, v in schedule.boundary.items()}, micro_batches=n,
-                     roofline_s=roof.seconds / n, flops=roof.flops / n, seconds=time.perf_counter() - start)
+                     roofline_s=roof.seconds / n, flops=roof.flops / n, seconds=time.perf_counter() - start,
+                     ep_rank=dims.ep_rank)
 
 
 def trace_role(cfg: Config, layout: RunLayout, *, tp_rank: int, pp_stage: int, device: Device, cp_rank: int = 0) -> RoleTrace:
@@ -265,7 +278,9 @@ def trace_role(cfg: Config, layout: RunLayout, *, tp_rank: int, pp_stage: int, d
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     rank = rank_of(tp_rank=tp_rank, pp_stage=pp_stage, tp=layout.tp, dp=layout.dp, cp_rank=cp_rank, cp=layout.cp)
-    with fake_rank(rank=rank, world=layout.world, tp=layout.tp, pp=layout.pp, cp=layout.cp) as dims, FakeTensorMode():
+    p = cfg.parallel
+    with fake_rank(rank=rank, world=layout.world, tp=layout.tp, pp=layout.pp, cp=layout.cp, ep=p.ep,
+                   expert_tp=p.expert_tp) as dims, balanced_routing(cfg), FakeTensorMode():
         with contextlib.redirect_stdout(io.StringIO()):  # DeepSpeed prints the whole rank topology at rank 0
             return trace_rank(cfg, dims, layout, "cpu", device)
 
@@ -275,20 +290,27 @@ def modelled(cfg: Config, layout: RunLayout, trace: RoleTrace, stage: int) -> di
     t = cfg.train
     n = trace.parameters
     _, g_b, o_b = state_bytes_per_parameter(layout.precision, layout.zero_stage, layout.grad_ranks, t.grad_accum_dtype)
+    held = pipeline_stages(cfg, layout.pp, layout.tp)[stage]
+    experts = local_expert_elements(cfg, held, layout.tp)  # a sparse model's: partitioned over the expert-dp ranks
+    _, ge_b, oe_b = state_bytes_per_parameter(layout.precision, layout.zero_stage, ExpertGroups.of(
+        cfg, tp=layout.tp, cp=layout.cp, dp=layout.dp).expert_dp, t.grad_accum_dtype)
     collectives = {}
     full = communication.step_bytes(cfg, tp=layout.tp, dp=layout.dp, zero=layout.zero_stage, micro_batch=layout.micro_batch,
                                     accumulation=layout.accumulation, seq_len=layout.seq_len, precision=layout.precision,
                                     activation_checkpointing=t.activation_checkpointing,
                                     sequence_parallel=cfg.parallel.sequence_parallel, pp=layout.pp, stage=stage, cp=layout.cp)
-    held = pipeline_stages(cfg, layout.pp, layout.tp)[stage]
     flops, muon = muon_step_cost(cfg, held, tp=layout.tp, partitions=layout.grad_ranks, zero=layout.zero_stage)
     for key, size in full.items():  # what the engine moves: dp, the tied gradient, the partitioned p2p gathers, Muon's
-        if key.startswith(("dp/", "tied/")) or key in muon or (
+        if key.startswith(("dp/", "edp/", "tied/")) or key in muon or (
                 key.startswith("tp/") and layout.pp > 1 and key == "tp/all_gather_into_tensor" and not cfg.parallel.sequence_parallel):
             collectives[key] = size
     buckets = bucket_bytes(cfg, zero=layout.zero_stage, pp=layout.pp, act_bytes=layout.act_bytes)
-    states, temporaries = optimizer_bytes(cfg, held, layout.tp, n, o_b, layout.zero_stage, layout.grad_ranks)
-    return {"optimizer_states": states, "gradient_buckets": buckets, "optimizer_step": n * g_b + temporaries,
+    states, temporaries = optimizer_bytes(cfg, held, layout.tp, n - experts, o_b, layout.zero_stage, layout.grad_ranks)
+    states += experts * oe_b
+    temporaries += 4 * experts / (ExpertGroups.of(cfg, tp=layout.tp, cp=layout.cp, dp=layout.dp).expert_dp
+                                  if layout.zero_stage >= 1 else 1)
+    grads = (n - experts) * g_b + experts * ge_b
+    return {"optimizer_states": states, "gradient_buckets": buckets, "optimizer_step": grads + temporaries,
             "optimizer_flops": flops, "collectives": collectives, "communication_model": full}
 
 
@@ -305,8 +327,9 @@ def _role(cfg: Config, layout: RunLayout, trace: RoleTrace, tp_rank: int, traced
 
 def roofline_step(cfg: Config, layout: RunLayout, roles: list[Role], cluster: Cluster, device: Device | None = None) -> float:
     """The slowest stage's traced micro-batch at the roofline plus its traced tp bytes at the
-    intra-node bandwidth and its traced cp bytes at the link its cp group spans, over the step's
-    micro-batches and the schedule's bubble (memory.bubble), plus the modelled dp (over dp x cp) and tied bytes unhidden
+    intra-node bandwidth and its traced cp and ep bytes (a sparse model's token dispatch) at the links
+    their groups span, over the step's micro-batches and the schedule's bubble (memory.bubble),
+    plus the modelled dp (over dp x cp), expert-dp and tied bytes unhidden
     and Muon's step (its Newton-Schulz FLOPs at `device`'s peak, its tp gathers; module docstring)."""
     def link(ranks: int) -> float:
         return cluster.intra_gbps if ranks <= cluster.gpus_per_node else cluster.inter_gbps
@@ -317,11 +340,15 @@ def roofline_step(cfg: Config, layout: RunLayout, roles: list[Role], cluster: Cl
                    for key, size in r.trace.collectives.items() if key.startswith("tp/"))
         cp_s = sum(size * communication.ring_factor(key.split("/")[1], layout.cp) / (link(layout.tp * layout.cp) * 1e9)
                    for key, size in r.trace.collectives.items() if key.startswith("cp/"))
+        ep = cfg.parallel.ep  # a sparse model's token dispatch, at the link its ep group spans
+        cp_s += sum(size * communication.ring_factor(key.split("/")[1], ep) / (link(ep * expert_tp(cfg)) * 1e9)
+                    for key, size in r.trace.collectives.items() if key.startswith("ep/"))
         p2p_s = sum(r.trace.boundary.values()) / (link(layout.tp * layout.dp * 2) * 1e9)
         slot = r.trace.roofline_s * layout.accumulation + tp_s + cp_s + p2p_s
-        dp_s = sum(size * communication.ring_factor(key.split("/")[1], layout.grad_ranks)
+        edp = ExpertGroups.of(cfg, tp=layout.tp, cp=layout.cp, dp=layout.dp).expert_dp
+        dp_s = sum(size * communication.ring_factor(key.split("/")[1], layout.grad_ranks if key.startswith("dp/") else edp)
                    / (link(layout.tp * layout.grad_ranks) * 1e9)
-                   for key, size in r.modelled["collectives"].items() if key.startswith("dp/"))
+                   for key, size in r.modelled["collectives"].items() if key.startswith(("dp/", "edp/")))
         muon_s = sum(size * communication.ring_factor(key.split("/")[1], layout.tp) / (cluster.intra_gbps * 1e9)
                      for key, size in r.modelled["collectives"].items() if key.startswith("tp/") and key != "tp/all_gather_into_tensor")
         if device is not None:
@@ -335,7 +362,7 @@ def dry_run(cfg: Config, *, gpus: int, device: Device, cluster: Cluster | None =
     is called with a line per role traced."""
     start = time.perf_counter()
     layout = layout_of(cfg, gpus)
-    cfg = replace(cfg, train=replace(cfg.train, compile=False))  # traced eager: what the estimator counts
+    cfg = traced_experts(replace(cfg, train=replace(cfg.train, compile=False)))  # traced eager (and experts as on a GPU): what the estimator counts
     cluster = cluster or Cluster(gpus=gpus, memory_gib=device.memory_gib, peak_tflops=device.peak_flops(layout.precision) / 1e12)
     t = cfg.train
     estimates = stage_estimates(cfg, tp=layout.tp, dp=layout.dp, micro_batch=layout.micro_batch, seq_len=layout.seq_len,
@@ -354,7 +381,7 @@ def dry_run(cfg: Config, *, gpus: int, device: Device, cluster: Cluster | None =
     layout_kw = dict(tp=layout.tp, pp=layout.pp, cp=layout.cp, zero=layout.zero_stage, micro_batch=layout.micro_batch,
                      activation_checkpointing=t.activation_checkpointing,
                      sequence_parallel=cfg.parallel.sequence_parallel and layout.tp > 1,
-                     pp_schedule=cfg.parallel.pp_schedule)
+                     pp_schedule=cfg.parallel.pp_schedule, ep=cfg.parallel.ep, expert_tp=cfg.parallel.expert_tp)
     planned = predict(cfg, cluster, seq_len=layout.seq_len, global_batch=t.global_batch_size, **layout_kw)
     return DryRun(cfg, layout, device, roles, roofline_step(cfg, layout, roles, cluster, device), planned.step_s,
                   time.perf_counter() - start)

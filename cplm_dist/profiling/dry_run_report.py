@@ -26,8 +26,11 @@ def _span(ranks: list[int]) -> str:
 
 def table(result: DryRun) -> str:
     """One row per traced rank (the tp ranks alike to it share it)."""
-    head = ["stage", *(["cp rank"] if result.layout.cp > 1 else []), "tp ranks", "parameters", "traced peak GiB", "(optimizer, modelled)", "estimate GiB", "error",
-            "tp GB traced", "tp GB modelled", *(["cp GB traced"] if result.layout.cp > 1 else []), "pp GB", "dp GB (modelled)", "roofline s / micro"]
+    ep = result.layout.ep > 1
+    head = ["stage", *(["cp rank"] if result.layout.cp > 1 else []), "tp ranks", *(["ep rank"] if ep else []), "parameters",
+            "traced peak GiB", "(optimizer, modelled)", "estimate GiB", "error", "tp GB traced", "tp GB modelled",
+            *(["cp GB traced"] if result.layout.cp > 1 else []), *(["ep GB traced", "ep GB modelled"] if ep else []),
+            "pp GB", "dp GB (modelled)", "roofline s / micro"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     traced = {}
     for role in result.roles:
@@ -38,10 +41,15 @@ def table(result: DryRun) -> str:
         tp_traced = sum(v for k, v in t.collectives.items() if k.startswith("tp/"))
         tp_model = sum(v for k, v in r.modelled_collectives.items() if k.startswith("tp/"))
         cp_traced = sum(v for k, v in t.collectives.items() if k.startswith("cp/"))
-        dp = sum(v for k, v in r.modelled["collectives"].items() if k.startswith(("dp/", "tied/")))
-        cells = [str(stage), *([str(cp_rank)] if result.layout.cp > 1 else []), _span([a.tp_rank for a in alike]), f"{t.parameters / 1e6:,.1f}M", gib(r.peak_bytes),
+        dp = sum(v for k, v in r.modelled["collectives"].items() if k.startswith(("dp/", "edp/", "tied/")))
+        ep_traced = sum(v for k, v in t.collectives.items() if k.startswith("ep/"))
+        ep_model = sum(v for k, v in r.modelled_collectives.items() if k.startswith("ep/"))
+        experts = [f"{t.ep_rank} (of {result.layout.ep}, alike)"] if ep else []
+        cells = [str(stage), *([str(cp_rank)] if result.layout.cp > 1 else []), _span([a.tp_rank for a in alike]), *experts,
+                 f"{t.parameters / 1e6:,.1f}M", gib(r.peak_bytes),
                  gib(r.modelled["optimizer_states"]), gib(r.estimate_bytes), f"{r.error:+.1%}", f"{tp_traced / 1e9:.2f}",
                  f"{tp_model / 1e9:.2f}", *([f"{cp_traced / 1e9:.2f}"] if result.layout.cp > 1 else []),
+                 *([f"{ep_traced / 1e9:.2f}", f"{ep_model / 1e9:.2f}"] if ep else []),
                  f"{sum(t.boundary.values()) / 1e9:.2f}", f"{dp / 1e9:.2f}", f"{t.roofline_s:.3g}"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -65,7 +73,8 @@ def summary(result: DryRun) -> str:
         f"{result.planner_step_s:.3g} s (compute at its measured achievable share of peak); traced in {result.seconds:.0f} s",
         f"FLOPs of a dp replica's step: {result.replica_flops[0] / 1e12:.4g} T traced, "
         f"{result.replica_flops[1] / 1e12:.4g} T by throughput.flops_per_token (what MFU counts)",
-        f"layout: world {L.world} = tp {L.tp}{f' x cp {L.cp}' if L.cp > 1 else ''} x pp {L.pp} x dp {L.dp}, ZeRO-{L.zero_stage} {L.precision}, "
+        f"layout: world {L.world} = tp {L.tp}{f' x cp {L.cp}' if L.cp > 1 else ''} x pp {L.pp} x dp {L.dp}"
+        f"{f' (ep {L.ep} over tp x cp x dp)' if L.ep > 1 else ''}, ZeRO-{L.zero_stage} {L.precision}, "
         f"micro {L.micro_batch} x {L.seq_len} tokens x accumulation {L.accumulation}"
         + (f"; {schedule} bubble {bubble(L.pp, L.accumulation, schedule):.1%}" if L.pp > 1 else "")])
 

@@ -1,6 +1,7 @@
 """One rank of a job of any size, in one process and with no device: torch's fake process group
 (backend "fake": every collective returns at once, nothing moves) at the rank's place in the real
-world size, with megatron-core's tp, cp, dp and pp groups built as training builds them
+world size, with megatron-core's tp, cp, dp and pp groups (and a sparse model's ep, expert-tp and expert-dp
+groups) built as training builds them
 (cplm_dist.distributed), and tensors under FakeTensorMode (shapes, dtypes and storages, no memory,
 no arithmetic). cplm_dist.profiling.dry_run traces the real model in it.
 
@@ -30,9 +31,10 @@ def rank_of(*, tp_rank: int, pp_stage: int, tp: int, dp: int, dp_rank: int = 0, 
 
 
 @contextlib.contextmanager
-def fake_rank(*, rank: int, world: int, tp: int, pp: int = 1, cp: int = 1):
-    """Yield the ParallelDims of `rank` in a fake job of `world` ranks; the groups are torn down
-    after. Refuses to run inside a real job (its groups would be replaced)."""
+def fake_rank(*, rank: int, world: int, tp: int, pp: int = 1, cp: int = 1, ep: int = 1, expert_tp: int | None = None):
+    """Yield the ParallelDims of `rank` in a fake job of `world` ranks (a sparse model's expert
+    groups too: `ep`, `expert_tp` null = tp); the groups are torn down after. Refuses to run
+    inside a real job (its groups would be replaced)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
@@ -43,7 +45,9 @@ def fake_rank(*, rank: int, world: int, tp: int, pp: int = 1, cp: int = 1):
         with warnings.catch_warnings():  # megatron warns once per group it builds at this world size
             warnings.simplefilter("ignore")
             parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                                     context_parallel_size=cp, create_gloo_process_groups=False)
+                                                     context_parallel_size=cp, expert_model_parallel_size=ep,
+                                                     expert_tensor_parallel_size=tp if expert_tp is None else expert_tp,
+                                                     create_gloo_process_groups=False)
         yield parallel_dims()
 
 

@@ -22,7 +22,9 @@ def layout_fields(best: Plan, seq_len: int, global_batch: int) -> dict[tuple[str
             ("data", "seq_length"): seq_len, ("train", "micro_batch_size"): best.micro_batch,
             ("train", "global_batch_size"): global_batch, ("train", "zero_stage"): best.zero_stage,
             ("train", "activation_checkpointing"): best.activation_checkpointing,
-            **({("parallel", "pp_schedule"): best.pp_schedule} if best.pp > 1 else {})}
+            **({("parallel", "pp_schedule"): best.pp_schedule} if best.pp > 1 else {}),
+            **({("parallel", "ep"): best.ep, ("parallel", "expert_tp"): best.expert_tp}  # a sparse model's experts
+               if best.ep > 1 or best.expert_tp != best.tp else {})}
 
 
 def write_run_config(path: Path, source: str, best: Plan, seq_len: int, global_batch: int, note: str) -> None:

@@ -54,7 +54,8 @@ class CommTimer:
     """While active, every torch.distributed collective and point-to-point transfer is timed to
     completion and filed under the group it ran on ("tp", "dp", "cp", "pp", "tied", "world" or
     "other"; sends and receives between pipeline stages: "pp"; under context parallelism the cp
-    group is "cp" and the dp x cp group, where gradients are reduced, "dp"): seconds, calls and
+    group is "cp" and the dp x cp group, where gradients are reduced, "dp"; a sparse model's token
+    dispatch on the ep group "ep", its experts' tp group "tp", their gradients' group "edp"): seconds, calls and
     bytes (the whole buffer, `collective_bytes`), also by collective in
     `by_name[(group, name)] = [calls, bytes]`. `engine`: a DeepSpeed pipeline engine, whose grid
     has process groups of its own. `regions` ({name: module}): what each module's forward runs,
@@ -68,6 +69,12 @@ class CommTimer:
         self.by_region = defaultdict(lambda: [0, 0])
         self.groups = {id(dims.tp_group): "tp", id(dims.dp_group): "dp", id(dims.pp_group): "pp"}
         self.groups.update({id(g): kind for g, kind in ((dims.cp_group, "cp"), (dims.dp_cp_group, "dp")) if g is not None})
+        from cplm_dist.megatron_compat import parallel_state
+
+        expert_tp = parallel_state.get_expert_tensor_parallel_group(check_initialized=False)  # a sparse model's
+        for group, kind in ((dims.ep_group, "ep"), (expert_tp, "tp"), (dims.expert_dp_group, "edp")):
+            if group is not None:
+                self.groups.setdefault(id(group), kind)
         grid = getattr(engine, "grid", None)
         if grid is not None:
             self.groups.update({id(grid.get_slice_parallel_group()): "tp", id(grid.get_data_parallel_group()): "dp",

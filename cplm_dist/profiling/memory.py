@@ -39,7 +39,9 @@ exactly):
               b (F + F)                     GELU: fc1 output, GELU output
 
 (nh, nkv = heads per tp rank; in bf16 each norm also keeps an fp32 copy of each of its tensors, 4 D
-bytes a tensor per layer, not counted). With activation checkpointing a layer keeps only its input
+bytes a tensor per layer, not counted). A sparse layer (model.moe) has its MLP line from
+cplm_dist.profiling.expert_cost (router, dispatcher, experts, shared expert; the grouped path's
+stacked weights), and its routed experts' states are partitioned over the expert-dp ranks. With activation checkpointing a layer keeps only its input
 (b D per token) and one layer's activations exist at a time, during its recomputation.
 
 Sequence parallelism (parallel.sequence_parallel, tp > 1) keeps the norms' tensors for T/tp
@@ -146,7 +148,7 @@ in flight on every rank (`in_flight`), and its p2p buffers both ways; its bubble
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from cplm_dist.config import Config
 from cplm_dist.config.backbones import backbone
@@ -154,6 +156,8 @@ from cplm_dist.model.copy_lse import FLEX_VALUE_DIM
 from cplm_dist.model.layer_shapes import by_name, layer_shapes
 from cplm_dist.model.loss import padded_vocab_size
 from cplm_dist.model.parallel.stages import Stage, pipeline_stages, stage_parameters
+from cplm_dist.profiling.expert_cost import (ExpertGroups, grouped_stack_bytes, local_expert_elements,
+                                             sparse_mlp_bytes_per_token, stage_sparse_layers)
 from cplm_dist.profiling.muon_cost import muon_matrices
 
 GIB = 1024**3
@@ -268,21 +272,20 @@ def qk_norm_bytes_per_token(nh: int, nkv: int, hd: int, b: int, qkv_counted: boo
     return saved + (4 * nh * hd if nkv < nh else 0) + (0 if qkv_counted else b * (nh + 2 * nkv) * hd)
 
 
-def layer_activation_bytes_per_token(cfg: Config, tp: int, act_bytes: int, cp: int = 1) -> float:
+def layer_activation_bytes_per_token(cfg: Config, tp: int, act_bytes: int, cp: int = 1, sparse: bool = False) -> float:
     """What one transformer layer saves for backward per token of this rank, from its backbone's
     features and its linears' widths (cplm_dist.model.layer_shapes; the module docstring's counts);
     under context parallelism (cp > 1) with the gathered keys and values (not counted: the
-    gathers' int64 reorderings, `CP_ORDER_BYTES`)."""
+    gathers' int64 reorderings, `CP_ORDER_BYTES`). `sparse`: a layer of model.moe.sparse_layers,
+    whose MLP is the sparse one (cplm_dist.profiling.expert_cost.sparse_mlp_bytes_per_token)."""
     m, b, bb = cfg.model, act_bytes, backbone(cfg.model)
-    shapes = by_name(layer_shapes(m))
+    shapes = by_name(layer_shapes(replace(m, moe=replace(m.moe, num_experts=0))))  # a dense layer's (no experts to list)
     D, hd = m.hidden_size, m.head_dim
-    e = m.moe  # a sparse layer (model.moe) as a dense MLP of its active width, top_k experts + the shared one (dispatch buffers not counted)
-    F = (shapes["mlp.fc2.weight"].local_shape(tp)[1] if "mlp.fc2.weight" in shapes  # this rank's MLP width
-         else (e.top_k * (e.ffn_hidden_size or m.ffn_hidden_size) + e.shared_ffn_hidden_size) // tp)
+    F = shapes["mlp.fc2.weight"].local_shape(tp)[1]  # this rank's MLP width
     qkv = shapes["attention.qkv.weight"].local_shape(tp)[0]  # this rank's fused QKV width, (nh + 2 nkv) hd
     nh, nkv = m.num_heads // tp, m.num_kv_heads // tp
     norms = 2 * NORM_SAVED[bb.norm](D, b) / sequence_shards(cfg, tp)
-    mlp = b * MLP_SAVED[bb.mlp] * F
+    mlp = sparse_mlp_bytes_per_token(cfg, tp, b) if sparse else b * MLP_SAVED[bb.mlp] * F
     if cp > 1:  # q, the gathered K and V, each chunk's output and log-sum-exp and their concatenation
         q = b * qkv if bb.positions != "rope" and nkv == nh else b * nh * hd
         qk_norm = qk_norm_bytes_per_token(nh, nkv, hd, b, qkv_counted=q == b * qkv) if bb.qk_norm else 0
@@ -389,7 +392,16 @@ def _stage_estimate(cfg: Config, stage: Stage, *, tp: int, dp: int, micro_batch:
     n_local = stage_parameters(cfg, stage, tp)
     partitions = dp * cp  # ZeRO partitions over dp x cp
     p_b, g_b, o_b = state_bytes_per_parameter(precision, zero, partitions, t.grad_accum_dtype)
-    per_layer = layer_activation_bytes_per_token(cfg, tp, b, cp)
+    # a sparse model's routed experts: partitioned over the expert-dp ranks (cplm_dist.profiling.expert_cost)
+    n_experts = local_expert_elements(cfg, stage, tp)
+    _, ge_b, oe_b = state_bytes_per_parameter(precision, zero, ExpertGroups.of(cfg, tp=tp, cp=cp, dp=dp).expert_dp,
+                                              t.grad_accum_dtype)
+    grads = (n_local - n_experts) * g_b + n_experts * ge_b
+    sparse = stage_sparse_layers(cfg, stage, tp)
+    dense_layer = layer_activation_bytes_per_token(cfg, tp, b, cp)
+    sparse_layer = layer_activation_bytes_per_token(cfg, tp, b, cp, sparse=True) if sparse else 0.0
+    stack = grouped_stack_bytes(cfg, b)  # per sparse layer and micro-batch, kept for backward
+    per_layer = max(dense_layer, sparse_layer)  # the heaviest one layer (its gradients, its recomputation)
     shards = sequence_shards(cfg, tp)
     if stage.stages == 1:  # the whole model, one micro-batch at a time
         layers, held, buffers = m.num_layers, 1, 0.0
@@ -405,9 +417,10 @@ def _stage_estimate(cfg: Config, stage: Stage, *, tp: int, dp: int, micro_batch:
     order = CP_ORDER_BYTES * seq_len if cp > 1 else 0.0  # per layer: the K and V gathers' (T,) int64 reorderings
     if ckpt:
         activations = held * tokens * (layers * b * m.hidden_size) / shards
-        recompute = tokens * per_layer + order
+        recompute = tokens * per_layer + order + (stack if sparse else 0.0)
     else:
-        activations = held * (tokens * layers * per_layer + layers * order)
+        kept = (layers - sparse) * dense_layer + sparse * sparse_layer
+        activations = held * (tokens * kept + layers * order + sparse * stack)
         recompute = 0.0
     # the rotary tables: (T, hd) cos and sin, or under cp one row a token of this rank (positions given)
     outside = 2 * 4 * (tokens if cp > 1 else seq_len) * m.head_dim
@@ -424,17 +437,19 @@ def _stage_estimate(cfg: Config, stage: Stage, *, tp: int, dp: int, micro_batch:
         if c.enabled:
             copy_head = copy_head_bytes(cfg, micro_batch, seq_len, tp, cp)
     embedding_grad = v_local * m.hidden_size * (g_b if zero < 2 else b) if stage.first or stage.last else 0.0
-    optimizer, optimizer_transient = optimizer_bytes(cfg, stage, tp, n_local, o_b, zero, partitions)
+    optimizer, optimizer_transient = optimizer_bytes(cfg, stage, tp, n_local - n_experts, o_b, zero, partitions)
+    optimizer += n_experts * oe_b
+    optimizer_transient += 4 * n_experts / (ExpertGroups.of(cfg, tp=tp, cp=cp, dp=dp).expert_dp if zero >= 1 else 1)
     return MemoryEstimate(
         parameters=n_local * p_b,
-        gradients=n_local * g_b,
+        gradients=grads,
         optimizer=optimizer,
         activations=activations,
         logits=logits,
         copy_head=copy_head,
         backward_transient=recompute + tokens * per_layer + embedding_grad,
         optimizer_transient=optimizer_transient,
-        accumulated_gradients=n_local * g_b if accumulation > 1 else 0.0,
+        accumulated_gradients=grads if accumulation > 1 else 0.0,
         buckets=bucket_bytes(cfg, zero=zero, pp=stage.stages, act_bytes=b),
     )
 

@@ -30,7 +30,16 @@ x activation checkpointing x sequence parallelism (tp > 1):
     optimizer with optim.name=muon, the Newton-Schulz FLOPs a rank runs (cplm_dist.profiling.muon_cost)
              at `achievable` x peak, exposed (the step waits for it); its gathers are in tp and dp
              (the dp one after the step, exposed as ZeRO's parameter gather is)
-    step     compute + tp + cp + exposed dp + optimizer;  MFU = model FLOPs per device / step / peak
+    ep       a sparse model (model.moe): each layout also takes every (ep, expert_tp) config.sparse
+             allows (expert_cost.expert_layouts: ep dividing the experts, ep x expert_tp a stage's
+             ranks, ZeRO 1-2 at ep > 1, those whose ep group lies in a node first, as megatron's MoE
+             guide advises); memory holds E / ep experts a sparse layer, their states over the
+             expert-dp ranks; compute is the active FLOPs (top_k experts); the dispatcher's
+             all-to-all bytes (cplm_dist.profiling.expert_cost) x the ring factor / the link the ep
+             group spans (NVLink while ep x expert_tp fits a node), exposed: each sparse layer
+             waits for its tokens and its outputs; the experts' gradients, reduced over the
+             expert-dp ranks, join dp's
+    step     compute + tp + cp + ep + exposed dp + optimizer;  MFU = model FLOPs per device / step / peak
 
 Pipeline parallelism (pp = p > 1, DeepSpeed's 1F1B engine; ranks ((pp_rank x dp + dp_rank) x cp +
 cp_rank) x tp + tp_rank, so consecutive stages are tp x cp x dp ranks apart and a multi-node job
@@ -57,14 +66,15 @@ tied embedding's gradient all-reduce between the first and last stage (V/tp x D 
 under tie_embeddings) and the largest stage's dp x cp volume (its own parameters; the pipeline
 engine reduces after the schedule, nothing overlaps), so
 
-    step     (compute + tp + cp + p2p) / (1 - bubble) + tied + dp + optimizer (the slowest stage's)
+    step     (compute + tp + cp + ep + p2p) / (1 - bubble) + tied + dp + optimizer (the slowest stage's)
 
 The later stages' reductions could partly hide under the pipeline's drain; that is not counted.
 Every pipeline layout is predicted under both schedules it can run (`schedules`): 1F1B, and
 DualPipeV (parallel.pp_schedule=dualpipev: a rank runs stages r and 2p - 1 - r of 2p, its compute,
 tp, cp and dp terms both stages', p2p on both links, no tied all-reduce, the bubble
 (2p - 2.5) / (3m + 2p - 2.5) and p + 1/2 micro-batches in flight: cplm_dist.profiling.memory).
-Within TIE of each other the simpler layout ranks first, 1F1B before DualPipeV.
+Within TIE of each other the simpler layout ranks first, 1F1B before DualPipeV, an ep group inside a node
+before one across nodes.
 """
 
 from __future__ import annotations
@@ -73,7 +83,9 @@ import copy
 from dataclasses import asdict, dataclass
 
 from cplm_dist.config import BatchLayout, Config, ConfigError, Layout, check_tp_divides, divisors
+from cplm_dist.config.sparse import expert_tp as expert_tp_of
 from cplm_dist.profiling.communication import ring_factor, step_bytes
+from cplm_dist.profiling.expert_cost import ExpertGroups, dispatch_ranks, ep_link_within_node, expert_layouts
 from cplm_dist.profiling.memory import GIB, Stage, bubble, estimate, pipeline_stages
 from cplm_dist.profiling.muon_cost import muon_step_cost
 from cplm_dist.training.throughput import flops_per_token, forward_flops
@@ -118,6 +130,8 @@ class Plan(Layout):
     tokens_per_s: float
     cp_comm_s: float = 0.0  # the cp group's gathers and reduce-scatters a step, exposed
     optimizer_s: float = 0.0  # Muon's Newton-Schulz a step (0 with AdamW, whose elementwise step is not counted)
+    expert_tp: int = 1  # a sparse model's experts' tp (parallel.expert_tp: 1 or tp)
+    ep_comm_s: float = 0.0  # the token dispatcher's all-to-alls a step (the slowest stage's), exposed
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -160,13 +174,15 @@ def pipeline_links(cluster: Cluster, *, tp: int, pp: int, dp: int, cp: int = 1) 
 
 def predict(cfg: Config, cluster: Cluster, *, tp: int, zero: int, micro_batch: int, seq_len: int, global_batch: int,
             activation_checkpointing: bool, sequence_parallel: bool, pp: int = 1, cp: int = 1,
-            pp_schedule: str = "1f1b") -> Plan:
-    """Memory and step time of one layout (the module docstring)."""
+            pp_schedule: str = "1f1b", ep: int = 1, expert_tp: int | None = None) -> Plan:
+    """Memory and step time of one layout (the module docstring); `ep` and `expert_tp` (null:
+    tp) a sparse model's expert layout."""
     batch = BatchLayout.for_world(cluster.gpus, tp=tp, pp=pp, cp=cp, micro=micro_batch, global_batch=global_batch)
     dp, accumulation = batch.dp, batch.accumulation
     precision = cfg.train.precision
     cfg = copy.deepcopy(cfg)
     cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.cp, cfg.parallel.sequence_parallel = tp, pp, cp, sequence_parallel
+    cfg.parallel.ep, cfg.parallel.expert_tp = ep, expert_tp
     cfg.parallel.pp_schedule = pp_schedule if pp > 1 else "1f1b"
     memory = estimate(cfg, tp=tp, dp=dp, micro_batch=micro_batch, seq_len=seq_len, zero=zero, precision=precision,
                       activation_checkpointing=activation_checkpointing, pp=pp, accumulation=accumulation, cp=cp).total
@@ -182,9 +198,17 @@ def predict(cfg: Config, cluster: Cluster, *, tp: int, zero: int, micro_batch: i
         return sum(size * ring_factor(key.split("/")[1], ranks) / bw for key, size in volumes.items()
                    if key.startswith(group + "/") and (names is None or key.split("/")[1] in names))
 
+    groups = ExpertGroups.of(cfg, tp=tp, cp=cp, dp=dp)
+    ep_gbps = cluster.intra_gbps if ep_link_within_node(cfg, cluster.gpus_per_node) else cluster.inter_gbps
+
+    def expert_seconds(volumes: dict, dp_gbps: float, names: tuple[str, ...] | None = None) -> tuple[float, float]:
+        """(the dispatcher's seconds on the ep group, the experts' gradient seconds on the expert-dp group)."""
+        dispatch = seconds(volumes, "ep", dispatch_ranks(cfg, tp), ep_gbps * 1e9) if names is None else 0.0
+        return dispatch, seconds(volumes, "edp", groups.expert_dp, dp_gbps * 1e9, names)
+
     if pp > 1:
         return _predict_pipeline(cfg, cluster, layout, pp=pp, cp=cp, memory=memory, model_flops=model_flops,
-                                 tokens=tokens, peak=peak, tp_bw=tp_bw, seconds=seconds)
+                                 tokens=tokens, peak=peak, tp_bw=tp_bw, seconds=seconds, expert_seconds=expert_seconds)
     recompute = 1 + layer_flop_share(cfg, seq_len) / 3 if activation_checkpointing else 1.0
     compute = model_flops * recompute / (peak * cluster.achievable)
     volumes = step_bytes(cfg, **layout, cp=cp)
@@ -193,7 +217,8 @@ def predict(cfg: Config, cluster: Cluster, *, tp: int, zero: int, micro_batch: i
     cp_bw = (cluster.intra_gbps if tp * cp <= gpn else cluster.inter_gbps) * 1e9
     tp_comm = seconds(volumes, "tp", tp, tp_bw)
     cp_comm = seconds(volumes, "cp", cp, cp_bw)
-    dp_comm = seconds(volumes, "dp", dp * cp, dp_bw)
+    ep_comm, edp_comm = expert_seconds(volumes, dp_bw / 1e9)
+    dp_comm = seconds(volumes, "dp", dp * cp, dp_bw) + edp_comm
     backward_per_micro = compute * 2 / 3 / accumulation
     def unhidden(comm: float, window: float) -> float:
         return comm - cluster.overlap * min(comm, window)
@@ -201,23 +226,24 @@ def predict(cfg: Config, cluster: Cluster, *, tp: int, zero: int, micro_batch: i
     if zero == 0:
         exposed = dp_comm
     elif zero in (1, 2):
-        gather = seconds(volumes, "dp", dp * cp, dp_bw, ("all_gather_into_tensor", "all_gather"))  # after the step
+        gathers = ("all_gather_into_tensor", "all_gather")
+        gather = seconds(volumes, "dp", dp * cp, dp_bw, gathers) + expert_seconds(volumes, dp_bw / 1e9, gathers)[1]  # after the step
         reduce_calls = 1 if zero == 1 else accumulation  # ZeRO-1 reduces in the last backward only
         exposed = gather + reduce_calls * unhidden((dp_comm - gather) / reduce_calls, backward_per_micro)
     else:
         exposed = accumulation * unhidden(dp_comm / accumulation, compute / accumulation)
     optimizer = muon_step_cost(cfg, pipeline_stages(cfg, 1, tp)[0], tp=tp, partitions=dp * cp, zero=zero)[0] \
         / (peak * cluster.achievable)
-    step = compute + tp_comm + cp_comm + exposed + optimizer
+    step = compute + tp_comm + cp_comm + ep_comm + exposed + optimizer
     return Plan(tp=tp, pp=1, dp=dp, zero_stage=zero, micro_batch=micro_batch, accumulation=accumulation,
                 activation_checkpointing=activation_checkpointing, sequence_parallel=sequence_parallel,
                 memory_gib=memory / GIB, compute_s=compute, tp_comm_s=tp_comm, dp_comm_s=dp_comm, exposed_dp_s=exposed,
                 pp_comm_s=0.0, bubble=0.0, step_s=step, mfu=model_flops / step / peak, tokens_per_s=tokens / step,
-                cp=cp, cp_comm_s=cp_comm, optimizer_s=optimizer)
+                cp=cp, cp_comm_s=cp_comm, optimizer_s=optimizer, ep=ep, expert_tp=groups.expert_tp, ep_comm_s=ep_comm)
 
 
 def _predict_pipeline(cfg: Config, cluster: Cluster, layout: dict, *, pp: int, cp: int, memory: float,
-                      model_flops: float, tokens: int, peak: float, tp_bw: float, seconds) -> Plan:
+                      model_flops: float, tokens: int, peak: float, tp_bw: float, seconds, expert_seconds) -> Plan:
     """predict at pp > 1: the slowest stage's slots (its compute over tp x cp ranks, its tp, cp
     and p2p collectives), the bubble, then the tied and dp x cp reductions."""
     tp, dp, m = layout["tp"], layout["dp"], layout["accumulation"]
@@ -235,13 +261,14 @@ def _predict_pipeline(cfg: Config, cluster: Cluster, layout: dict, *, pp: int, c
         tp_comm = seconds(volumes, "tp", tp, tp_bw)
         cp_comm = seconds(volumes, "cp", cp, cp_gbps * 1e9)
         p2p = (volumes.get("pp/send", 0.0) + volumes.get("pp/recv", 0.0)) / (p2p_gbps * 1e9)
-        busy = compute + tp_comm + cp_comm + p2p
+        ep_comm, edp_comm = expert_seconds(volumes, dp_gbps)
+        busy = compute + tp_comm + cp_comm + ep_comm + p2p
         if slowest is None or busy > slowest[0]:
-            slowest = (busy, compute, tp_comm, p2p, cp_comm)
-        dp_comm = max(dp_comm, seconds(volumes, "dp", dp * cp, dp_gbps * 1e9))
+            slowest = (busy, compute, tp_comm, p2p, cp_comm, ep_comm)
+        dp_comm = max(dp_comm, seconds(volumes, "dp", dp * cp, dp_gbps * 1e9) + edp_comm)
         tied = max(tied, seconds(volumes, "tied", 2, tied_gbps * 1e9))
         optimizer = max(optimizer, muon_step_cost(cfg, stage, tp=tp, partitions=dp * cp, zero=layout["zero"])[0] / speed)
-    busy, compute, tp_comm, p2p, cp_comm = slowest
+    busy, compute, tp_comm, p2p, cp_comm, ep_comm = slowest
     schedule = cfg.parallel.pp_schedule
     idle = bubble(pp, m, schedule)
     step = busy / (1 - idle) + tied + dp_comm + optimizer
@@ -250,7 +277,8 @@ def _predict_pipeline(cfg: Config, cluster: Cluster, layout: dict, *, pp: int, c
                 sequence_parallel=layout["sequence_parallel"], memory_gib=memory / GIB, compute_s=compute,
                 tp_comm_s=tp_comm, dp_comm_s=dp_comm, exposed_dp_s=dp_comm, pp_comm_s=p2p + tied, bubble=idle,
                 step_s=step, mfu=model_flops / step / peak, tokens_per_s=tokens / step, cp=cp, cp_comm_s=cp_comm,
-                pp_schedule=schedule, optimizer_s=optimizer)
+                pp_schedule=schedule, optimizer_s=optimizer, ep=cfg.parallel.ep, expert_tp=expert_tp_of(cfg),
+                ep_comm_s=ep_comm)
 
 
 def context_sizes(gpus: int, seq_len: int) -> list[int]:
@@ -307,22 +335,27 @@ def schedules(cfg: Config, pp: int, accumulation: int) -> tuple[str, ...]:
 
 
 def plan(cfg: Config, cluster: Cluster, *, seq_len: int, global_batch: int, max_pp: int | None = None,
-         max_cp: int | None = None) -> tuple[list[Plan], int]:
-    """(layouts that fit, fastest first; how many were considered), pp up to `max_pp` and cp up
-    to `max_cp` (default: any)."""
+         max_cp: int | None = None, ep: int | None = None) -> tuple[list[Plan], int]:
+    """(layouts that fit, fastest first; how many were considered), pp up to `max_pp`, cp up
+    to `max_cp` and a sparse model's ep only `ep` (default: any)."""
     fits, considered = [], 0
     for tp, pp, zero, micro, ckpt, sp, cp in layouts(cfg, cluster, seq_len=seq_len, global_batch=global_batch, max_cp=max_cp):
         if max_pp is not None and pp > max_pp:
             continue
-        for schedule in schedules(cfg, pp, global_batch // (micro * (cluster.gpus // (tp * cp * pp)))):
-            considered += 1
-            p = predict(cfg, cluster, tp=tp, pp=pp, zero=zero, micro_batch=micro, seq_len=seq_len,
-                        global_batch=global_batch, activation_checkpointing=ckpt, sequence_parallel=sp, cp=cp,
-                        pp_schedule=schedule)
-            if p.memory_gib <= cluster.headroom * cluster.memory_gib:
-                fits.append(p)
-    if fits:  # within TIE of each other: the simpler layout first (fewer stages, 1F1B, less cp, ...)
+        for ep_size, etp in expert_layouts(cfg, stage_ranks=cluster.gpus // pp, tp=tp, zero=zero, sequence_parallel=sp,
+                                      gpus_per_node=cluster.gpus_per_node):
+            if ep is not None and ep_size != ep:
+                continue
+            for schedule in schedules(cfg, pp, global_batch // (micro * (cluster.gpus // (tp * cp * pp)))):
+                considered += 1
+                p = predict(cfg, cluster, tp=tp, pp=pp, zero=zero, micro_batch=micro, seq_len=seq_len,
+                            global_batch=global_batch, activation_checkpointing=ckpt, sequence_parallel=sp, cp=cp,
+                            pp_schedule=schedule, ep=ep_size, expert_tp=etp)
+                if p.memory_gib <= cluster.headroom * cluster.memory_gib:
+                    fits.append(p)
+    if fits:  # within TIE of each other: the simpler layout first (fewer stages, ep in a node, 1F1B, less cp, ...)
         fastest = min(p.step_s for p in fits)
-        fits.sort(key=lambda p: (round(p.step_s / fastest / TIE), p.pp, p.pp_schedule != "1f1b", p.cp, p.zero_stage,
-                                 -p.micro_batch, p.activation_checkpointing, p.tp, p.step_s))
+        gpn = cluster.gpus_per_node
+        fits.sort(key=lambda p: (round(p.step_s / fastest / TIE), p.pp, p.ep * p.expert_tp > gpn, p.pp_schedule != "1f1b",
+                                 p.cp, p.zero_stage, -p.micro_batch, p.activation_checkpointing, p.tp, p.ep, p.step_s))
     return fits, considered

@@ -21,7 +21,7 @@ import functools
 from dataclasses import dataclass, replace
 
 from cplm_dist.config import Config
-from cplm_dist.model.counting import parameter_count, parameters_per_device, tensor_sizes_per_device
+from cplm_dist.model.counting import parameter_count, parameters_per_device, per_model, tensor_sizes_per_device
 from cplm_dist.model.layer_shapes import layer_kind_list, layer_kinds
 from cplm_dist.model.loss import padded_vocab_size
 
@@ -36,6 +36,7 @@ class PipelineLayer:
     saved: bool  # DeepSpeed writes a layer_XX file for it (not for the tied copy)
 
 
+@per_model
 def pipeline_layers(cfg: Config) -> list[PipelineLayer]:
     """The pipeline's layers in order, in one place: DeepSpeed's specs, the stage split, its
     summary and the checkpoint's layer files all read them."""
@@ -182,6 +183,18 @@ def pipeline_stages(cfg: Config, pp: int, tp: int | None = None) -> list[Stage]:
         return [Stage(r, pp, layers[r] + layers[2 * pp - 1 - r], r == 0, r == 0, chunks=2) for r in range(pp)]
     layers = stage_transformer_layers(_at_tp(cfg, tp), pp)
     return [Stage(s, pp, n, s == 0, s == pp - 1) for s, n in enumerate(layers)]
+
+
+def stage_layer_indices(cfg: Config, stage: Stage, tp: int | None = None) -> list[int]:
+    """The transformer layers (0-based) one rank of `stage` runs, as CPLMPipe splits them
+    (`stage_transformer_layers`; DualPipeV: its stages r and 2 pp - 1 - r): what tells a sparse
+    model's stages apart (model.moe.sparse_layers), e.g. DeepSeek-V3's dense first layers."""
+    if stage.stages == 1:
+        return list(range(cfg.model.num_layers))
+    counts = stage_transformer_layers(_at_tp(cfg, tp), stage.stages)
+    starts = [sum(counts[:s]) for s in range(len(counts))]
+    held = [stage.index] + ([len(counts) - 1 - stage.index] if stage.chunks == 2 else [])
+    return [i for s in held for i in range(starts[s], starts[s] + counts[s])]
 
 
 def stage_tensor_sizes(cfg: Config, tp: int, pp: int = 1, stage: int = 0) -> list[int]:
