@@ -8,7 +8,8 @@ synchronisation inside the step, no wrapped collectives) for tokens/s, TFLOP/s a
 separately (synchronising the device between them) and every collective (wrapped to wait for
 completion), classified by process group: tensor-parallel all-reduces, data-parallel / ZeRO
 reduce-scatters and all-gathers (over dp x cp under context parallelism), context-parallel K/V
-and key gathers and their reduce-scatters, pipeline sends and receives. Instrumentation removes overlap, so the breakdown adds up to a
+and key gathers and their reduce-scatters, pipeline sends and receives, and a sparse model's
+expert-parallel token all-to-alls (the ep group). Instrumentation removes overlap, so the breakdown adds up to a
 little more than a clean step: the headline figures never come from instrumented steps.
 """
 
@@ -52,9 +53,11 @@ def collective_bytes(args: tuple, kwargs: dict) -> int:
 
 class CommTimer:
     """While active, every torch.distributed collective and point-to-point transfer is timed to
-    completion and filed under the group it ran on ("tp", "dp", "cp", "pp", "tied", "world" or
-    "other"; sends and receives between pipeline stages: "pp"; under context parallelism the cp
-    group is "cp" and the dp x cp group, where gradients are reduced, "dp"): seconds, calls and
+    completion and filed under the group it ran on ("tp", "dp", "cp", "pp", "ep", "tied", "world"
+    or "other"; sends and receives between pipeline stages: "pp"; under context parallelism the cp
+    group is "cp" and the dp x cp group, where gradients are reduced, "dp"; a sparse model's
+    expert-parallel group, where the dispatcher's all-to-alls run, "ep", and its expert-data-parallel
+    group, where expert gradients are reduced, "dp"): seconds, calls and
     bytes (the whole buffer, `collective_bytes`), also by collective in
     `by_name[(group, name)] = [calls, bytes]`. `engine`: a DeepSpeed pipeline engine, whose grid
     has process groups of its own. `regions` ({name: module}): what each module's forward runs,
@@ -66,8 +69,10 @@ class CommTimer:
         self.device = device
         self.regions, self.region, self._hooks = dict(regions or {}), None, []
         self.by_region = defaultdict(lambda: [0, 0])
-        self.groups = {id(dims.tp_group): "tp", id(dims.dp_group): "dp", id(dims.pp_group): "pp"}
-        self.groups.update({id(g): kind for g, kind in ((dims.cp_group, "cp"), (dims.dp_cp_group, "dp")) if g is not None})
+        self.groups = {id(dims.expert_dp_group): "dp"} if dims.expert_dp_group is not None else {}
+        self.groups.update({id(dims.tp_group): "tp", id(dims.dp_group): "dp", id(dims.pp_group): "pp"})
+        self.groups.update({id(g): kind for g, kind in ((dims.cp_group, "cp"), (dims.dp_cp_group, "dp"), (dims.ep_group, "ep"))
+                            if g is not None})
         grid = getattr(engine, "grid", None)
         if grid is not None:
             self.groups.update({id(grid.get_slice_parallel_group()): "tp", id(grid.get_data_parallel_group()): "dp",
@@ -236,6 +241,9 @@ def measure(step, cfg: Config, dims: ParallelDims, *, warmup: int, steps: int, b
         "comm_cp_s": comm.seconds["cp"] / n,  # context parallelism: K/V, copy keys and ids gathered, gradients scattered
         "comm_cp_calls": comm.calls["cp"] / n,
         "comm_cp_mb": comm.bytes["cp"] / n / 1e6,
+        "comm_ep_s": comm.seconds["ep"] / n,  # expert parallelism: the dispatcher's token all-to-alls (and their counts)
+        "comm_ep_calls": comm.calls["ep"] / n,
+        "comm_ep_mb": comm.bytes["ep"] / n / 1e6,
         "comm_tp_s": comm.seconds["tp"] / n,
         "comm_dp_s": (comm.seconds["dp"] + comm.seconds["world"]) / n,
         "comm_tp_calls": comm.calls["tp"] / n,
