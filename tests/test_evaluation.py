@@ -364,7 +364,8 @@ def test_ablation_reports_the_copy_heads_gain_under_each_backbone(tmp_path):
     assert "| tiny | adamw | gate | +0.300 [+0.100, +0.500] | -0.050 [-0.100, +0.000] |" in report
     assert "| tiny-sparse | gate | 1.42M / 0.83M | 2.000, 1.500, 1.200 | 0.100, 0.200, 0.400 |" in report
     assert "| tiny-dense | off | 0.83M / 0.83M | - | - |" in report
-    assert (tmp_path / "routing.png").read_bytes()[:4] == b"\x89PNG"
+    assert (tmp_path / "routing.png").read_bytes()[:4] == b"\x89PNG" and not (tmp_path / "suppression.png").exists()
+    assert "![routing](routing.png)" in report and "suppression.png" not in report
 
 
 @pytest.mark.parametrize("args,message", [

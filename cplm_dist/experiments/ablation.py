@@ -227,10 +227,12 @@ def write_report(runs: list[dict], ablation: Ablation, out: Path, grid: dict | N
         lines += ["", "## Does a sparse backbone change what the copy head buys?", "",
                   backbone_effect(runs, ablation.arms(), ablation.variants, gain_metrics(tasks)),
                   "", "## Expert load and copy share over steps", "", routing_table(runs)]
-    lines += ["", "![validation loss](loss.png) ![suite](suite.png) ![suppression](suppression.png)"
-              + (" ![routing](routing.png)" if len(ablation.backbones) > 1 else ""), ""]
+    images = {"loss": "validation loss", **({} if "suite" in ablation.skip else {"suite": "suite"}),
+              **({} if "bottleneck" in ablation.skip else {"suppression": "suppression"}),
+              **({"routing": "routing"} if len(ablation.backbones) > 1 else {})}
+    lines += ["", " ".join(f"![{alt}]({name}.png)" for name, alt in images.items()), ""]
     (out / "report.md").write_text("\n".join(lines))
-    plots(runs, tasks, out)
+    plots(runs, tasks, out, images)
     if len(ablation.backbones) > 1:
         routing_plot(runs, out)
     return "\n".join(lines)
@@ -299,28 +301,31 @@ def optimizer_effect(runs: list[dict], ablation: Ablation, tasks: list[str]) -> 
             "under each optimizer, with the gradient path it opens.\n\n" + "\n".join(rows))
 
 
-def plots(runs: list[dict], tasks: list[str], out: Path) -> None:
+def plots(runs: list[dict], tasks: list[str], out: Path, images=("loss", "suite", "suppression")) -> None:
+    """loss.png, and suite.png and suppression.png where `images` names them (not for a skipped evaluation)."""
     from cplm_dist.plotting import figure, lines
 
     with figure(out / "loss.png", size=(6, 4)) as ax:
         curves = {r["name"]: [(t, v) for t, v in r["valid_curve"] if t is not None] for r in runs}
         lines(ax, curves, xlabel="tokens", ylabel="validation loss", title="validation loss against tokens")
-    groups: dict[str, list[dict]] = {}  # size-variant -> its runs, one per seed
-    for r in runs:
-        groups.setdefault(f"{r['size']}-{r['variant']}", []).append(r)
-    with figure(out / "suite.png", size=(max(6, 0.3 * len(tasks) * len(groups)), 4)) as ax:
-        width = 0.8 / max(1, len(groups))
-        for i, (name, rs) in enumerate(groups.items()):
-            values = [[r["suite"].get(t, 0) for r in rs] for t in tasks]
-            means = [statistics.mean(v) for v in values]
-            spread = [[m - min(v) for m, v in zip(means, values)], [max(v) - m for m, v in zip(means, values)]]
-            ax.bar([j + i * width for j in range(len(tasks))], means, width, yerr=spread if len(rs) > 1 else None,
-                   capsize=2, label=f"{name} ({len(rs)} seed{'s' if len(rs) > 1 else ''})")
-        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(tasks))], tasks)
-        ax.set(ylabel="accuracy / exact match (mean, min-max)", title="copy and retrieval suite", ylim=(0, 1))
-        ax.legend(fontsize=7)
-    with figure(out / "suppression.png", size=(6, 4)) as ax:
-        ax.bar([r["name"] for r in runs], [r["suppressed_fraction"] or 0.0 for r in runs])
-        ax.set(ylabel="suppressed fraction", title="LM-head gradient suppression", ylim=(0.8, 1.0))
-        ax.tick_params(axis="x", labelrotation=60, labelsize=7)
+    if "suite" in images:
+        groups: dict[str, list[dict]] = {}  # size-variant -> its runs, one per seed
+        for r in runs:
+            groups.setdefault(f"{r['size']}-{r['variant']}", []).append(r)
+        with figure(out / "suite.png", size=(max(6, 0.3 * len(tasks) * len(groups)), 4)) as ax:
+            width = 0.8 / max(1, len(groups))
+            for i, (name, rs) in enumerate(groups.items()):
+                values = [[r["suite"].get(t, 0) for r in rs] for t in tasks]
+                means = [statistics.mean(v) for v in values]
+                spread = [[m - min(v) for m, v in zip(means, values)], [max(v) - m for m, v in zip(means, values)]]
+                ax.bar([j + i * width for j in range(len(tasks))], means, width, yerr=spread if len(rs) > 1 else None,
+                       capsize=2, label=f"{name} ({len(rs)} seed{'s' if len(rs) > 1 else ''})")
+            ax.set_xticks([j + 0.4 - width / 2 for j in range(len(tasks))], tasks)
+            ax.set(ylabel="accuracy / exact match (mean, min-max)", title="copy and retrieval suite", ylim=(0, 1))
+            ax.legend(fontsize=7)
+    if "suppression" in images:
+        with figure(out / "suppression.png", size=(6, 4)) as ax:
+            ax.bar([r["name"] for r in runs], [r["suppressed_fraction"] or 0.0 for r in runs])
+            ax.set(ylabel="suppressed fraction", title="LM-head gradient suppression", ylim=(0.8, 1.0))
+            ax.tick_params(axis="x", labelrotation=60, labelsize=7)
 
