@@ -358,10 +358,14 @@ def test_ablation_reports_the_copy_heads_gain_under_each_backbone(tmp_path):
     runs += [run("sparse", "off", s, 4.8, 0.0) for s in (1, 2)] + [run("sparse", "gate", 1, 4.3, 0.3), run("sparse", "gate", 2, 4.1, 0.1)]
     report = write_report(runs, ablation, tmp_path)
     rows = [line for line in report.splitlines() if line.startswith(("| tiny-dense | dense |", "| tiny-sparse | sparse |"))]
-    assert rows == ["| tiny-dense | dense | gate | 2 | -0.900 [-1.000, -0.800], won 2/2 | +0.250 [+0.200, +0.300], won 2/2 |",
-                    "| tiny-sparse | sparse | gate | 2 | -0.600 [-0.700, -0.500], won 2/2 | +0.200 [+0.100, +0.300], won 2/2 |"]
+    # mean [min, max] and the 90% t-interval of the mean (2 seeds: t = 6.314 x the standard error)
+    assert rows == ["| tiny-dense | dense | gate | 2 | -0.900 [-1.000, -0.800], 90% t [-1.531, -0.269], won 2/2 | "
+                    "+0.250 [+0.200, +0.300], 90% t [-0.066, +0.566], won 2/2 |",
+                    "| tiny-sparse | sparse | gate | 2 | -0.600 [-0.700, -0.500], 90% t [-1.231, +0.031], won 2/2 | "
+                    "+0.200 [+0.100, +0.300], 90% t [-0.431, +0.831], won 2/2 |"]
     # sparse minus dense gain by seed: valid loss +0.5 (seed 1), +0.1 (seed 2); induction 0.0, -0.1
-    assert "| tiny | adamw | gate | +0.300 [+0.100, +0.500] | -0.050 [-0.100, +0.000] |" in report
+    assert ("| tiny | adamw | gate | +0.300 [+0.100, +0.500], 90% t [-0.963, +1.563] | "
+            "-0.050 [-0.100, +0.000], 90% t [-0.366, +0.266] |") in report
     assert "| tiny-sparse | gate | 1.42M / 0.83M | 2.000, 1.500, 1.200 | 0.100, 0.200, 0.400 |" in report
     assert "| tiny-dense | off | 0.83M / 0.83M | - | - |" in report
     assert (tmp_path / "routing.png").read_bytes()[:4] == b"\x89PNG" and not (tmp_path / "suppression.png").exists()

@@ -182,21 +182,23 @@ def write_report(runs: list[dict], ablation: Ablation, out: Path, grid: dict | N
     tasks = sorted({t for r in runs for t in r["suite"]}, key=lambda t: ["induction", "mqar", "phonebook", "needle", "spamlang"].index(t))
     lines = ["# Copy head ablation", "",
              f"Base config `{ablation.base_config}`, {ablation.steps} steps per run, seeds {list(ablation.seeds)}, "
-             f"{ablation.samples} samples per suite setting, optimizers {list(ablation.optimizers)}"
+             + ("" if "suite" in ablation.skip else f"{ablation.samples} samples per suite setting, ")
+             + f"optimizers {list(ablation.optimizers)}"
              + (f" (learning rates {ablation.learning_rates})" if ablation.learning_rates else "")
              + f", backbones {list(ablation.backbones)}" + (f", skipped: {', '.join(ablation.skip)}" if ablation.skip else "")
              + ". Every run of a seed sees the same data in the same order and starts from the same seed; only the "
              "copy head (and the optimizer, the backbone) differs.", "",
              *(["## Learning rates, picked on a grid first", "", grid_table(grid), ""] if grid else []),
-             "| run | valid loss | " + " | ".join(tasks) + " | LM-head gradient suppressed | dL/dh via LM / copy |",
+             "| " + " | ".join(["run", "valid loss", *tasks, "LM-head gradient suppressed", "dL/dh via LM / copy"]) + " |",
              "|---" * (4 + len(tasks)) + "|"]
     for r in runs:
         bottleneck = (f"{r['suppressed_fraction']:.4f} | {r['grad_h_lm']:.3g} / {r['grad_h_copy']:.3g}"
                       if r["suppressed_fraction"] is not None else "- | -")
-        lines.append(f"| {r['name']} | {r['valid_loss']:.4f} | " + " | ".join(f"{r['suite'].get(t, float('nan')):.3f}" for t in tasks)
-                     + f" | {bottleneck} |")
-    lines += ["", "Suite columns: mean accuracy over settings (induction, mqar, spamlang) or mean exact match "
-              "(phonebook, needle).", "", "## Copy on minus copy off", ""]
+        lines.append("| " + " | ".join([r["name"], f"{r['valid_loss']:.4f}", *(f"{r['suite'].get(t, float('nan')):.3f}" for t in tasks),
+                                        bottleneck]) + " |")
+    lines += ["", *([] if "suite" in ablation.skip else ["Suite columns: mean accuracy over settings (induction, mqar, spamlang) "
+                                                          "or mean exact match (phonebook, needle).", ""]),
+              "## Copy on minus copy off", ""]
     verdicts, labels = [], [arm.label for arm in ablation.arms()]
     for size in labels:
         for seed in ablation.seeds:
@@ -212,10 +214,10 @@ def write_report(runs: list[dict], ablation: Ablation, out: Path, grid: dict | N
                 ties = [t for t in scored if abs(diffs[t]) <= MARGIN]
                 if scored:
                     verdicts.append(len(wins) == len(scored))
-                lines.append(f"- {size}, seed {seed}, {r['variant']}: valid loss {r['valid_loss'] - off['valid_loss']:+.4f}; "
-                             + ", ".join(f"{t} {d:+.3f}" for t, d in diffs.items())
-                             + f" -- better than copy off by more than {MARGIN} on {len(wins)}/{len(scored)} of "
-                               f"{', '.join(scored)}" + (f" (within {MARGIN}: {', '.join(ties)})" if ties else ""))
+                lines.append(f"- {size}, seed {seed}, {r['variant']}: valid loss {r['valid_loss'] - off['valid_loss']:+.4f}"
+                             + "".join(f", {t} {d:+.3f}" for t, d in diffs.items())
+                             + (f" -- better than copy off by more than {MARGIN} on {len(wins)}/{len(scored)} of "
+                                f"{', '.join(scored)}" + (f" (within {MARGIN}: {', '.join(ties)})" if ties else "") if scored else ""))
     if verdicts:
         lines += ["", f"Copy on beat copy off by more than {MARGIN} on all of {', '.join(COPY_TASKS)} in "
                       f"{sum(verdicts)} of {len(verdicts)} matched pairs."]
