@@ -163,7 +163,7 @@ def routing_plot(runs: list[dict], out: Path) -> None:
             for r in rs:
                 for step, value in r["over_steps"][key]:
                     by_step.setdefault(step, []).append(value)
-            if by_step:
+            if any(v for values in by_step.values() for v in values):  # not a copy-off run's zeros
                 curves[f"{name} {what}"] = [(step, statistics.mean(v)) for step, v in sorted(by_step.items())]
     with figure(out / "routing.png", size=(6, 4)) as ax:
         lines(ax, curves, xlabel="step", ylabel="max/mean load; copy share", title="expert load and copy share over steps")
