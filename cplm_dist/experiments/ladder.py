@@ -16,8 +16,8 @@ A point trains with --resume auto into <out>/points/<variant>-<size>-seed<k>; a 
 checkpoint is written is finished and not trained again, so a driver run again continues an
 interrupted ladder. Every command goes through what is installed (runs.py).
 
-A point may be sparse (model.moe among the ladder's overrides or a variant's): it is sized by its
-total parameters (every expert), and each point records both its total and its active parameters
+A point may be sparse (model.moe among the ladder's overrides, which then size the shapes by total
+parameters, every expert; or a variant's, on the shape the ladder sized), and each point records its total and its active parameters
 (what a token uses: cplm_dist.model.counting) besides the FLOPs (counted on the active matrices);
 `axis` chooses which of the three the fits run along (ladder_report.py).
 """
