@@ -310,7 +310,7 @@ def test_ablation_reports_what_the_optimizer_changes_in_the_copy_heads_gain(tmp_
 
     ablation = Ablation("configs/quickstart.yaml", ["tiny"], ["off", "gate"], seeds=[1, 2], optimizers=["adamw", "muon"],
                         learning_rates={"muon": 6e-3}, out=tmp_path)
-    assert [label for label, _, _ in ablation.arms()] == ["tiny-adamw", "tiny-muon"]
+    assert [arm.label for arm in ablation.arms()] == ["tiny-adamw", "tiny-muon"]
     muon = run_overrides(ablation, "tiny", "gate", 1, "muon", "tiny-muon")
     assert "optim.name=muon" in muon and "optim.muon.lr=0.006" in muon and f"train.out_dir={tmp_path}/tiny-muon-gate-seed1" in muon
 
@@ -327,6 +327,49 @@ def test_ablation_reports_what_the_optimizer_changes_in_the_copy_heads_gain(tmp_
     rows = [line for line in report.splitlines() if line.startswith("| tiny | gate |")]
     assert rows == ["| tiny | gate | adamw | -1.000 | +0.300 | 2.00 | 0.9000 |",
                     "| tiny | gate | muon | -0.500 | +0.200 | 2.00 | 0.9000 |"]
+
+
+def test_ablation_reports_the_copy_heads_gain_under_each_backbone(tmp_path):
+    """--backbones dense sparse: the sparse arm has the dense model's active parameters (8 experts
+    of width ffn/2, top-2; the router's E x D a layer apart), its runs are named by backbone, and
+    the report gives the copy head's gain under each backbone across seeds, the gain's difference
+    paired by seed, and the expert load and copy share over steps."""
+    from cplm_dist.experiments.ablation import Ablation, run_overrides, write_report
+    from cplm_dist.experiments.ablation_sparse import parameters
+
+    ablation = Ablation("configs/quickstart.yaml", ["tiny"], ["off", "gate"], seeds=[1, 2], backbones=["dense", "sparse"],
+                        skip=("bottleneck",), out=tmp_path)
+    assert [arm.label for arm in ablation.arms()] == ["tiny-dense", "tiny-sparse"]
+    sparse = run_overrides(ablation, "tiny", "gate", 1, "adamw", "tiny-sparse", "sparse")
+    assert {"model.moe.num_experts=8", "model.moe.top_k=2", "model.moe.ffn_hidden_size=128"} <= set(sparse)
+    dense_n = parameters("configs/quickstart.yaml", run_overrides(ablation, "tiny", "gate", 1, "adamw", "tiny-dense"))
+    sparse_n = parameters("configs/quickstart.yaml", sparse)
+    assert sparse_n["active"] - dense_n["active"] == 2 * 8 * 128 and sparse_n["total"] > 1.5 * dense_n["total"]
+
+    def run(backbone, variant, seed, loss, induction):
+        load = [(10, 2.0), (20, 1.5), (30, 1.2)] if backbone == "sparse" else []
+        return {"name": f"tiny-{backbone}-{variant}-seed{seed}", "size": f"tiny-{backbone}", "backbone": backbone,
+                "optimizer": "adamw", "variant": variant, "seed": seed, "valid_loss": loss, "valid_curve": [(100, loss)],
+                "suite": {"induction": induction}, "suppressed_fraction": None, "grad_h_lm": None, "grad_h_copy": None,
+                "parameters": sparse_n if backbone == "sparse" else dense_n,
+                "over_steps": {"max_load": load, "copy_share": [(10, 0.1), (20, 0.2), (30, 0.4)] if variant != "off" else []}}
+
+    runs = [run("dense", "off", s, 5.0, 0.0) for s in (1, 2)] + [run("dense", "gate", 1, 4.0, 0.3), run("dense", "gate", 2, 4.2, 0.2)]
+    runs += [run("sparse", "off", s, 4.8, 0.0) for s in (1, 2)] + [run("sparse", "gate", 1, 4.3, 0.3), run("sparse", "gate", 2, 4.1, 0.1)]
+    report = write_report(runs, ablation, tmp_path)
+    rows = [line for line in report.splitlines() if line.startswith(("| tiny-dense | dense |", "| tiny-sparse | sparse |"))]
+    # mean [min, max] and the 90% t-interval of the mean (2 seeds: t = 6.314 x the standard error)
+    assert rows == ["| tiny-dense | dense | gate | 2 | -0.900 [-1.000, -0.800], 90% t [-1.531, -0.269], won 2/2 | "
+                    "+0.250 [+0.200, +0.300], 90% t [-0.066, +0.566], won 2/2 |",
+                    "| tiny-sparse | sparse | gate | 2 | -0.600 [-0.700, -0.500], 90% t [-1.231, +0.031], won 2/2 | "
+                    "+0.200 [+0.100, +0.300], 90% t [-0.431, +0.831], won 2/2 |"]
+    # sparse minus dense gain by seed: valid loss +0.5 (seed 1), +0.1 (seed 2); induction 0.0, -0.1
+    assert ("| tiny | adamw | gate | +0.300 [+0.100, +0.500], 90% t [-0.963, +1.563] | "
+            "-0.050 [-0.100, +0.000], 90% t [-0.366, +0.266] |") in report
+    assert "| tiny-sparse | gate | 1.42M / 0.83M | 2.000, 1.500, 1.200 | 0.100, 0.200, 0.400 |" in report
+    assert "| tiny-dense | off | 0.83M / 0.83M | - | - |" in report
+    assert (tmp_path / "routing.png").read_bytes()[:4] == b"\x89PNG" and not (tmp_path / "suppression.png").exists()
+    assert "![routing](routing.png)" in report and "suppression.png" not in report
 
 
 @pytest.mark.parametrize("args,message", [

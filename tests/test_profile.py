@@ -55,16 +55,25 @@ def test_profile_one_rank_writes_json_csv_and_trace(tmp_path):
     assert json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_profile_two_ranks_times_the_right_communication(tmp_path, tp):
+@pytest.mark.parametrize("tp,ep", [(1, 1), (2, 1), (1, 2)])
+def test_profile_two_ranks_times_the_right_communication(tmp_path, tp, ep):
+    """tp 2: megatron's all-reduces under tp; dp 2: ZeRO-2's collectives under dp; a sparse model
+    at ep 2: the dispatcher's token all-to-alls under ep (tools/bench_moe.py reads them)."""
     out = tmp_path / "r.json"
-    profile(["--config", "tiny", *QUICK, f"parallel.tp={tp}", "train.zero_stage=2", "--json", str(out), "--csv", ""], nproc=2)
+    sparse = ["model.moe.num_experts=4", f"parallel.ep={ep}"] if ep > 1 else []
+    profile(["--config", "tiny", *QUICK, f"parallel.tp={tp}", "train.zero_stage=2", *sparse, "--json", str(out), "--csv", ""], nproc=2)
     r = json.loads(out.read_text())
-    assert (r["tp"], r["dp"], r["world"]) == (tp, 2 // tp, 2)
+    assert (r["tp"], r["dp"], r["world"], r["ep"]) == (tp, 2 // tp, 2, ep)
     if tp == 2:
         assert r["comm_tp_calls"] > 0 and r["comm_tp_mb"] > 0  # megatron's all-reduces
     else:
         assert r["comm_tp_calls"] == 0 and r["comm_dp_calls"] > 0 and r["comm_dp_mb"] > 0  # ZeRO-2's collectives
+    if ep > 1:
+        assert r["comm_ep_calls"] > 0 and r["comm_ep_mb"] > 0 and r["experts"] == 4
+        assert r["active_parameters"] < r["parameters"]
+        assert any(k.startswith("ep/all_to_all") for k in r["comm_by_collective"])
+    else:
+        assert r["comm_ep_calls"] == 0
 
 
 def test_sweep_skips_points_the_config_refuses_and_refuses_a_grid_of_none():

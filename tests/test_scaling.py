@@ -80,3 +80,36 @@ def test_a_ladder_runs_is_interrupted_and_resumes_without_rerunning(small_data, 
     report = (out / "report.md").read_text()
     assert "Fewer than 3 sizes per variant: no fit." in report and "gate, measured:" in report
     assert (out / "loss_vs_compute.png").stat().st_size > 0 and (out / "copy_gain.png").stat().st_size > 0
+
+
+def test_a_sparse_ladder_reports_total_and_active_parameters_and_fits_along_either(tmp_path):
+    """Points carrying model.moe (4 experts, top-2) are sized by total parameters and record total
+    and active ones; --axis active or total fits along that column (losses made up from the active
+    count recover its exponent, the extrapolation targets are the shipped shapes made sparse)."""
+    import dataclasses
+
+    from cplm_dist.experiments.ladder import Ladder, plan_ladder
+    from cplm_dist.experiments.ladder_report import fit_variants, gains, write_outputs
+
+    ladder = Ladder("configs/quickstart.yaml", [1e6, 2e6, 4e6], ["off", "gate"], seeds=[1, 2], head_dim=32,
+                    overrides=["model.moe.num_experts=4", "model.moe.top_k=2"], out=tmp_path)
+    points = plan_ladder(ladder)
+    assert len(points) == 12 and {p["experts"] for p in points} == {4}
+    for p in points:
+        assert p["active_parameters"] < 0.8 * p["total_parameters"]
+        if p["variant"] == "gate":  # the base's copy head: the shape's own count
+            assert p["total_parameters"] == p["parameters"]
+    rows = [{**{k: p[k] for k in ("point", "variant", "seed", "layers", "hidden", "parameters", "experts", "total_parameters",
+                                  "active_parameters", "steps", "tokens", "flops")},
+             "valid_loss": (2.0 + 40.0 * p["active_parameters"] ** -0.3 - (0.2 if p["variant"] == "gate" else 0.0))
+             * (1 + 0.001 * p["seed"])} for p in points]
+    fits = {axis: fit_variants(rows, dataclasses.replace(ladder, axis=axis), resamples=5) for axis in ("active", "total")}
+    assert abs(fits["active"]["off"]["alpha"] / 0.3 - 1) < 0.1, fits["active"]["off"]
+    off = [r for r in rows if r["variant"] == "off"]
+    assert fits["active"]["off"]["max_compute"] == max(r["active_parameters"] for r in off)
+    assert fits["total"]["off"]["max_compute"] == max(r["total_parameters"] for r in off)
+    seven_b = {axis: fits[axis]["off"]["extrapolated"]["7B"]["compute"] for axis in fits}
+    assert 1.3 * seven_b["active"] < seven_b["total"]  # 7B's MLPs made 4 experts, 2 of them active
+    report = write_outputs(rows, fits["active"], gains(rows, fits["active"]), dataclasses.replace(ladder, axis="active"), tmp_path)
+    assert "the fits run along active parameters (--axis active)" in report and "x the active parameters" in report
+    assert "| off | " in report and " / " in report.split("| off | ")[1].split("|")[1]

@@ -6,11 +6,16 @@ evaluated on the copy / retrieval suite and the gradient bottleneck, summarised 
     python tools/ablate.py --sizes tiny --variants off gate --seeds 1 2 3 --steps 400
     python tools/ablate.py --sizes tiny --variants off gate --seeds 1 2 3 --optimizers adamw muon \
         --lr-grid adamw=1.5e-3,3e-3,6e-3 muon=3e-3,6e-3,1.2e-2    # does Muon change what the copy head buys?
+    python tools/ablate.py --sizes tiny --variants off gate --seeds 1 2 3 --backbones dense sparse \
+        --skip bottleneck                                   # does a sparse model of equal active size change it?
     python tools/ablate.py --base-config configs/runs/cplm-135m.yaml --sizes base --launcher "torchrun --nproc-per-node 8"
 
 Writes <out>/report.md (tables; the copy-on minus copy-off differences and whether copy on wins,
-with the seeds used; with several --optimizers the copy head's gain under each), <out>/summary.json, and PNGs: validation loss against tokens, suite
-accuracy per variant, gradient suppression. Finished runs are reused, so an interrupted
+with the seeds used; with several --optimizers or --backbones the copy head's gain under each, and for
+sparse runs the expert load and copy share over steps), <out>/summary.json, and PNGs: validation loss
+against tokens, suite accuracy per variant, gradient suppression (and routing.png). --backbones sparse
+is the same model with every MLP 8 experts of width ffn / 2, top-2: the dense model's active
+parameters (cplm_dist.experiments.ablation_sparse says why this choice). Finished runs are reused, so an interrupted
 ablation continues where it stopped. The runs, their summaries and the report are
 cplm_dist.experiments.ablation's; the evaluations run as the installed evaluate and grad_bottleneck
 tools (python -m cplm_dist_tools.evaluate, after --launcher).
@@ -28,6 +33,7 @@ from cplm_dist.config import load_config
 from cplm_dist.config.cli import exit_on_usage_error
 from cplm_dist.errors import UsageError
 from cplm_dist.experiments.ablation import OPTIMIZERS, SIZES, Ablation, pick_learning_rates, run_ablation, write_report
+from cplm_dist.experiments.ablation_sparse import BACKBONES
 from cplm_dist.experiments.runs import VARIANTS, ensure_quickstart_data, interpreter
 
 EVALUATE, BOTTLENECK = "cplm_dist_tools.evaluate", "cplm_dist_tools.grad_bottleneck"  # this package's tools, as installed
@@ -40,6 +46,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     p.add_argument("--seeds", nargs="+", type=int, default=[1])
     p.add_argument("--optimizers", nargs="+", default=["adamw"], choices=list(OPTIMIZERS))
+    p.add_argument("--backbones", nargs="+", default=["dense"], choices=list(BACKBONES),
+                   help="sparse: every MLP 8 experts of width ffn/2, top-2 (the dense model's active parameters)")
+    p.add_argument("--skip", nargs="+", default=[], choices=["suite", "bottleneck"],
+                   help="evaluations to leave out (their report columns stay empty)")
     p.add_argument("--lr", nargs="+", default=[], metavar="OPT=LR", help="an optimizer's learning rate (optim.lr for "
                    "adamw, optim.muon.lr for muon), e.g. muon=6e-3")
     p.add_argument("--lr-grid", nargs="+", default=[], metavar="OPT=LR,LR,...", help="pick an optimizer's learning "
@@ -77,7 +87,8 @@ def main(argv=None) -> int:
     py = interpreter(args.launcher)  # torchrun takes `-m module` as python does
     ensure_quickstart_data(load_config(args.base_config, args.overrides), log)  # fail early on a bad base
     ablation = Ablation(args.base_config, args.sizes, args.variants, args.seeds, steps=args.steps, samples=args.samples,
-                        overrides=args.overrides, out=out, optimizers=args.optimizers, learning_rates=fixed)
+                        overrides=args.overrides, out=out, optimizers=args.optimizers, learning_rates=fixed,
+                        backbones=args.backbones, skip=tuple(args.skip))
     picked = pick_learning_rates(ablation, grid, py, log) if grid else None
     if picked:
         ablation = dataclasses.replace(ablation, learning_rates={**fixed, **{o: r["picked"] for o, r in picked.items()}})

@@ -13,7 +13,8 @@
 
 Reports tokens/s (global, per device), the step-time breakdown (forward, backward, optimizer and
 its share of the step: AdamW's elementwise step, or Muon's Newton-Schulz and gathers;
-tensor-parallel, data-parallel / ZeRO, context-parallel (parallel.cp) and pipeline communication), TFLOP/s and MFU (cplm_dist.training.throughput),
+tensor-parallel, data-parallel / ZeRO, context-parallel (parallel.cp), expert-parallel (parallel.ep: the token
+all-to-alls) and pipeline communication), TFLOP/s and MFU (cplm_dist.training.throughput),
 peak memory and the estimate of cplm_dist.profiling.memory, as a console table, a JSON file (--json) and one
 row appended to a CSV (--csv). --trace FILE writes a torch.profiler Chrome trace of one step.
 
@@ -103,12 +104,13 @@ def setup(cfg: Config, args):
 def describe(cfg: Config, dims, seq: int, accumulation: int, args, mode: str | None = None) -> dict:
     import datetime
 
-    from cplm_dist.model.counting import parameter_count
+    from cplm_dist.model.counting import active_parameters, parameter_count
 
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     return {
         "date": datetime.date.today().isoformat(), "device": device, "config": cfg.model.name,
-        "parameters": parameter_count(cfg)["total"], "copy": f"{cfg.copy.mix}/{cfg.copy.paste}" if cfg.copy.enabled else "off", "optimizer": cfg.optim.name,
+        "parameters": parameter_count(cfg)["total"], "active_parameters": active_parameters(cfg),
+        "experts": cfg.model.moe.num_experts, "expert_impl": cfg.model.moe.expert_impl, "ep": dims.ep_size, "copy": f"{cfg.copy.mix}/{cfg.copy.paste}" if cfg.copy.enabled else "off", "optimizer": cfg.optim.name,
         "copy_impl": f"{cfg.copy.impl}/{cfg.copy.chunk_size}" if cfg.copy.impl == "chunked" else cfg.copy.impl,
         "tp": dims.tp_size, "pp": dims.pp_size, "cp": dims.cp_size, "dp": dims.dp_size, "world": dims.world_size, "zero": cfg.train.zero_stage,
         "precision": cfg.train.precision, "micro_batch": cfg.train.micro_batch_size, "accumulation": accumulation,

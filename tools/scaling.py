@@ -4,13 +4,16 @@ variant, and report the copy head's gain, extrapolated to larger models and mark
 
     python tools/scaling.py --params 1e6 8e6 --points 4 --variants off gate --seeds 1 2
     python tools/scaling.py --params 1e6 8e6 --points 4 model.arch=gpt2 --out runs/scaling-gpt2
+    python tools/scaling.py --params 2e6 16e6 --points 4 model.moe.num_experts=8 --axis active --out runs/scaling-moe
     python tools/scaling.py --base-config configs/runs/cplm-135m.yaml --params 5e7 1e9 --points 5 \\
         --tokens-per-parameter 20 --slurm "--nodes 1 --gpus-per-node 8 --time 12:00:00 --partition gpu"
 
 Sizes: --points log-spaced parameter targets in [--params MIN MAX] (or --sizes T1 T2 ...), each
 turned into depth and width by cplm_dist.experiments.scaling.shape_for (a fixed --aspect D / L, heads of
 --head-dim). Tokens: --tokens-per-parameter x the exact parameter count, in whole steps of the
-base config's global batch x sequence length. Variants: copy off, gate, joint, sentinel, or
+base config's global batch x sequence length. Sparse points: model.moe.* among the overrides (sized
+by total parameters; each point reports total and active); --axis flops | active | total picks what
+the fits run along. Variants: copy off, gate, joint, sentinel, or
 NAME=override,override (any config override). Every point trains with --resume auto into
 <out>/points/<variant>-<size>-seed<k>; a point whose last checkpoint is written is not run again,
 so re-running the command continues an interrupted ladder. Writes <out>/ladder.json (the plan),
@@ -73,6 +76,8 @@ def parser() -> argparse.ArgumentParser:
                    "peak_tflops) and a `table:` of rows by params (cplm_dist/experiments/ladder_recipe.py)")
     p.add_argument("--stop-after", type=int, help="stop after training this many points (the rest on the next run)")
     p.add_argument("--bootstrap", type=int, default=200, help="resamples over seeds for the intervals")
+    p.add_argument("--axis", default="flops", choices=["flops", "active", "total"], help="what the fits run along: "
+                   "training FLOPs, or active or total parameters (a sparse ladder: model.moe.* among the overrides)")
     p.add_argument("overrides", nargs="*", help="config overrides for every point, e.g. model.arch=gpt2")
     return p
 
@@ -86,7 +91,8 @@ def ladder_of(args) -> Ladder:
         raise UsageError("give the ladder's sizes: --params MIN MAX [--points N] or --sizes T1 T2 ...")
     return Ladder(args.base_config, targets, args.variants, args.seeds, args.overrides, aspect=args.aspect,
                   head_dim=args.head_dim, tokens_per_parameter=args.tokens_per_parameter, out=Path(args.out),
-                  recipe=Recipe.from_file(args.ladder_file), job=job_of(args.slurm), world=world_of(args.launcher))
+                  recipe=Recipe.from_file(args.ladder_file), job=job_of(args.slurm), world=world_of(args.launcher),
+                  axis=args.axis)
 
 
 def _option(words: list[str], names: tuple[str, ...], default: int) -> int:

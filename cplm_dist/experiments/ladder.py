@@ -15,6 +15,11 @@ shape alone is not enough (a 1.7B point on a 135M config would keep the 135M's l
 A point trains with --resume auto into <out>/points/<variant>-<size>-seed<k>; a point whose last
 checkpoint is written is finished and not trained again, so a driver run again continues an
 interrupted ladder. Every command goes through what is installed (runs.py).
+
+A point may be sparse (model.moe among the ladder's overrides, which then size the shapes by total
+parameters, every expert; or a variant's, on the shape the ladder sized), and each point records its total and its active parameters
+(what a token uses: cplm_dist.model.counting) besides the FLOPs (counted on the active matrices);
+`axis` chooses which of the three the fits run along (ladder_report.py).
 """
 
 from __future__ import annotations
@@ -30,6 +35,9 @@ from cplm_dist.errors import UsageError
 from cplm_dist.experiments.ladder_recipe import Job, Recipe
 from cplm_dist.experiments.runs import VARIANTS, finished, mean_score, run
 from cplm_dist.experiments.scaling import shape_for, token_budget, training_flops, with_overrides
+from cplm_dist.model.counting import active_parameters, parameter_count
+
+AXES = {"flops": "flops", "active": "active_parameters", "total": "total_parameters"}  # --axis -> the row's column
 
 
 @dataclass(frozen=True)
@@ -50,6 +58,7 @@ class Ladder:
     recipe: Recipe = field(default_factory=Recipe)  # each point's lr, batches and job (ladder_recipe.py)
     job: Job = field(default_factory=Job)  # the Slurm job size the points may use (--slurm's --nodes, --gpus-per-node)
     world: int = 1  # ranks a local point trains on (the --launcher's processes)
+    axis: str = "flops"  # what the fits run along: AXES
 
 
 def log_spaced(low: float, high: float, points: int) -> list[float]:
@@ -93,7 +102,8 @@ def plan_ladder(ladder: Ladder) -> list[dict]:
                          f"train.log_interval={max(1, steps // 20)}", f"train.out_dir={run_dir}"]
                 cfg = load_config(ladder.base_config, train)
                 points.append({"point": point, "variant": name, "target": target, "seed": seed, "tp": cfg.parallel.tp,
-                               "layers": shape.layers,
+                               "layers": shape.layers, "experts": cfg.model.moe.num_experts,
+                               "total_parameters": parameter_count(cfg)["total"], "active_parameters": active_parameters(cfg),
                                "hidden": shape.hidden, "parameters": shape.parameters, "steps": steps,
                                "tokens": steps * per_step, "flops": training_flops(cfg, steps * per_step, cfg.data.seq_length),
                                "recipe": dataclasses.asdict(recipe), "submit_options": recipe.submit_options(ladder.job),
@@ -137,7 +147,8 @@ def collect(points: list[dict]) -> list[dict]:
         if not finished(run_dir, p["steps"]):
             continue
         valid = read_metrics(run_dir / "logs" / "metrics.jsonl", "valid")
-        row = {k: p[k] for k in ("point", "variant", "seed", "layers", "hidden", "parameters", "steps", "tokens", "flops")}
+        row = {k: p.get(k) for k in ("point", "variant", "seed", "layers", "hidden", "parameters", "experts", "total_parameters",
+                                     "active_parameters", "steps", "tokens", "flops")}
         row["valid_loss"] = valid[max(valid)]["loss"]
         evaluation = run_dir / "eval" / "eval.json"
         if evaluation.exists():

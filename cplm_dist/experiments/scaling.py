@@ -71,6 +71,7 @@ def shape_for(base: Config, target: float, *, aspect: float = 32.0, head_dim: in
     candidates = []
     for layers in range(1, max_layers + 1):
         ideal = aspect * layers
+        here = []
         for hidden in {max(head_dim, head_dim * round(ideal / head_dim)), head_dim * math.floor(ideal / head_dim),
                        head_dim * math.ceil(ideal / head_dim), head_dim * (math.ceil(ideal / head_dim) + 1)}:
             if hidden < head_dim:
@@ -78,7 +79,13 @@ def shape_for(base: Config, target: float, *, aspect: float = 32.0, head_dim: in
             fields = shape_fields(arch, layers, hidden, head_dim)
             n = parameter_count(dataclasses.replace(base, model=dataclasses.replace(base.model, **fields)))["total"]
             overrides = tuple(f"model.{k}={v}" for k, v in fields.items())
-            candidates.append((abs(math.log(n / target)), abs(math.log(hidden / ideal)), Shape(layers, hidden, n, overrides)))
+            here.append((abs(math.log(n / target)), abs(math.log(hidden / ideal)), Shape(layers, hidden, n, overrides)))
+        candidates += here
+        # counts only grow with depth (the widths tried grow with it): once the smallest here is past
+        # the tolerance and farther than the closest so far, no deeper shape can be chosen
+        smallest = min(here, key=lambda c: c[2].parameters, default=None)
+        if smallest and smallest[2].parameters > target * (1 + tolerance) and smallest[0] > min(c[0] for c in candidates[:-len(here)] or here):
+            break
     inside = [c for c in candidates if c[0] <= math.log1p(tolerance)]
     best = min(inside, key=lambda c: (c[1], c[0])) if inside else min(candidates, key=lambda c: c[0])
     return best[2]

@@ -8,7 +8,8 @@ synchronisation inside the step, no wrapped collectives) for tokens/s, TFLOP/s a
 separately (synchronising the device between them) and every collective (wrapped to wait for
 completion), classified by process group: tensor-parallel all-reduces, data-parallel / ZeRO
 reduce-scatters and all-gathers (over dp x cp under context parallelism), context-parallel K/V
-and key gathers and their reduce-scatters, pipeline sends and receives. Instrumentation removes overlap, so the breakdown adds up to a
+and key gathers and their reduce-scatters, pipeline sends and receives, and a sparse model's
+expert-parallel token all-to-alls (the ep group). Instrumentation removes overlap, so the breakdown adds up to a
 little more than a clean step: the headline figures never come from instrumented steps.
 """
 
@@ -243,12 +244,15 @@ def measure(step, cfg: Config, dims: ParallelDims, *, warmup: int, steps: int, b
         "comm_cp_s": comm.seconds["cp"] / n,  # context parallelism: K/V, copy keys and ids gathered, gradients scattered
         "comm_cp_calls": comm.calls["cp"] / n,
         "comm_cp_mb": comm.bytes["cp"] / n / 1e6,
+        "comm_ep_s": comm.seconds["ep"] / n,  # expert parallelism: the dispatcher's token all-to-alls (and their counts)
+        "comm_ep_calls": comm.calls["ep"] / n,
+        "comm_ep_mb": comm.bytes["ep"] / n / 1e6,
         "comm_tp_s": comm.seconds["tp"] / n,
-        "comm_dp_s": (comm.seconds["dp"] + comm.seconds["world"]) / n,
+        "comm_dp_s": (comm.seconds["dp"] + comm.seconds["world"] + comm.seconds["edp"]) / n,  # expert gradients too
         "comm_tp_calls": comm.calls["tp"] / n,
-        "comm_dp_calls": (comm.calls["dp"] + comm.calls["world"]) / n,
+        "comm_dp_calls": (comm.calls["dp"] + comm.calls["world"] + comm.calls["edp"]) / n,
         "comm_tp_mb": comm.bytes["tp"] / n / 1e6,
-        "comm_dp_mb": (comm.bytes["dp"] + comm.bytes["world"]) / n / 1e6,
+        "comm_dp_mb": (comm.bytes["dp"] + comm.bytes["world"] + comm.bytes["edp"]) / n / 1e6,
         "comm_by_collective": {f"{kind}/{name}": {"calls": calls / n, "mb": size / n / 1e6}
                                for (kind, name), (calls, size) in sorted(comm.by_name.items())},
     }
