@@ -25,6 +25,7 @@ from typing import NamedTuple
 
 from cplm_dist.config import load_config
 from cplm_dist.experiments.ablation_sparse import backbone_effect, backbone_overrides, over_steps, parameters, routing_plot, routing_table
+from cplm_dist.experiments.paired import paired_differences
 from cplm_dist.experiments.runs import COPY_TASKS, VARIANTS, finished, mean_score, run
 
 SIZES = {  # name -> overrides on the base config
@@ -238,13 +239,6 @@ def write_report(runs: list[dict], ablation: Ablation, out: Path, grid: dict | N
     if len(ablation.backbones) > 1:
         routing_plot(runs, out)
     return "\n".join(lines)
-
-
-def paired_differences(runs: list[dict], size: str, variant: str, metric) -> list[float]:
-    """metric(variant run) - metric(copy-off run) for every seed that has both."""
-    by = {(r["size"], r["variant"], r["seed"]): r for r in runs}
-    return [metric(r) - metric(by[(size, "off", seed)]) for (sz, v, seed), r in by.items()
-            if (sz, v) == (size, variant) and (size, "off", seed) in by]
 
 
 def gain_metrics(tasks: list[str]) -> dict:

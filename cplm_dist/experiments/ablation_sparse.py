@@ -25,6 +25,7 @@ from pathlib import Path
 
 from cplm_dist.config import load_config
 from cplm_dist.errors import UsageError
+from cplm_dist.experiments.paired import paired_differences
 
 SPARSE_EXPERTS, SPARSE_TOP_K = 8, 2
 BACKBONES = ("dense", "sparse")
@@ -85,7 +86,6 @@ def backbone_effect(runs: list[dict], arms, variants: list[str], metrics: dict) 
     mean [min, max] over seeds and the seeds it won; then, per size and optimizer, the gain under
     sparse minus the gain under dense, paired by seed (negative on valid loss: the copy head helps
     the sparse model more)."""
-    from cplm_dist.experiments.ablation import paired_differences
 
     head = "| arm | backbone | variant | seeds | " + " | ".join(f"{m} gain" for m in metrics) + " |"
     rows = [head, "|---" * (4 + len(metrics)) + "|"]
