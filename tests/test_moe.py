@@ -12,6 +12,7 @@ differently with activation checkpointing; bad expert layouts exit 2 with one li
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -74,9 +75,15 @@ def reference(mlp, x: torch.Tensor, cfg) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def one_rank():
+    """A one-rank process group in this test process. Joining publishes MASTER_ADDR/MASTER_PORT,
+    RANK and WORLD_SIZE in os.environ (for DeepSpeed): they are put back afterwards, or every later
+    subprocess of this worker would try to host its store on this group's port."""
+    saved = dict(os.environ)
     init_distributed(1)
     yield
     destroy_distributed()
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 @pytest.mark.parametrize("case", list(LAYER_CASES))

@@ -131,7 +131,7 @@ def _load_and_export_worker(checkpoint, out):
     """The run's model as evaluation loads it: its log-probs, and tools/export_hf.py's export of it."""
     from cplm_dist.checkpoint import load_model
     from cplm_dist.distributed import init_distributed
-    from tools.export_hf import export
+    from cplm_dist_tools.export_hf import export
 
     init_distributed(1)
     model, cfg, _ = load_model(checkpoint)
