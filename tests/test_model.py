@@ -18,6 +18,8 @@ VARIANTS = {
     # copy.chunk_size=5 < T = 24: these variants run the chunked copy head, the others the dense one
     "gate-next-2heads-rope": ["copy.mix=gate", "copy.paste=next", "copy.num_heads=2", "copy.rope=true", "copy.chunk_size=5"],
     "gate-self": ["copy.mix=gate", "copy.paste=self"],
+    # the gate reading the trunk's state detached: the same forward, no gradient into the trunk from the gate
+    "gate-self-detached": ["copy.mix=gate", "copy.paste=self", "copy.gate_detach=true"],
     "joint-next": ["copy.mix=joint", "copy.paste=next"],
     # vocab 300 pads to 384 at tp=1 and 512 at tp=2, 4: the padding must not change the model
     "joint-self-padded-untied": ["copy.mix=joint", "copy.paste=self", "model.vocab_size=300", "model.tie_embeddings=false",
@@ -39,7 +41,7 @@ VARIANTS.update({chunked: VARIANTS[dense] + ["loss.impl=chunked", "loss.chunk_ro
 # Megatron sequence parallelism at tp = 2, 4 against the same variant at tp = 1: every mix, the
 # dense (gate-self) and chunked copy paths, copy off, both LM-side losses
 SEQUENCE_PARALLEL = {f"{name}+sp": name for name in (
-    "copy-off-padded-untied", "gate-next-2heads-rope", "gate-self", "joint-self-padded-untied", "sentinel-next-2heads",
+    "copy-off-padded-untied", "gate-next-2heads-rope", "gate-self", "gate-self-detached", "joint-self-padded-untied", "sentinel-next-2heads",
     "copy-off-padded-untied+chunked-loss", "joint-next+chunked-loss", "gpt2-gate-next", "gpt2-mha-copy-off-untied",
     "qwen3-gate-next")}
 TPS = (1, 2, 4)
@@ -106,6 +108,21 @@ def _model_worker(tp):
 @pytest.fixture(scope="module")
 def runs():
     return {tp: run_ranks(_model_worker, tp, args=(tp,), timeout=400) for tp in TPS}
+
+
+@pytest.mark.parametrize("tp", TPS)
+def test_a_detached_gate_trains_its_own_linear_and_never_the_trunk(runs, tp):
+    """copy.gate_detach: the forward and the gate's, the copy head's and the LM head's own gradients
+    are the gate's; only the trunk's gradients change (they lose the gate's path)."""
+    plain, detached = runs[tp][0]["gate-self"], runs[tp][0]["gate-self-detached"]
+    torch.testing.assert_close(detached["nll"], plain["nll"], rtol=0, atol=0)
+    for name, grad in plain["grads"].items():
+        if name.startswith(("copy_head.", "final_norm.")) or name == "embedding.weight":
+            continue  # the tied embedding and the final norm take the trunk's gradient too
+        if name.startswith("layers."):
+            assert not torch.allclose(detached["grads"][name], grad, atol=1e-9), name
+    for name in ("copy_head.gate.weight", "copy_head.gate.bias", "copy_head.q.weight", "copy_head.k.weight"):
+        torch.testing.assert_close(detached["grads"][name], plain["grads"][name], rtol=1e-6, atol=1e-9)
 
 
 @pytest.mark.parametrize("tp", [2, 4])

@@ -585,26 +585,44 @@ def test_lr_schedules():
     assert [round(lr_factor(s, wsd), 6) for s in (0, 9, 50, 79, 80, 90, 100)] == [0.1, 1.0, 1.0, 1.0, 1.0, 0.5, 0.0]
 
 
-def _groups_worker(decay_embeddings):
+def _groups_worker(override_sets):
     from cplm_dist.distributed import init_distributed
+    from cplm_dist.errors import UsageError
     from cplm_dist.model import build_model
     from cplm_dist.training.optim import parameter_groups
 
     init_distributed(1)
-    cfg = load_config("tiny", ["model.tie_embeddings=false", f"optim.decay_embeddings={decay_embeddings}"])
-    model = build_model(cfg)
-    names = {id(p): n for n, p in model.named_parameters()}
-    return {g["name"]: sorted(names[id(p)] for p in g["params"]) for g in parameter_groups(model, cfg)}
+    out = []
+    for overrides in override_sets:
+        cfg = load_config("tiny", ["model.tie_embeddings=false", *overrides])
+        model = build_model(cfg)
+        names = {id(p): n for n, p in model.named_parameters()}
+        try:
+            out.append({g["name"]: sorted(names[id(p)] for p in g["params"]) for g in parameter_groups(model, cfg)})
+        except UsageError as e:
+            out.append(str(e))
+    return out
 
 
 def test_weight_decay_groups():
-    groups = run_ranks(_groups_worker, 1, args=(False,))[0]
+    default, embeddings, copy_head, gate, typo, muon = run_ranks(_groups_worker, 1, args=([
+        ["optim.decay_embeddings=false"], ["optim.decay_embeddings=true"], ["optim.no_decay=[copy_head.]"],
+        ["optim.no_decay=[copy_head.gate.]"], ["optim.no_decay=[copy_hed.]"],
+        ["optim.name=muon", "optim.muon.copy_head=true", "optim.no_decay=[copy_head.q.]"]],))[0]
+    groups = default
     assert "embedding.weight" in groups["no_decay"] and "lm_head.weight" in groups["no_decay"]
     assert all(n.endswith(("norm.weight", ".bias")) or n.startswith(("embedding", "lm_head")) for n in groups["no_decay"])
     assert "layers.0.attention.qkv.weight" in groups["decay"] and "copy_head.q.weight" in groups["decay"]
     assert "copy_head.gate.bias" in groups["no_decay"] and "final_norm.weight" in groups["no_decay"]
-    groups = run_ranks(_groups_worker, 1, args=(True,))[0]
-    assert "embedding.weight" in groups["decay"] and "lm_head.weight" in groups["decay"]
+    assert "copy_head.gate.weight" in groups["decay"]
+    assert "embedding.weight" in embeddings["decay"] and "lm_head.weight" in embeddings["decay"]
+    # optim.no_decay: the copy head (or its gate alone) out of the decayed matrices, the rest as before
+    assert not any(n.startswith("copy_head.") for n in copy_head["decay"])
+    assert {"copy_head.q.weight", "copy_head.k.weight", "copy_head.gate.weight"} <= set(copy_head["no_decay"])
+    assert set(copy_head["decay"]) == {n for n in default["decay"] if not n.startswith("copy_head.")}
+    assert "copy_head.gate.weight" in gate["no_decay"] and "copy_head.q.weight" in gate["decay"]
+    assert "'copy_hed.' names no parameter" in typo and "fix the prefix" in typo
+    assert "names Muon matrices" in muon
 
 
 # --- optimizer kernels and ZeRO settings ---------------------------------------------------------

@@ -9,6 +9,8 @@ evaluated on the copy / retrieval suite and the gradient bottleneck, summarised 
     python tools/ablate.py --sizes tiny --variants off gate --seeds 1 2 3 --backbones dense sparse \
         --skip bottleneck                                   # does a sparse model of equal active size change it?
     python tools/ablate.py --base-config configs/runs/cplm-135m.yaml --sizes base --launcher "torchrun --nproc-per-node 8"
+    python tools/ablate.py --arms gate bias-m2 detach nodecay joint wsd --sizes tiny --seeds 1 2 3 --steps 2000 \
+        --arm lr-peak-6e-3 optim.lr=6e-3                    # the retention grid: which recipe keeps retrieval?
 
 Writes <out>/report.md (tables; the copy-on minus copy-off differences and whether copy on wins,
 with the seeds used; with several --optimizers or --backbones the copy head's gain under each, and for
@@ -19,6 +21,12 @@ parameters (cplm_dist.experiments.ablation_sparse says why this choice). Finishe
 ablation continues where it stopped. The runs, their summaries and the report are
 cplm_dist.experiments.ablation's; the evaluations run as the installed evaluate and grad_bottleneck
 tools (python -m cplm_dist_tools.evaluate, after --launcher).
+
+--arms (and --arm NAME OVERRIDE...) runs the retention grid instead (cplm_dist.experiments.retention):
+each arm a named set of overrides, every size and seed trained with the in-loop copy suite, the first
+arm the reference; it writes <out>/retention.md (curves, each arm minus the reference paired by seed
+with 90% t-intervals, which arms keep retrieval without costing validation loss), retention.png and
+summary.json. --variants, --optimizers, --backbones and the learning-rate flags belong to the ablation.
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ from cplm_dist.config.cli import exit_on_usage_error
 from cplm_dist.errors import UsageError
 from cplm_dist.experiments.ablation import OPTIMIZERS, SIZES, Ablation, pick_learning_rates, run_ablation, write_report
 from cplm_dist.experiments.ablation_sparse import BACKBONES
+from cplm_dist.experiments.retention import ARMS, RetentionGrid, arm_overrides, run_grid, write_grid_report
 from cplm_dist.experiments.runs import VARIANTS, ensure_quickstart_data, interpreter
 
 EVALUATE, BOTTLENECK = "cplm_dist_tools.evaluate", "cplm_dist_tools.grad_bottleneck"  # this package's tools, as installed
@@ -54,9 +63,13 @@ def parser() -> argparse.ArgumentParser:
                    "adamw, optim.muon.lr for muon), e.g. muon=6e-3")
     p.add_argument("--lr-grid", nargs="+", default=[], metavar="OPT=LR,LR,...", help="pick an optimizer's learning "
                    "rate first: copy off at the first size and seed, lowest validation loss (runs in <out>/lr-grid)")
-    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--arms", nargs="+", default=[], metavar="ARM", help=f"the retention grid's named arms, the first "
+                   f"the reference: {', '.join(ARMS)}")
+    p.add_argument("--arm", nargs="+", action="append", default=[], metavar=("NAME", "OVERRIDE"),
+                   help="an arm of the retention grid given by its overrides (repeatable)")
+    p.add_argument("--steps", type=int, default=None, help="steps a run (200; the retention grid 2000)")
     p.add_argument("--samples", type=int, default=16, help="evaluation samples per task setting")
-    p.add_argument("--out", default="runs/ablation")
+    p.add_argument("--out", default=None, help="runs/ablation (the retention grid: runs/retention)")
     p.add_argument("--launcher", default="", help="prefix for the training and evaluation commands, e.g. 'torchrun --nproc-per-node 8'")
     p.add_argument("overrides", nargs="*", help="config overrides for every run")
     return p
@@ -76,9 +89,33 @@ def per_optimizer(pairs: list[str], flag: str, optimizers: list[str]) -> dict[st
     return out
 
 
+def retention_main(args) -> int:
+    """--arms / --arm: the retention grid (cplm_dist.experiments.retention)."""
+    custom = {}
+    for words in args.arm:
+        if len(words) < 2:
+            raise UsageError(f"--arm {' '.join(words)}: give a name and at least one override, e.g. --arm lr6 optim.lr=6e-3")
+        custom[words[0]] = words[1:]
+    out = Path(args.out or "runs/retention")
+    out.mkdir(parents=True, exist_ok=True)
+    log = out / "retention.log"
+    ensure_quickstart_data(load_config(args.base_config, args.overrides), log)
+    steps = args.steps or 2000
+    grid = RetentionGrid(args.base_config, args.sizes, arm_overrides(args.arms, args.base_config, args.overrides, steps, custom),
+                         seeds=args.seeds, steps=steps, overrides=args.overrides, out=out)
+    runs = run_grid(grid, interpreter(args.launcher), log)
+    (out / "summary.json").write_text(json.dumps(runs, indent=2) + "\n")
+    print(write_grid_report(runs, grid, out))
+    print(f"wrote {out / 'retention.md'}, {out / 'summary.json'} and retention.png")
+    return 0
+
+
 @exit_on_usage_error
 def main(argv=None) -> int:
     args = parser().parse_intermixed_args(argv)
+    if args.arms or args.arm:
+        return retention_main(args)
+    args.steps, args.out = args.steps or 200, args.out or "runs/ablation"
     fixed = {k: v[0] for k, v in per_optimizer(args.lr, "--lr", args.optimizers).items()}
     grid = per_optimizer(args.lr_grid, "--lr-grid", args.optimizers)
     out = Path(args.out)

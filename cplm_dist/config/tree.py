@@ -142,6 +142,9 @@ class CopyConfig:
     rope: bool = False  # rotary position on the copy q/k
     init_std: float = 0.02
     gate_bias_init: float = 0.0  # gate mix: sigmoid(0) = half the mass to the LM head at init
+    # gate mix: the gate reads the final hidden state detached, so its loss trains the gate's own
+    # linear only, never the trunk (docs/ablation/retention.md tests it)
+    gate_detach: bool = False
     # auto: chunked, and flex (fused FlexAttention kernels) training on CUDA once a GPU check has
     # recorded it for this torch (cplm_dist/model/flex_record.py); chunked: scores recomputed in
     # backward per row block; dense: the reference (docs/copy_head.md)
@@ -261,6 +264,9 @@ class OptimConfig:
     decay_fraction: float = resumable(0.2)  # wsd: the last fraction of train_steps decays to min_lr
     weight_decay: float = resumable(0.1)
     decay_embeddings: bool = False  # norms and biases are never decayed; embeddings only if true
+    # CPLM parameter-name prefixes never decayed either, e.g. [copy_head.] (the copy head) or
+    # [copy_head.gate.] (the gate's linear); a prefix that names no parameter is refused
+    no_decay: list[str] = field(default_factory=list)
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from cplm_dist.config import load_config
 from cplm_dist.errors import UsageError
-from cplm_dist.experiments.paired import paired_differences
+from cplm_dist.experiments.paired import paired_differences, spread
 
 SPARSE_EXPERTS, SPARSE_TOP_K = 8, 2
 BACKBONES = ("dense", "sparse")
@@ -62,25 +62,6 @@ def over_steps(metrics: Path) -> dict[str, list]:
             "max_load": [(s, train[s]["moe"]["max_load"]) for s in steps if "max_load" in (train[s].get("moe") or {})]}
 
 
-T90 = {1: 6.314, 2: 2.920, 3: 2.353, 4: 2.132, 5: 2.015, 6: 1.943, 7: 1.895, 8: 1.860, 9: 1.833, 10: 1.812}  # t(0.95, df)
-
-
-def t_interval(values: list[float]) -> tuple[float, float] | None:
-    """The 90% Student-t interval of the mean of paired differences (None for fewer than 2): with 3
-    seeds it is wide (t = 2.92), which is the honest width of 3 seeds."""
-    if len(values) < 2:
-        return None
-    half = T90.get(len(values) - 1, 1.645) * statistics.stdev(values) / len(values) ** 0.5
-    return statistics.mean(values) - half, statistics.mean(values) + half
-
-
-def _spread(values: list[float]) -> str:
-    """mean [min, max], and the 90% t-interval of the mean."""
-    t = t_interval(values)
-    return (f"{statistics.mean(values):+.3f} [{min(values):+.3f}, {max(values):+.3f}]"
-            + (f", 90% t [{t[0]:+.3f}, {t[1]:+.3f}]" if t else ""))
-
-
 def backbone_effect(runs: list[dict], arms, variants: list[str], metrics: dict) -> str:
     """Per arm and copy variant: the copy head's gain (variant minus copy off) under each backbone,
     mean [min, max] over seeds and the seeds it won; then, per size and optimizer, the gain under
@@ -101,7 +82,7 @@ def backbone_effect(runs: list[dict], arms, variants: list[str], metrics: dict) 
                 gains[(arm.size, arm.optimizer, arm.backbone, variant, name)] = dict(zip(seeds, d))
                 n = max(n, len(d))
                 won = sum(x < -0.01 for x in d) if name == "valid loss" else sum(x > 0.01 for x in d)
-                cells.append(f"{_spread(d)}, won {won}/{len(d)}" if d else "-")
+                cells.append(f"{spread(d)}, won {won}/{len(d)}" if d else "-")
             if n:
                 rows.append(f"| {arm.label} | {arm.backbone} | {variant} | {n} | " + " | ".join(cells) + " |")
     diff = ["", "The gain under sparse minus the gain under dense, paired by seed (mean [min, max], 90% t-interval):", "",
@@ -113,7 +94,7 @@ def backbone_effect(runs: list[dict], arms, variants: list[str], metrics: dict) 
         for metric in metrics:
             sparse, dense = gains[(size, opt, "sparse", variant, metric)], gains.get((size, opt, "dense", variant, metric), {})
             d = [sparse[s] - dense[s] for s in sparse if s in dense]
-            cells.append(_spread(d) if d else "-")
+            cells.append(spread(d) if d else "-")
         diff.append(f"| {size} | {opt} | {variant} | " + " | ".join(cells) + " |")
     return ("The copy head's gain (copy on minus copy off; valid loss: lower is better, a win is lower by more than "
             "0.01 nats; suite: higher by more than 0.01) under each backbone: mean [min, max] over seeds and the 90% "

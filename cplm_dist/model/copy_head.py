@@ -87,6 +87,7 @@ class CopyHead(torch.nn.Module):
         self.rope_scaling = getattr(model_cfg, "rope_scaling", None)  # the backbone's (context extension)
         self.shift = -1 if cfg.paste == "next" else 0  # C_t = {j <= t + shift}: next j < t, self j <= t
         self.mix = MIXES[cfg.mix]
+        self.gate_detach = cfg.gate_detach  # the gate's input detached from the trunk
         self.average_heads = self.mix.average_heads  # each head its own copy distribution, averaged; else pooled
         width = cfg.num_heads * cfg.head_dim
         self.q = ReplicatedLinear(model_cfg.hidden_size, width, bias=False, device=device, dtype=dtype, grad_group=self.sp_group)
@@ -149,7 +150,7 @@ class CopyHead(torch.nn.Module):
         """(B, T): the mix's gate term (cplm_dist.model.mixes, Mix.gate): the gate logit from h, the
         sentinel score from q, or None; h as `project` takes it."""
         if self.mix.gate == "hidden":
-            gate = self.gate(h).squeeze(-1).float()
+            gate = self.gate(h.detach() if self.gate_detach else h).squeeze(-1).float()
             return gate.t() if seq_first else gate
         if self.mix.gate == "query":
             sentinel = sum_grad_over(self.sentinel, self.sp_group).float()

@@ -2,7 +2,8 @@
 the non-finite guard.
 
 Parameter groups: vectors (norm weights, biases) never get weight decay; embeddings (the input
-embedding, and the LM head tied to it or not) only when `optim.decay_embeddings` is set. Schedules (per optimizer step):
+embedding, and the LM head tied to it or not) only when `optim.decay_embeddings` is set; the
+parameters `optim.no_decay` names by prefix (e.g. the copy head's) never. Schedules (per optimizer step):
 
 | optim.schedule | shape |
 |---|---|
@@ -24,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from cplm_dist.config import Config
+from cplm_dist.errors import UsageError
 from cplm_dist.megatron_compat import parallel_state
 from cplm_dist.training.expert_groups import is_expert, with_expert_groups
 from cplm_dist.training.muon import Orthogonaliser, mark_matrices
@@ -39,11 +41,13 @@ def parameter_groups(model: torch.nn.Module, cfg: Config) -> list[dict]:
                  else model.named_parameters())
     muon = mark_matrices(named, cfg) if cfg.optim.name == "muon" else []
     orthogonal = {id(p) for p in muon}
+    undecayed = undecayed_names([name for name, _ in named], [name for name, p in named if id(p) in orthogonal], cfg,
+                                whole=not hasattr(model, "canonical_named_parameters"))
     for name, param in named:
         if not param.requires_grad or id(param) in orthogonal:
             continue
         is_embedding = name.startswith(("embedding.", "lm_head."))
-        if param.ndim < 2 or (is_embedding and not cfg.optim.decay_embeddings):
+        if param.ndim < 2 or (is_embedding and not cfg.optim.decay_embeddings) or name in undecayed:
             no_decay.append(param)
         else:
             decay.append(param)
@@ -63,6 +67,25 @@ def parameter_groups(model: torch.nn.Module, cfg: Config) -> list[dict]:
     return [{"params": muon, "weight_decay": cfg.optim.weight_decay, "name": "muon", "orthogonal": True,
              "lr": cfg.optim.lr if m.lr is None else m.lr, "momentum": m.momentum, "nesterov": m.nesterov},
             {"params": decay + no_decay, "weight_decay": 0.0, "decoupled_decay": cfg.optim.weight_decay, "name": "adamw"}]
+
+
+def undecayed_names(names: list[str], orthogonal: list[str], cfg: Config, whole: bool = True) -> set[str]:
+    """The parameters `optim.no_decay` names by prefix. A prefix that names no parameter of the
+    whole model (a typo, or a part this model lacks: copy_head. with the copy head off; a pipeline
+    stage, `whole` false, need not hold every part), or one that names a Muon
+    matrix (decayed by Muon's own group: optim.muon.copy_head=false keeps the copy head in AdamW), is
+    a usage error."""
+    out = set()
+    for prefix in cfg.optim.no_decay:
+        named = {n for n in names if n.startswith(prefix)}
+        if not named and whole:
+            raise UsageError(f"optim.no_decay: {prefix!r} names no parameter of this model "
+                             f"(names begin {sorted({n.split('.')[0] + '.' for n in names})}); fix the prefix")
+        if any(n.startswith(prefix) for n in orthogonal):
+            raise UsageError(f"optim.no_decay: {prefix!r} names Muon matrices, which Muon decays in its own group; "
+                             "set optim.muon.copy_head=false or leave the prefix out")
+        out |= named
+    return out
 
 
 def lr_factor(step: int, cfg: Config) -> float:
