@@ -27,8 +27,9 @@ def mixture_nll(logits, copy_all, copy_match, gate, labels, mix):
         has_cand = bool(torch.isfinite(copy_all[i]))
         e_all = torch.exp(copy_all[i]) if has_cand else z.new_zeros(())
         e_match = torch.exp(copy_match[i]) if bool(torch.isfinite(copy_match[i])) else z.new_zeros(())
-        if mix == "gate":
-            g = torch.sigmoid(gate[i]) if has_cand else z.new_ones(())
+        if mix in ("gate", "joint_gate"):
+            evidence = torch.log(torch.exp(z).sum()) - copy_all[i] if mix == "joint_gate" and has_cand else 0.0
+            g = torch.sigmoid(gate[i] + evidence) if has_cand else z.new_ones(())
             p = g * p_lm + ((1 - g) * e_match / e_all if has_cand else 0.0)
         elif mix == "joint":
             p = (torch.exp(z[y]) + e_match) / (torch.exp(z).sum() + e_all)
@@ -52,9 +53,9 @@ def source(ids, j: int, paste: str) -> int:
 def next_token_distribution(logits, scores, sentinel_or_gate, ids, mix, paste):
     """p(w | x_<=t) for one sequence: logits [T, V], scores [H, T, T] (s_htj), ids [T].
 
-    gate: sentinel_or_gate [T] gate logits; sentinel: [H, T] per-head sentinel scores.
-    Several heads: gate averages the heads' copy distributions; joint and sentinel pool every
-    head's positions with weight 1/H (cplm_dist.model.copy_head).
+    gate, joint_gate: sentinel_or_gate [T] gate logits; sentinel: [H, T] per-head sentinel scores.
+    Several heads: gate averages the heads' copy distributions; joint, sentinel and joint_gate
+    pool every head's positions with weight 1/H (cplm_dist.model.copy_head).
     """
     H, T, _ = scores.shape
     V = logits.shape[1]
@@ -79,6 +80,13 @@ def next_token_distribution(logits, scores, sentinel_or_gate, ids, mix, paste):
             if mix == "joint":
                 full = torch.exp(logits[t].double()) + mass
                 out[t] = full / full.sum()
+            elif mix == "joint_gate":
+                if not cand:
+                    out[t] = p_lm
+                    continue
+                evidence = torch.exp(logits[t].double()).sum().log() - mass.sum().log()
+                g = torch.sigmoid(sentinel_or_gate[t].double() + evidence)
+                out[t] = g * p_lm + (1 - g) * mass / mass.sum()
             else:
                 sent = torch.exp(sentinel_or_gate[:, t].double()).mean()
                 z_copy = sent + mass.sum()

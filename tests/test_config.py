@@ -103,7 +103,7 @@ BAD = [
     (["model.num_kv_heads=3"], r"^model\.num_kv_heads=3 must divide model\.num_heads=8 \(valid: \[1, 2, 4, 8\]\)"),
     (["model.num_layer=4"], r"^unknown key 'model\.num_layer' \(did you mean 'model\.num_layers'\?\)"),
     (["optimizer.lr=1"], r"^unknown key 'optimizer'"),
-    (["copy.mix=average"], r"^copy\.mix='average' is not valid: choose one of \['gate', 'joint', 'sentinel'\]"),
+    (["copy.mix=average"], r"^copy\.mix='average' is not valid: choose one of \['gate', 'joint', 'sentinel', 'joint_gate'\]"),
     (["copy.paste=prev"], r"^copy\.paste='prev' is not valid: choose one of \['next', 'self'\]"),
     (["model.num_layers=two"], r"^model\.num_layers='two' must be an integer"),
     (["copy.enabled=maybe"], r"^copy\.enabled='maybe' must be true or false"),

@@ -15,7 +15,7 @@ from cplm_dist.model.copy_lse import candidate_mask, chunked_copy_lse, dense_cop
 from tests import reference
 
 B, T, D, V = 2, 9, 16, 7  # a small vocabulary, so that context tokens repeat and get pasted
-CASES = [(mix, paste, heads) for mix in ("gate", "joint", "sentinel") for paste in ("next", "self") for heads in (1, 3)]
+CASES = [(mix, paste, heads) for mix in ("gate", "joint", "sentinel", "joint_gate") for paste in ("next", "self") for heads in (1, 3)]
 
 
 def make_head(mix, paste, heads, rope=False, seed=0, impl="chunked", chunk_size=4):
@@ -41,7 +41,7 @@ def inputs(seed=1):
 def per_head_parts(head, h):
     q, k = head.project(h)
     scores = q @ k.transpose(-1, -2) / math.sqrt(head.head_dim)  # (B, H, T, T)
-    if head.cfg.mix == "gate":
+    if head.cfg.mix in ("gate", "joint_gate"):
         gate = head.gate(h).squeeze(-1)  # (B, T)
     elif head.cfg.mix == "sentinel":
         gate = torch.einsum("bhtd,hd->bht", q, head.sentinel) / math.sqrt(head.head_dim)  # (B, H, T)
@@ -85,7 +85,7 @@ def test_training_and_evaluation_paths_match_the_written_out_mixture(mix, paste,
     torch.testing.assert_close(log_probs.exp().sum(-1), torch.ones(B, T))
 
 
-@pytest.mark.parametrize("mix", ["gate", "joint", "sentinel"])
+@pytest.mark.parametrize("mix", ["gate", "joint", "sentinel", "joint_gate"])
 def test_gradients_are_finite_through_empty_rows(mix):
     head = make_head(mix, "next", 2)
     h, ids, labels, logits = inputs(seed=3)

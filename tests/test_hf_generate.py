@@ -19,7 +19,7 @@ from tests.spawn import run_ranks
 
 pytest.importorskip("transformers")
 
-MIXES, PASTES = ("gate", "joint", "sentinel"), ("next", "self")
+MIXES, PASTES = ("gate", "joint", "sentinel", "joint_gate"), ("next", "self")
 # what the copy head's RoPE cycles through across the cases: off, plain, linear, ntk
 ROPES = ({"copy_rope": False}, {"copy_rope": True, "copy_rope_theta": 500.0},
          {"copy_rope": True, "copy_rope_scaling": {"type": "linear", "factor": 2.0}},

@@ -26,6 +26,7 @@ VARIANTS = {
                                  "copy.chunk_size=5"],
     "sentinel-next-2heads": ["copy.mix=sentinel", "copy.paste=next", "copy.num_heads=2", "copy.chunk_size=7"],
     "sentinel-self": ["copy.mix=sentinel", "copy.paste=self"],
+    "joint_gate-next-2heads": ["copy.mix=joint_gate", "copy.paste=next", "copy.num_heads=2", "copy.chunk_size=5"],
     # the gate shut (g = sigmoid(40)): the copy weight at 0, so the copy model must be the baseline
     "gate-shut": ["copy.mix=gate", "copy.gate_bias_init=40"],
     # the GPT-2 backbone: LayerNorm with bias, GELU MLP, learned positions, biases (grouped and plain heads)
@@ -42,7 +43,7 @@ VARIANTS.update({chunked: VARIANTS[dense] + ["loss.impl=chunked", "loss.chunk_ro
 # dense (gate-self) and chunked copy paths, copy off, both LM-side losses
 SEQUENCE_PARALLEL = {f"{name}+sp": name for name in (
     "copy-off-padded-untied", "gate-next-2heads-rope", "gate-self", "gate-self-detached", "joint-self-padded-untied", "sentinel-next-2heads",
-    "copy-off-padded-untied+chunked-loss", "joint-next+chunked-loss", "gpt2-gate-next", "gpt2-mha-copy-off-untied",
+    "joint_gate-next-2heads", "copy-off-padded-untied+chunked-loss", "joint-next+chunked-loss", "gpt2-gate-next", "gpt2-mha-copy-off-untied",
     "qwen3-gate-next")}
 TPS = (1, 2, 4)
 

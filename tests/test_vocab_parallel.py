@@ -12,7 +12,7 @@ from cplm_dist.model.parallel.sharding import ShardSpec, gather_full, take_shard
 from tests import reference
 from tests.spawn import run_ranks
 
-MIXES = ("gate", "joint", "sentinel")
+MIXES = ("gate", "joint", "sentinel", "joint_gate")
 N, V = 14, 64
 
 

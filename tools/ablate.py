@@ -2,7 +2,7 @@
 against each mix mode) at several sizes with the same data order, seeds and token budget, each
 evaluated on the copy / retrieval suite and the gradient bottleneck, summarised in a report.
 
-    python tools/ablate.py                                  # CPU default: tiny and small, 4 variants, 1 seed
+    python tools/ablate.py                                  # CPU default: tiny and small, copy off and every mix, 1 seed
     python tools/ablate.py --sizes tiny --variants off gate --seeds 1 2 3 --steps 400
     python tools/ablate.py --sizes tiny --variants off gate --seeds 1 2 3 --optimizers adamw muon \
         --lr-grid adamw=1.5e-3,3e-3,6e-3 muon=3e-3,6e-3,1.2e-2    # does Muon change what the copy head buys?

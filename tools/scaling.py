@@ -13,7 +13,7 @@ turned into depth and width by cplm_dist.experiments.scaling.shape_for (a fixed 
 --head-dim). Tokens: --tokens-per-parameter x the exact parameter count, in whole steps of the
 base config's global batch x sequence length. Sparse points: model.moe.* among the overrides (sized
 by total parameters; each point reports total and active); --axis flops | active | total picks what
-the fits run along. Variants: copy off, gate, joint, sentinel, or
+the fits run along. Variants: copy off, gate, joint, sentinel, joint_gate, or
 NAME=override,override (any config override). Every point trains with --resume auto into
 <out>/points/<variant>-<size>-seed<k>; a point whose last checkpoint is written is not run again,
 so re-running the command continues an interrupted ladder. Writes <out>/ladder.json (the plan),

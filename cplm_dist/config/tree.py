@@ -14,7 +14,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-MixMode = Literal["gate", "joint", "sentinel"]
+MixMode = Literal["gate", "joint", "sentinel", "joint_gate"]
 PasteMode = Literal["next", "self"]
 CopyImpl = Literal["auto", "chunked", "dense", "flex"]
 OptimImpl = Literal["auto", "fused", "foreach"]

@@ -59,6 +59,7 @@ ARMS = {  # name -> (overrides, or a function of the base config and steps givin
     "nodecay-gate": (["optim.no_decay=[copy_head.gate.]"], "no weight decay on the gate's linear"),
     "joint": (["copy.mix=joint"], "the joint mix: no learned gate"),
     "sentinel": (["copy.mix=sentinel"], "the sentinel mix"),
+    "joint_gate": (["copy.mix=joint_gate"], "a gate over the joint mix's evidence: g = sigmoid(w.h + b + LSE_V - A)"),
     "wsd": (["optim.schedule=wsd"], "warmup-stable-decay instead of cosine (decay over the last 20%)"),
     "lr-half": (None, "half the peak and floor rates"),
     "nosynth": (_without_synthetic, "the blend without the synthetic-copy source"),

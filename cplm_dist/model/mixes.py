@@ -41,6 +41,14 @@ def _joint(lse, copy_all, gate, has_cand) -> MixWeights:
     return MixWeights(lse - log_z, -log_z)
 
 
+def _joint_gate(lse, copy_all, gate, has_cand) -> MixWeights:
+    """The gate over the joint mix's evidence: g = sigmoid(gate + LSE_V - A). With the learned term
+    at 0 it is the joint mix; the term (a linear of h) moves the split the masses give, so the copy
+    head's confidence (A against LSE_V) reaches the split, which a gate of h alone never sees."""
+    safe_all = torch.where(has_cand, copy_all, torch.zeros_like(copy_all))
+    return _gate(lse, copy_all, gate + lse - safe_all, has_cand)
+
+
 def _sentinel(lse, copy_all, gate, has_cand) -> MixWeights:
     """The sentinel (score `gate`) joins the copy softmax, S = logaddexp(sentinel, A); its share is g."""
     s = torch.logaddexp(gate, copy_all)
@@ -68,4 +76,5 @@ MIXES: dict[str, Mix] = {
     "gate": Mix("gate", _gate, gate="hidden", average_heads=True),
     "joint": Mix("joint", _joint, gate=None, average_heads=False),
     "sentinel": Mix("sentinel", _sentinel, gate="query", average_heads=False),
+    "joint_gate": Mix("joint_gate", _joint_gate, gate="hidden", average_heads=False),
 }

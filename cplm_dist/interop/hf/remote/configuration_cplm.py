@@ -13,7 +13,7 @@ from transformers import GPT2Config, LlamaConfig, Qwen3Config
 # {type: linear | ntk, factor} or None (the copy head's own RoPE, at its own head dim)
 COPY_FIELDS = {"copy_num_heads": 1, "copy_head_dim": 64, "copy_paste": "next", "copy_mix": "gate", "copy_rope": False,
                "copy_rope_theta": None, "copy_rope_scaling": None}
-CHOICES = {"copy_paste": ("next", "self"), "copy_mix": ("gate", "joint", "sentinel")}
+CHOICES = {"copy_paste": ("next", "self"), "copy_mix": ("gate", "joint", "sentinel", "joint_gate")}
 
 
 def set_copy_fields(config, kwargs: dict) -> None:

@@ -11,8 +11,9 @@ log-weights, log p(w) = logaddexp(lm + log softmax(z)_w, copy + log copy_mass_w)
   gate      g = sigmoid(gate(h_t)): lm = log g, copy = log(1 - g) - A (lm = 0 when C_t is empty)
   joint     one softmax over the vocabulary and the positions: lm = LSE - log Z, copy = -log Z
   sentinel  a sentinel score S_0 joins the copy softmax: lm = S_0 - S, copy = -S
-Several heads: gate averages the heads' copy distributions; joint and sentinel pool the heads'
-candidates with weight 1/H.
+  joint_gate  the gate over the joint mix's evidence: gate's weights with g = sigmoid(gate(h_t) + LSE - A)
+Several heads: gate averages the heads' copy distributions; joint, sentinel and joint_gate pool
+the heads' candidates with weight 1/H.
 
 KV cache (`use_cache=True`, what generate() asks for): a transformers Cache (the DynamicCache
 generate builds) holds the backbone's keys and values in its layers 0..L-1 and, in one more layer
@@ -89,7 +90,7 @@ class CopyHead(torch.nn.Module):
         width = config.copy_num_heads * config.copy_head_dim
         self.q = torch.nn.Linear(config.hidden_size, width, bias=False)
         self.k = torch.nn.Linear(config.hidden_size, width, bias=False)
-        if config.copy_mix == "gate":
+        if config.copy_mix in ("gate", "joint_gate"):
             self.gate = torch.nn.Linear(config.hidden_size, 1, bias=True)
         elif config.copy_mix == "sentinel":
             self.sentinel = torch.nn.Parameter(torch.zeros(config.copy_num_heads, config.copy_head_dim))
@@ -196,7 +197,7 @@ class CopyMixtureMixin:
         w = weights * owned.unsqueeze(1)
         mass.scatter_add_(2, torch.where(owned, src, torch.zeros_like(src)).unsqueeze(1).expand_as(w), w)
         gate = None
-        if c.copy_mix == "gate":
+        if c.copy_mix in ("gate", "joint_gate"):
             gate = self.copy_head.gate(h).squeeze(-1).float()
         elif c.copy_mix == "sentinel":
             sent = torch.einsum("bhtd,hd->bht", q, self.copy_head.sentinel.float()) / math.sqrt(d)
@@ -205,7 +206,9 @@ class CopyMixtureMixin:
 
     def _mix_weights(self, lse, copy_all, gate):
         has = torch.isfinite(copy_all)
-        if self.config.copy_mix == "gate":
+        if self.config.copy_mix == "joint_gate":  # the gate over the joint mix's evidence
+            gate = gate + lse - torch.where(has, copy_all, torch.zeros_like(copy_all))
+        if self.config.copy_mix in ("gate", "joint_gate"):
             safe_all = torch.where(has, copy_all, torch.zeros_like(copy_all))
             return (torch.where(has, F.logsigmoid(gate), torch.zeros_like(gate)),
                     torch.where(has, F.logsigmoid(-gate) - safe_all, torch.full_like(gate, NEG_INF)))
