@@ -1,6 +1,6 @@
 """A non-editable install works away from the repository: the shipped configs, launch scripts and
-the copy head's flex GPU record travel as package data, and the console scripts run from an empty directory (cplm-scaling --slurm
-included). The tests import the tools by their installed name only."""
+the copy head's flex GPU record travel as package data, and the console scripts run from an empty
+directory (cplm-scaling --slurm included). The tests import the tools by their installed name only."""
 
 import ast
 import os
