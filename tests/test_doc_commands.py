@@ -2,8 +2,8 @@
 `python -m cplm_dist...`, `cplm-*`, `torchrun ...` and `launch/*.sh ...` line of their shell code
 blocks is parsed by the command's own argument parser (nothing is run: the parse is stopped as it
 returns), its config overrides are loaded onto the named config, and a launch script must exist
-and know the options given it (`launch/submit.sh`, which passes other sbatch options through,
-prints its sbatch line under --dry-run).
+and know the options given it (`launch/submit.sh` and `launch/submit_preprocess.sh`, which pass
+other sbatch options through, print their sbatch lines under --dry-run).
 
 Placeholders are read as a user would fill them: `<...>`, `$VAR` and `$(...)` become a word, an
 optional `[--opt value]` group is given, `[overrides]` and a lone `...` (an elision) are left out.
@@ -236,7 +236,7 @@ def check_launch(args: list[str]) -> None:
     script = REPO / args[0]
     assert script.is_file() and os.access(script, os.X_OK), f"{args[0]} is not an executable script"
     own, train = (args[1:args.index("--")], args[args.index("--") + 1:]) if "--" in args else (args[1:], [])
-    if script.name == "submit.sh":  # other long options pass through to sbatch: let it say
+    if script.name in ("submit.sh", "submit_preprocess.sh"):  # other long options pass through to sbatch: let it say
         env = {**os.environ, "PYTHON": "true"}
         proc = subprocess.run([str(script), *own, "--dry-run", "--", *train], env=env, capture_output=True, text=True,
                               timeout=30)
