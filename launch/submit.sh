@@ -17,9 +17,10 @@
 # CPLM_MAX_REQUEUES; 0: never).
 # Any other long sbatch option passes through to sbatch as given, `--qos=high` or `--qos high`
 # (a word after an option is its value unless it starts with `-`: write `--opt=-x` for such a
-# value; a flag such as --exclusive takes none). Refused with one line: short options (give the
-# long form), options this script sets under its own name (--ntasks-per-node, --output, ...), and
-# --wrap / --array / --ntasks, which do not describe this job.
+# value; a flag such as --exclusive takes none; launch/sbatch_options.sh, shared with
+# submit_preprocess.sh). Refused with one line: short options (give the long form), options this
+# script sets under its own name (--ntasks-per-node, --output, ...), and --wrap / --array /
+# --ntasks, which do not describe this job.
 # The job's threads follow --cpus-per-task: launch/env.sh sets OMP_NUM_THREADS from
 # SLURM_CPUS_PER_TASK, and each rank's data.num_workers is capped to it less one
 # (cplm_dist/data/loader.py).
@@ -28,6 +29,7 @@
 # refused with one line instead of failing after its wait in the queue.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
+source "$here/sbatch_options.sh"  # take_sbatch_option: the sbatch options passed through
 nodes=1; gpus=""; tasks=""; cpus=""; time_limit=""; partition=""; account=""; name="cplm"
 log_dir="logs/slurm"; script="$here/slurm.sbatch"; wait_flag=""; dry_run=""; max_requeues=""; passed=(); cpus_per_gpu=""
 usage="usage: launch/submit.sh --nodes N --gpus-per-node G --time HH:MM:SS [--partition P] [--<sbatch option> ...] -- <train args>"
@@ -65,13 +67,9 @@ while [ $# -gt 0 ]; do
         echo "error: --max-requeues '$max_requeues' is not a whole number >= 0 (how often the job requeues itself after a failure)" >&2; exit 2; } ;;
     --) shift; break ;;
     -h|--help) echo "$usage"; exit 0 ;;
-    --?*)  # another sbatch option: passed through as given
-      why=$(refused "${1%%=*}")
-      [ -z "$why" ] || { echo "error: $why" >&2; exit 2; }
+    -?*)  # another sbatch option: passed through as given (a short one refused)
       [ "${1%%=*}" != --cpus-per-gpu ] || cpus_per_gpu=1  # sbatch takes it or --cpus-per-task, not both
-      if [[ "$1" != *=* ]] && [ $# -gt 1 ] && [[ "$2" != -* ]]; then passed+=("$1" "$2"); shift 2
-      else passed+=("$1"); shift; fi ;;
-    -?*) echo "error: short option $1: give sbatch options in their long form (e.g. --qos=high for -q high); $usage" >&2; exit 2 ;;
+      take_sbatch_option "$@"; shift "$taken" ;;
     *) echo "error: unexpected argument '$1' before -- (training arguments go after --; $usage)" >&2; exit 2 ;;
   esac
 done

@@ -278,5 +278,9 @@ def test_every_subpackage_is_packaged():
     launch = data.pop("cplm_dist.launch")  # launch/ ships as cplm_dist/launch: every script in it
     assert {p.name for p in (REPO / "launch").iterdir() if any(p.match(g) for g in launch)} == \
         {p.name for p in (REPO / "launch").iterdir() if p.name != "README.md"}
+    # the copy head's GPU record of the flex path (cplm_dist/model/flex_record.py), once committed
+    from cplm_dist.model.flex_record import RECORD
+
+    assert data.pop("cplm_dist.model") == ["*.json"] and RECORD.match("*.json")
     # the configs, and the lm-eval task YAMLs shipped next to their Python
     assert set(data) == configs | {"cplm_dist.evaluation.harness_tasks"} and all(v == ["*.yaml"] for v in data.values())

@@ -2,12 +2,17 @@
 `python -m cplm_dist...`, `cplm-*`, `torchrun ...` and `launch/*.sh ...` line of their shell code
 blocks is parsed by the command's own argument parser (nothing is run: the parse is stopped as it
 returns), its config overrides are loaded onto the named config, and a launch script must exist
-and know the options given it (`launch/submit.sh`, which passes other sbatch options through,
-prints its sbatch line under --dry-run).
+and know the options given it (`launch/submit.sh` and `launch/submit_preprocess.sh`, which pass
+other sbatch options through, print their sbatch lines under --dry-run).
 
 Placeholders are read as a user would fill them: `<...>`, `$VAR` and `$(...)` become a word, an
 optional `[--opt value]` group is given, `[overrides]` and a lone `...` (an elision) are left out.
-SKIP names the few lines that cannot be parsed so, each with its reason."""
+SKIP names the few lines that cannot be parsed so, each with its reason.
+
+The YAML the docs write loads too: a shell block's heredoc into a file that the block then names
+(`--config F`: a run config; `--ladder-file F`: a ladder file), and every ```yaml block (a run
+config; one without `base:` is a fragment of one, loaded over the run config the docs build on,
+`configs/runs/cplm-1.7b.yaml`)."""
 
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ import os
 import re
 import shlex
 import subprocess
+import textwrap
 import sys
 import tomllib
 from pathlib import Path
@@ -27,7 +33,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-DOCS = [REPO / "README.md", REPO / "launch" / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+DOCS = [REPO / "README.md", REPO / "launch" / "README.md", *sorted((REPO / "docs").rglob("*.md"))]  # docs/ablation/, docs/scaling/ too
 # a fragment of a command line -> why that line is not parsed here
 SKIP: dict[str, str] = {
     # none needed today: placeholders are filled as above, other programs' commands (pip, git,
@@ -230,7 +236,7 @@ def check_launch(args: list[str]) -> None:
     script = REPO / args[0]
     assert script.is_file() and os.access(script, os.X_OK), f"{args[0]} is not an executable script"
     own, train = (args[1:args.index("--")], args[args.index("--") + 1:]) if "--" in args else (args[1:], [])
-    if script.name == "submit.sh":  # other long options pass through to sbatch: let it say
+    if script.name in ("submit.sh", "submit_preprocess.sh"):  # other long options pass through to sbatch: let it say
         env = {**os.environ, "PYTHON": "true"}
         proc = subprocess.run([str(script), *own, "--dry-run", "--", *train], env=env, capture_output=True, text=True,
                               timeout=30)
@@ -282,3 +288,83 @@ def test_the_parse_guard_sees_a_bad_option_and_an_unknown_field():
         check_config(parse_module("cplm_dist.train", ["--config", "tiny", "train.no_such_field=1"]))
     assert words_of("python tools/evaluate.py --checkpoint runs/quickstart-<time> [--samples 32] [overrides]  # c") == [
         ["python", "tools/evaluate.py", "--checkpoint", "runs/quickstart-X", "--samples", "32"]]
+
+
+# --- the YAML the docs write ---------------------------------------------------------------------
+
+
+FRAGMENT_BASE = "configs/runs/cplm-1.7b.yaml"  # what a YAML fragment of the docs is loaded over
+
+
+def documented_yaml(path: Path) -> list[tuple[str, str, str]]:
+    """(where, kind, text) of the YAML `path` writes (module docstring): kind 'config' or 'ladder'."""
+    found, block, lang, start = [], None, "", 0
+    for number, raw in enumerate(path.read_text().splitlines(), 1):
+        if raw.lstrip().startswith("```"):
+            if block is None:
+                block, lang, start = [], raw.strip()[3:].strip(), number + 1
+            else:
+                found += yaml_of_block(f"{path.relative_to(REPO)}:{start}", lang, textwrap.dedent("\n".join(block)))
+                block = None
+        elif block is not None:
+            block.append(raw)
+    return found
+
+
+def yaml_of_block(where: str, lang: str, text: str) -> list[tuple[str, str, str]]:
+    """A ```yaml block's config; a shell block's heredocs (`cat > F <<'T'` ... `T`) that a later
+    line of the block reads as `--config F` or `--ladder-file F`."""
+    if lang == "yaml":
+        return [(where, "config", text)]
+    if lang not in ("", "bash", "sh", "shell"):
+        return []
+    found = []
+    for m in re.finditer(r"cat > ?(\S+) <<-?'?(\w+)'?\n(.*?)\n\2$", text, re.S | re.M):
+        name, rest = m.group(1), text[m.end():]
+        found += [(f"{where} ({name})", kind, m.group(3)) for option, kind in (("--config", "config"), ("--ladder-file", "ladder"))
+                  if re.search(rf"{option}[ =]{re.escape(name)}(\s|$)", rest)]
+    return found
+
+
+def load_documented(kind: str, text: str, tmp_path: Path) -> None:
+    """Load one documented YAML as its reader would, from the repository root (where a `base:` of
+    `configs/runs/...` resolves); a config fragment without `base:` over FRAGMENT_BASE."""
+    import yaml
+
+    file = tmp_path / "documented.yaml"
+    if kind == "ladder":
+        from cplm_dist.experiments.ladder_recipe import Recipe
+
+        file.write_text(text)
+        Recipe.from_file(file)
+        return
+    data = yaml.safe_load(text)
+    assert isinstance(data, dict), f"not a mapping: {type(data).__name__}"
+    file.write_text(text if "base" in data else f"base: {FRAGMENT_BASE}\n{text}")
+    from cplm_dist.config import load_config
+
+    load_config(file)
+
+
+def test_every_documented_config_loads(tmp_path, monkeypatch):
+    monkeypatch.chdir(REPO)
+    found, failed = [y for path in DOCS for y in documented_yaml(path)], []
+    for where, kind, text in found:
+        try:
+            load_documented(kind, text, tmp_path)
+        except (Exception, SystemExit) as e:  # noqa: BLE001  (each failure is reported with its block)
+            failed.append(f"{where} ({kind}): {type(e).__name__}: {str(e).strip()[-600:]}")
+    kinds = {kind for _, kind, _ in found}
+    assert len(found) >= 8 and kinds == {"config", "ladder"}, f"found {[(w, k) for w, k, _ in found]}: is the extraction broken?"
+    assert not failed, f"{len(failed)} of {len(found)} documented YAML blocks do not load:\n" + "\n".join(failed)
+
+
+def test_the_yaml_check_sees_a_heredoc_and_a_bad_field(tmp_path):
+    block = "cat > l.yaml <<'YAML'\nrules: {lr: width}\nYAML\npython tools/scaling.py --ladder-file l.yaml\ncat > unread.yaml <<'YAML'\na: 1\nYAML"
+    assert yaml_of_block("x:1", "bash", block) == [("x:1 (l.yaml)", "ladder", "rules: {lr: width}")]
+    from cplm_dist.errors import ConfigError, UsageError
+
+    with pytest.raises(ConfigError):
+        load_documented("config", "train:\n  no_such_field: 1\n", tmp_path)
+    with pytest.raises(UsageError):
+        load_documented("ladder", "rules: {no_such_rule: 1}\n", tmp_path)

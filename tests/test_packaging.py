@@ -1,6 +1,6 @@
-"""A non-editable install works away from the repository: the shipped configs and launch scripts
-travel as package data, and the console scripts run from an empty directory (cplm-scaling --slurm
-included). The tests import the tools by their installed name only."""
+"""A non-editable install works away from the repository: the shipped configs, launch scripts and
+the copy head's flex GPU record travel as package data, and the console scripts run from an empty
+directory (cplm-scaling --slurm included). The tests import the tools by their installed name only."""
 
 import ast
 import os
@@ -19,11 +19,16 @@ REPO = Path(__file__).resolve().parent.parent
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory) -> Path:
     """A venv holding a wheel-style install of a copy of the project; its dependencies come from
-    this interpreter's site-packages (a .pth line), so nothing is downloaded."""
+    this interpreter's site-packages (a .pth line), so nothing is downloaded. The copy holds a
+    flex GPU record (cplm_dist/model/flex_gpu_record.json) where the checkout has none yet: one
+    for no real torch ("0.0"), which ships but leaves copy.impl=auto chunked."""
     tmp = tmp_path_factory.mktemp("packaging")
     src = tmp / "src"
     for part in ("cplm_dist", "configs", "launch", "tools", "pyproject.toml", "README.md"):
         (shutil.copytree if (REPO / part).is_dir() else shutil.copy)(REPO / part, src / part)
+    record = src / "cplm_dist" / "model" / "flex_gpu_record.json"
+    if not record.is_file():
+        record.write_text('{"torch": "0.0", "device": "a stand-in written by tests/test_packaging.py"}\n')
     venv = tmp / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     site = next((venv / "lib").glob("python*/site-packages"))
@@ -45,6 +50,17 @@ def test_installed_package_finds_its_configs_from_anywhere(installed, tmp_path):
     proc = run(installed, tmp_path, "cplm-train", "--config", "cplm-1.7b", "--print-config")
     assert proc.returncode == 0, proc.stderr
     assert "name: cplm-1.7b" in proc.stdout and "hidden_size: 2048" in proc.stdout
+
+
+def test_installed_package_carries_the_flex_gpu_record(installed, tmp_path):
+    """A committed flex record (cplm_dist/model/flex_record.py) ships in a non-editable install
+    (package data), where copy.impl=auto reads it."""
+    code = "from cplm_dist.model.flex_record import RECORD; print(RECORD); print(RECORD.read_text(), end='')"
+    proc = run(installed, tmp_path, "python", "-c", code)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    where, text = proc.stdout.split("\n", 1)
+    assert Path(where).parent.parent.parent.name == "site-packages", where
+    assert '"torch"' in text, text
 
 
 def test_installed_profiler_runs_from_an_empty_directory(installed, tmp_path):

@@ -7,6 +7,7 @@ tools/merge_data.py; launch/submit_preprocess.sh)."""
 import gzip
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -239,6 +240,39 @@ def test_the_array_submission_checks_before_it_queues(shards, small_data, tmp_pa
     assert "afterok" in merge and "merge_data" in merge and "w-\\\\\\*-of-00002" in merge and "exact" in merge
     too_many = subprocess.run(base + ["--parts", "99", "--dry-run"] + tail, capture_output=True, text=True, timeout=120, env=env)
     assert too_many.returncode == 2 and "fewer than 99 parts" in too_many.stderr
+
+
+def preprocess_dry_run(*options):
+    """launch/submit_preprocess.sh ... --dry-run; PYTHON=true skips the inputs' check (the test
+    above has it): what is read here is the sbatch lines."""
+    env = {**os.environ, "PYTHON": "true"}
+    return subprocess.run(["bash", str(REPO / "launch" / "submit_preprocess.sh"), "--parts", "4", "--time", "01:00:00",
+                           *options, "--dry-run", "--", "--input", "raw/", "--tokenizer", "tok.model", "--output-prefix",
+                           "data/web"], capture_output=True, text=True, timeout=60, env=env)
+
+
+def test_the_array_submission_passes_other_sbatch_options_through():
+    """As launch/submit.sh (launch/sbatch_options.sh, shared): options the script does not take
+    reach sbatch as given (`--opt=v`, `--opt v`, a bare flag), on the array and the merge job, a
+    --dependency on the array only; its own options take `--opt=v` too; short options, those it
+    sets itself and stray words are one line, exit 2."""
+    proc = preprocess_dry_run("--parts=8", "--qos=high", "--constraint", "cpu", "--exclusive", "--reservation=R",
+                              "--dependency", "afterok:7", "--merge")
+    assert proc.returncode == 0, proc.stderr
+    array, merge = [shlex.split(line) for line in proc.stdout.splitlines()]
+    script = next(i for i, w in enumerate(array) if w.endswith("preprocess.sbatch"))
+    assert array[script - 6:script] == ["--constraint", "cpu", "--exclusive", "--reservation=R", "--dependency", "afterok:7"]
+    assert array[array.index("--array") + 1] == "0-7" and array[array.index("--qos") + 1] == "high"
+    assert merge[merge.index("--wrap") - 2:merge.index("--wrap")] == ["--dependency", "afterok:<array job>"]
+    assert ["--constraint", "cpu", "--exclusive", "--reservation=R"] == merge[merge.index("--constraint"):][:4]
+    assert merge.count("--dependency") == 1 and merge[merge.index("--qos") + 1] == "high"
+    for options, message in [(["-q", "high"], "error: short option -q: give sbatch options in their long form"),
+                             (["--array=0-3"], "error: --array is set by launch/submit_preprocess.sh: use --parts N"),
+                             (["--output", "x.log"], "error: --output is set by launch/submit_preprocess.sh"),
+                             (["--wrap", "hostname"], "error: --wrap does not fit launch/submit_preprocess.sh"),
+                             (["stray"], "error: unexpected argument 'stray' before --")]:
+        refused = preprocess_dry_run(*options)
+        assert refused.returncode == 2 and not refused.stdout and refused.stderr.startswith(message), refused.stderr
 
 
 def test_an_array_job_on_a_real_slurm_writes_the_parts_and_merges_them(shards, small_data, whole, tmp_path,

@@ -18,13 +18,14 @@ Rows with no candidate (A_t = -inf) or no matching candidate (M_t = -inf) pass n
 the dense path. A block only reads the keys its rows can see (j < r1 + shift), so the causal half
 of the score matrix is never computed. Peak extra memory: a few (B, H, chunk, T) tensors.
 
-`flex_copy_lse` (copy.impl=flex; what `auto` trains with on CUDA) computes each log-sum-exp as
-the LSE of one FlexAttention call (torch.nn.attention.flex_attention, compiled to one Triton
-kernel): A_t with the mask j in C_t, M_t with the mask j in C_t and src_j = y_t, evaluated inside
-the kernel from the ids. FlexAttention's backward takes the gradient of its LSE, so the kernel's
-own recomputing backward gives dq and dk; no (T, T) tensor exists. The attention output the
-kernel also makes is of zero values `FLEX_VALUE_DIM` wide and is never read. On CPU FlexAttention
-runs forward only, unfused (torch 2.13 refuses its backward there and cannot compile it with the
+`flex_copy_lse` (copy.impl=flex; `auto` trains with it on CUDA only once a GPU check has
+recorded it for the installed torch, cplm_dist.model.flex_record, and chunked until then:
+CopyHead.lse_path) computes each log-sum-exp as the LSE of one FlexAttention call
+(torch.nn.attention.flex_attention, compiled to one Triton kernel): A_t with the mask j in C_t,
+M_t with the mask j in C_t and src_j = y_t, evaluated inside the kernel from the ids.
+FlexAttention's backward takes the gradient of its LSE, so the kernel's own recomputing backward
+gives dq and dk; no (T, T) tensor exists. The attention output the kernel also makes is of zero
+values `FLEX_VALUE_DIM` wide and is never read. On CPU FlexAttention runs forward only, unfused (torch 2.13 refuses its backward there and cannot compile it with the
 LSE), so training on CPU takes the chunked path.
 
 All take an `offset`: the queries are positions offset .. offset + Tq - 1 of a sequence whose
