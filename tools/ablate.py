@@ -67,6 +67,7 @@ def parser() -> argparse.ArgumentParser:
                    f"the reference: {', '.join(ARMS)}")
     p.add_argument("--arm", nargs="+", action="append", default=[], metavar=("NAME", "OVERRIDE"),
                    help="an arm of the retention grid given by its overrides (repeatable)")
+    p.add_argument("--report-only", action="store_true", help="the retention grid: report the finished runs, train none")
     p.add_argument("--steps", type=int, default=None, help="steps a run (200; the retention grid 2000)")
     p.add_argument("--samples", type=int, default=16, help="evaluation samples per task setting")
     p.add_argument("--out", default=None, help="runs/ablation (the retention grid: runs/retention)")
@@ -103,7 +104,9 @@ def retention_main(args) -> int:
     steps = args.steps or 2000
     grid = RetentionGrid(args.base_config, args.sizes, arm_overrides(args.arms, args.base_config, args.overrides, steps, custom),
                          seeds=args.seeds, steps=steps, overrides=args.overrides, out=out)
-    runs = run_grid(grid, interpreter(args.launcher), log)
+    runs = run_grid(grid, None if args.report_only else interpreter(args.launcher), log)
+    if not runs:
+        raise UsageError(f"no finished run of this grid in {out}: run it without --report-only first")
     (out / "summary.json").write_text(json.dumps(runs, indent=2) + "\n")
     print(write_grid_report(runs, grid, out))
     print(f"wrote {out / 'retention.md'}, {out / 'summary.json'} and retention.png")
