@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 from cplm_dist.config import load_config
 from cplm_dist.experiments.ablation_sparse import backbone_effect, backbone_overrides, over_steps, parameters, routing_plot, routing_table
-from cplm_dist.experiments.paired import paired_differences
+from cplm_dist.experiments.paired import MARGIN, paired_differences, won
 from cplm_dist.experiments.runs import COPY_TASKS, VARIANTS, finished, mean_score, run
 
 SIZES = {  # name -> overrides on the base config
@@ -37,7 +37,6 @@ SIZES = {  # name -> overrides on the base config
 }
 OPTIMIZERS = {"adamw": ["optim.name=adamw"], "muon": ["optim.name=muon"]}  # name -> overrides
 LR_FIELD = {"adamw": "optim.lr", "muon": "optim.muon.lr"}  # the learning rate a grid picks per optimizer
-MARGIN = 0.01  # a suite difference smaller than this (absolute accuracy) counts as a tie, not a win
 
 
 class Arm(NamedTuple):
@@ -266,8 +265,7 @@ def across_seeds(runs: list[dict], sizes: list[str], variants: list[str], tasks:
                 if not d:
                     cells.append("-")
                     continue
-                won = sum(x < -0.01 for x in d) if name == "valid loss" else sum(x > MARGIN for x in d)
-                cells.append(f"{statistics.mean(d):+.3f} [{min(d):+.3f}, {max(d):+.3f}], won {won}/{len(d)}")
+                cells.append(f"{statistics.mean(d):+.3f} [{min(d):+.3f}, {max(d):+.3f}], won {won(name, d)}/{len(d)}")
             if n:
                 rows.append(f"| {size} | {variant} | {n} | " + " | ".join(cells) + " |")
     return ("Copy on minus copy off, mean [min, max] over seeds; a valid-loss win is lower by more than 0.01 "

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from cplm_dist.config import load_config
 from cplm_dist.errors import UsageError
-from cplm_dist.experiments.paired import paired_differences, spread
+from cplm_dist.experiments.paired import paired_differences, spread, won
 
 SPARSE_EXPERTS, SPARSE_TOP_K = 8, 2
 BACKBONES = ("dense", "sparse")
@@ -81,8 +81,7 @@ def backbone_effect(runs: list[dict], arms, variants: list[str], metrics: dict) 
                 seeds = sorted(r["seed"] for r in runs if (r["size"], r["variant"]) == (arm.label, variant))
                 gains[(arm.size, arm.optimizer, arm.backbone, variant, name)] = dict(zip(seeds, d))
                 n = max(n, len(d))
-                won = sum(x < -0.01 for x in d) if name == "valid loss" else sum(x > 0.01 for x in d)
-                cells.append(f"{spread(d)}, won {won}/{len(d)}" if d else "-")
+                cells.append(f"{spread(d)}, won {won(name, d)}/{len(d)}" if d else "-")
             if n:
                 rows.append(f"| {arm.label} | {arm.backbone} | {variant} | {n} | " + " | ".join(cells) + " |")
     diff = ["", "The gain under sparse minus the gain under dense, paired by seed (mean [min, max], 90% t-interval):", "",

@@ -1,12 +1,15 @@
 """Runs paired by seed: an ablation's gain is each seed's variant run minus the same seed's
 copy-off run (same data order and initial weights but for the copy head), so the seeds' spread
 in the baseline cancels. The plain ablation's report, its sparse axis and the retention grid read
-it; `spread` writes a set of differences as mean [min, max] with its 90% t-interval.
+it; `won` counts the seeds a gain won and `spread` writes a set of differences as mean [min, max]
+with its 90% t-interval.
 """
 
 from __future__ import annotations
 
 import statistics
+
+MARGIN = 0.01  # a difference smaller than this (nats of loss, absolute accuracy) counts as a tie, not a win
 
 
 def paired_differences(runs: list[dict], size: str, variant: str, metric, key: str = "variant",
@@ -16,6 +19,12 @@ def paired_differences(runs: list[dict], size: str, variant: str, metric, key: s
     by = {(r["size"], r[key], r["seed"]): r for r in runs}
     return [metric(r) - metric(by[(size, reference, seed)]) for (sz, v, seed), r in by.items()
             if (sz, v) == (size, variant) and (size, reference, seed) in by]
+
+
+def won(metric: str, differences: list[float]) -> int:
+    """How many paired differences won: a valid loss lower by more than MARGIN nats, any other
+    figure (a suite score) higher by more than MARGIN."""
+    return sum(x < -MARGIN for x in differences) if metric == "valid loss" else sum(x > MARGIN for x in differences)
 
 
 T90 = {1: 6.314, 2: 2.920, 3: 2.353, 4: 2.132, 5: 2.015, 6: 1.943, 7: 1.895, 8: 1.860, 9: 1.833, 10: 1.812}  # t(0.95, df)

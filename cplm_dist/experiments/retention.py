@@ -25,7 +25,7 @@ from pathlib import Path
 
 from cplm_dist.config import load_config
 from cplm_dist.errors import UsageError
-from cplm_dist.experiments.paired import paired_differences, spread, t_interval
+from cplm_dist.experiments.paired import MARGIN, paired_differences, spread, t_interval
 from cplm_dist.experiments.runs import COPY_TASKS, finished, run
 
 FIELDS = ("accuracy", "copy_pointer_accuracy", "copy_share")
@@ -36,19 +36,27 @@ def _blend_text(entries) -> str:
     return "[" + ", ".join(f"{{path: {e.path}, weight: {e.weight}}}" for e in entries) + "]"
 
 
-def _without_synthetic(cfg, steps: int) -> list[str]:
+def _natural(cfg) -> list:
+    """The base blend's entries but the synthetic-copy source; refused when nothing is left out or kept."""
     kept = [e for e in cfg.data.blend if SYNTHETIC not in e.path]
     if not kept or len(kept) == len(cfg.data.blend):
         raise UsageError(f"arm nosynth: the base config's data.blend has no entry with '{SYNTHETIC}' in its path "
                          "beside others; give the arm with --arm NAME OVERRIDE...")
-    return [f"data.blend={_blend_text(kept)}"]
+    return kept
+
+
+def _without_synthetic(cfg, steps: int) -> list[str]:
+    return [f"data.blend={_blend_text(_natural(cfg))}"]
 
 
 def _synthetic_late(cfg, steps: int) -> list[str]:
     """Without the synthetic source for the first half, the base blend after it."""
-    first = _without_synthetic(cfg, steps)[0].split("=", 1)[1]
-    return ["data.blend=[]", f"data.stages=[{{from_step: 0, blend: {first}}}, "
+    return ["data.blend=[]", f"data.stages=[{{from_step: 0, blend: {_blend_text(_natural(cfg))}}}, "
                              f"{{from_step: {steps // 2}, blend: {_blend_text(cfg.data.blend)}}}]"]
+
+
+def _half_rate(cfg, steps: int) -> list[str]:
+    return [f"optim.lr={cfg.optim.lr / 2:g}", f"optim.min_lr={cfg.optim.min_lr / 2:g}"]
 
 
 ARMS = {  # name -> (overrides, or a function of the base config and steps giving them; what it tests)
@@ -61,7 +69,7 @@ ARMS = {  # name -> (overrides, or a function of the base config and steps givin
     "sentinel": (["copy.mix=sentinel"], "the sentinel mix"),
     "joint_gate": (["copy.mix=joint_gate"], "a gate over the joint mix's evidence: g = sigmoid(w.h + b + LSE_V - A)"),
     "wsd": (["optim.schedule=wsd"], "warmup-stable-decay instead of cosine (decay over the last 20%)"),
-    "lr-half": (None, "half the peak and floor rates"),
+    "lr-half": (_half_rate, "half the peak and floor rates"),
     "nosynth": (_without_synthetic, "the blend without the synthetic-copy source"),
     "staged": (_synthetic_late, "the synthetic-copy source only in the second half (data.stages)"),
     "docmask": (["data.document_mask=true"], "attention and copy candidates within a document"),
@@ -78,8 +86,6 @@ def arm_overrides(names: list[str], base_config: str, base_overrides: list[str],
         if name not in ARMS:
             raise UsageError(f"--arms {name}: unknown arm; known: {', '.join(ARMS)} (or --arm NAME OVERRIDE...)")
         given, _ = ARMS[name]
-        if given is None:  # lr-half
-            given = [f"optim.lr={cfg.optim.lr / 2:g}", f"optim.min_lr={cfg.optim.min_lr / 2:g}"]
         arms[name] = list(given(cfg, steps) if callable(given) else given)
     for name, overrides in (custom or {}).items():
         if name in ARMS or name in arms:
@@ -125,10 +131,10 @@ def run_grid(grid: RetentionGrid, train: list[str] | None, log: Path) -> list[di
             for seed in grid.seeds:
                 overrides = run_overrides(grid, size, arm, seed)
                 run_dir = grid.out / f"{size}-{arm}-seed{seed}"
-                if not finished(run_dir, grid.steps) and train is None:
-                    print(f"not finished, left out: {run_dir.name}", flush=True)
-                    continue
                 if not finished(run_dir, grid.steps):
+                    if train is None:
+                        print(f"not finished, left out: {run_dir.name}", flush=True)
+                        continue
                     print(f"train {run_dir.name} ...", flush=True)
                     run([*train, "-m", "cplm_dist.train", "--config", grid.base_config, *overrides, "--resume", "auto"], log)
                 runs.append({"size": size, "arm": arm, "seed": seed, **curves_of(run_dir)})
@@ -172,7 +178,6 @@ METRICS = {  # name -> run -> figure, compared arm minus reference
     "copy pointer": lambda r: retrieval(r, name="copy_pointer_accuracy"),
     "copy share": lambda r: retrieval(r, name="copy_share"),
 }
-MARGIN = 0.01  # one seed: an accuracy gain above this, and a validation loss no worse than this, count
 
 
 def mean_curve(runs: list[dict], name: str) -> list[tuple[int, float]]:
