@@ -97,6 +97,15 @@ def test_gradients_are_finite_through_empty_rows(mix):
     assert h.grad.abs().sum() > 0
 
 
+@pytest.mark.parametrize("mix", ["joint", "sentinel"])
+def test_a_detached_gate_needs_a_gate_of_h(mix):
+    from cplm_dist.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=rf"^copy\.gate_detach=true needs a gate read from h .* not copy\.mix={mix}:"):
+        CopyHead(ModelConfig(hidden_size=D), CopyConfig(mix=mix, gate_detach=True))
+    assert CopyHead(ModelConfig(hidden_size=D), CopyConfig(mix="joint_gate", gate_detach=True)).gate_detach
+
+
 def test_masked_logsumexp_empty_rows_have_zero_gradient():
     x = torch.randn(3, 5, requires_grad=True)
     mask = torch.tensor([[True] * 5, [False] * 5, [True, False, True, False, False]])

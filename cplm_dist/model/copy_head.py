@@ -87,6 +87,9 @@ class CopyHead(torch.nn.Module):
         self.rope_scaling = getattr(model_cfg, "rope_scaling", None)  # the backbone's (context extension)
         self.shift = -1 if cfg.paste == "next" else 0  # C_t = {j <= t + shift}: next j < t, self j <= t
         self.mix = MIXES[cfg.mix]
+        if cfg.gate_detach and self.mix.gate != "hidden":
+            raise ConfigError(f"copy.gate_detach=true needs a gate read from h (copy.mix gate or joint_gate), not "
+                              f"copy.mix={cfg.mix}: set copy.gate_detach=false or change the mix")
         self.gate_detach = cfg.gate_detach  # the gate's input detached from the trunk
         self.average_heads = self.mix.average_heads  # each head its own copy distribution, averaged; else pooled
         width = cfg.num_heads * cfg.head_dim

@@ -25,8 +25,9 @@ CopyHead.lse_path) computes each log-sum-exp as the LSE of one FlexAttention cal
 M_t with the mask j in C_t and src_j = y_t, evaluated inside the kernel from the ids.
 FlexAttention's backward takes the gradient of its LSE, so the kernel's own recomputing backward
 gives dq and dk; no (T, T) tensor exists. The attention output the kernel also makes is of zero
-values `FLEX_VALUE_DIM` wide and is never read. On CPU FlexAttention runs forward only, unfused (torch 2.13 refuses its backward there and cannot compile it with the
-LSE), so training on CPU takes the chunked path.
+values `FLEX_VALUE_DIM` wide and is never read. On CPU FlexAttention runs forward only, unfused
+(torch 2.13 refuses its backward there and cannot compile it with the LSE), so training on CPU
+takes the chunked path.
 
 All take an `offset`: the queries are positions offset .. offset + Tq - 1 of a sequence whose
 keys are positions 0 .. Tk - 1 (a sequence-parallel rank's own rows against every key), and

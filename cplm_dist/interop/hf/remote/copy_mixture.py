@@ -206,10 +206,10 @@ class CopyMixtureMixin:
 
     def _mix_weights(self, lse, copy_all, gate):
         has = torch.isfinite(copy_all)
-        if self.config.copy_mix == "joint_gate":  # the gate over the joint mix's evidence
-            gate = gate + lse - torch.where(has, copy_all, torch.zeros_like(copy_all))
         if self.config.copy_mix in ("gate", "joint_gate"):
             safe_all = torch.where(has, copy_all, torch.zeros_like(copy_all))
+            if self.config.copy_mix == "joint_gate":  # the gate over the joint mix's evidence
+                gate = gate + lse - safe_all
             return (torch.where(has, F.logsigmoid(gate), torch.zeros_like(gate)),
                     torch.where(has, F.logsigmoid(-gate) - safe_all, torch.full_like(gate, NEG_INF)))
         if self.config.copy_mix == "joint":
